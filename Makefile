@@ -1,0 +1,53 @@
+# haiku_state: `make train EXP=resnet` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EXP ?= resnet
+WORKDIR ?= runs/$(EXP)
+DEVICES ?= 2
+ARGS ?=
+# Test processes: each simulates 4 CPU devices.
+TEST_WORKERS ?= 2
+
+.PHONY: install test train eval bench bench-quick bench-plot lint format clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+
+train: install
+	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+		--cpu_devices=$(DEVICES) $(ARGS)
+
+eval: install
+	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+		--cpu_devices=$(DEVICES) --mode=eval $(ARGS)
+
+bench: install
+	$(PY) -m benchmarks.run $(ARGS)
+
+bench-quick: install
+	$(PY) -m benchmarks.run --quick $(ARGS)
+
+bench-plot: install
+	$(PY) -m benchmarks.plot $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check haiku_state experiments tests benchmarks
+	$(VENV)/bin/ruff format --check haiku_state experiments tests benchmarks
+
+format: install
+	$(VENV)/bin/ruff format haiku_state experiments tests benchmarks
+	$(VENV)/bin/ruff check --fix haiku_state experiments tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,427 @@
+"""The input pipeline: datasets held in host memory, batch iterators, on-device augmentation.
+
+Nothing here touches the network. `digits` ships inside scikit-learn, `cifar10` is
+read from a `cifar-10-batches-py` folder already on disk, and `synthetic` is made
+from a seed.
+
+Batch order is a pure function of `(seed, step)`: the shuffle of each epoch comes
+from `(seed, epoch)` alone, so a run resumed at step `k` sees exactly the batches an
+uninterrupted run would have seen from step `k` on, without replaying the earlier ones.
+
+Host batches are numpy dicts `{"image": [B, H, W, C] float32, "label": [B] int32}`;
+`prefetch_to_device` shards them onto the local devices in a background thread.
+Augmentation runs on device, inside the pmapped step, on each device's shard.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from haiku_state.replication import DEFAULT_AXIS_NAME, shard
+
+Batch = dict[str, Any]
+
+DATASETS = ("digits", "cifar10", "synthetic")
+
+DIGITS_NUM_TEST = 360
+CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR10_TEST_FILE = "test_batch"
+# Per-channel (RGB) mean and std of the 50,000 CIFAR-10 training images, pixels in [0, 1].
+CIFAR10_MEAN = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32)
+CIFAR10_STD = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32)
+
+
+class Split(NamedTuple):
+    """One split of a dataset, held in host memory.
+
+    Attributes:
+      images: float32 `[N, H, W, C]`, already normalised.
+      labels: int32 `[N]`.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+
+
+class Dataset(NamedTuple):
+    """A train and a test split, with what a model needs to know about them."""
+
+    train: Split
+    test: Split
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    name: str
+
+
+def load_dataset(
+    name: str,
+    *,
+    data_dir: str | None = None,
+    image_shape: tuple[int, int, int] = (32, 32, 3),
+    num_classes: int = 10,
+    num_train: int = 1024,
+    num_test: int = 256,
+    seed: int = 0,
+) -> Dataset:
+    """Loads a dataset into host memory, normalised and ready to batch.
+
+    Args:
+      name: one of `DATASETS`.
+      data_dir: for `cifar10`, the `cifar-10-batches-py` folder itself. Unused otherwise.
+      image_shape: for `synthetic`, the `(H, W, C)` of every image.
+      num_classes: for `synthetic`, labels are drawn from `[0, num_classes)`.
+      num_train: for `synthetic`, the number of training examples.
+      num_test: for `synthetic`, the number of test examples.
+      seed: for `synthetic`, the seed of the images and labels. The `digits` split
+        is fixed and does not depend on it, so runs with different seeds are
+        evaluated on the same test set.
+
+    Returns:
+      The dataset.
+
+    Raises:
+      ValueError: if `name` is not one of `DATASETS`, or `cifar10` is asked for
+        without a `data_dir`.
+      FileNotFoundError: if the CIFAR-10 folder or one of its files is missing.
+    """
+    if name == "digits":
+        return _load_digits()
+    if name == "cifar10":
+        if data_dir is None:
+            raise ValueError(
+                "load_dataset('cifar10') needs data_dir: the path of the "
+                "'cifar-10-batches-py' folder (nothing is ever downloaded)."
+            )
+        return _load_cifar10(data_dir)
+    if name == "synthetic":
+        return _make_synthetic(image_shape, num_classes, num_train, num_test, seed)
+    raise ValueError(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
+
+
+def _load_digits() -> Dataset:
+    """The 1,797 8x8 scikit-learn digits, 360 held out by a permutation fixed by seed 0.
+
+    Pixels (0..16) are scaled to [0, 1], then standardised with the scalar mean and
+    std of the training split, so the test split sees the training statistics only.
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[..., None]
+    labels = digits.target.astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(labels))
+    test_index, train_index = order[:DIGITS_NUM_TEST], order[DIGITS_NUM_TEST:]
+    mean, std = images[train_index].mean(), images[train_index].std()
+    images = (images - mean) / std
+    return Dataset(
+        train=Split(images[train_index], labels[train_index]),
+        test=Split(images[test_index], labels[test_index]),
+        num_classes=10,
+        image_shape=(8, 8, 1),
+        name="digits",
+    )
+
+
+def _load_cifar10(data_dir: str) -> Dataset:
+    """CIFAR-10 from the python-pickle release, normalised per channel.
+
+    The normalisation uses the standard CIFAR-10 training-set mean and std
+    (`CIFAR10_MEAN`, `CIFAR10_STD`) rather than statistics of the files read, so
+    the same pixel always maps to the same value whatever subset is on disk.
+    """
+    expected = CIFAR10_TRAIN_FILES + (CIFAR10_TEST_FILE,)
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(
+            f"CIFAR-10 folder {data_dir!r} does not exist. Expected the 'cifar-10-batches-py' "
+            f"folder of the python release, holding the files {', '.join(expected)}."
+        )
+    missing = [f for f in expected if not os.path.isfile(os.path.join(data_dir, f))]
+    if missing:
+        raise FileNotFoundError(
+            f"CIFAR-10 folder {data_dir!r} lacks {', '.join(missing)}; it must hold all of "
+            f"{', '.join(expected)}."
+        )
+    train = _read_cifar10_batches([os.path.join(data_dir, f) for f in CIFAR10_TRAIN_FILES])
+    test = _read_cifar10_batches([os.path.join(data_dir, CIFAR10_TEST_FILE)])
+    return Dataset(train=train, test=test, num_classes=10, image_shape=(32, 32, 3), name="cifar10")
+
+
+def _read_cifar10_batches(paths: list[str]) -> Split:
+    """Reads pickled CIFAR-10 batches: rows of 3072 uint8 in CHW order become NHWC float32."""
+    images, labels = [], []
+    for path in paths:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        labels.append(np.asarray(batch[b"labels"], dtype=np.int32))
+    nhwc = np.concatenate(images).transpose(0, 2, 3, 1).astype(np.float32)
+    normalised = (nhwc / 255.0 - CIFAR10_MEAN) / CIFAR10_STD
+    return Split(normalised.astype(np.float32), np.concatenate(labels))
+
+
+def _make_synthetic(
+    image_shape: tuple[int, int, int], num_classes: int, num_train: int, num_test: int, seed: int
+) -> Dataset:
+    """Standard-normal images with uniform random labels: for throughput, not accuracy."""
+    rng = np.random.default_rng(seed)
+
+    def split(num_examples: int) -> Split:
+        images = rng.standard_normal((num_examples, *image_shape), dtype=np.float32)
+        labels = rng.integers(0, num_classes, size=num_examples, dtype=np.int32)
+        return Split(images, labels)
+
+    train = split(num_train)
+    return Dataset(
+        train=train,
+        test=split(num_test),
+        num_classes=num_classes,
+        image_shape=tuple(image_shape),
+        name="synthetic",
+    )
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """The number of full batches in one epoch (the remainder is dropped)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}.")
+    return num_examples // batch_size
+
+
+def _num_examples(split: Split) -> int:
+    return len(split.labels)
+
+
+def train_batches(
+    split: Split, batch_size: int, *, seed: int, start_step: int = 0
+) -> Iterator[Batch]:
+    """An endless stream of shuffled training batches, resumable at any step.
+
+    Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(N)`,
+    in `N // batch_size` full batches (the remainder is dropped). Step `k` is batch
+    `k % steps_per_epoch` of epoch `k // steps_per_epoch`, so starting at
+    `start_step` computes only that epoch's permutation and nothing before it.
+
+    Args:
+      split: the examples to draw from.
+      batch_size: the global (host) batch size.
+      seed: fixes the shuffle of every epoch.
+      start_step: the first step to yield, e.g. the step a checkpoint was saved at.
+
+    Returns:
+      An iterator of `{"image": [B, H, W, C] float32, "label": [B] int32}`.
+
+    Raises:
+      ValueError: if `batch_size` is not in `[1, N]` or `start_step` is negative
+        (raised here, not at the first `next`).
+    """
+    num_examples = _num_examples(split)
+    if not 1 <= batch_size <= num_examples:
+        raise ValueError(
+            f"train_batches: batch_size={batch_size} must be between 1 and the "
+            f"{num_examples} examples of the split."
+        )
+    if start_step < 0:
+        raise ValueError(f"train_batches: start_step must be >= 0, got {start_step}.")
+    return _train_batches(split, batch_size, seed, start_step)
+
+
+def _train_batches(split: Split, batch_size: int, seed: int, start_step: int) -> Iterator[Batch]:
+    num_examples = _num_examples(split)
+    steps = steps_per_epoch(num_examples, batch_size)
+    epoch, first_step_in_epoch = divmod(start_step, steps)
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+        for step_in_epoch in range(first_step_in_epoch, steps):
+            index = order[step_in_epoch * batch_size : (step_in_epoch + 1) * batch_size]
+            yield {"image": split.images[index], "label": split.labels[index]}
+        epoch, first_step_in_epoch = epoch + 1, 0
+
+
+def eval_batches(split: Split, batch_size: int) -> Iterator[Batch]:
+    """One ordered pass over every example, in batches of exactly `batch_size`.
+
+    The last batch is padded by repeating the split's last example, so every batch
+    has the same shape (one compilation) and the batch splits evenly over devices.
+    `"mask"` is 1.0 for real examples and 0.0 for padding; weighting metrics by it
+    makes their average over the pass exact.
+
+    Args:
+      split: the examples to evaluate on.
+      batch_size: the global (host) batch size.
+
+    Returns:
+      An iterator of `{"image": [B, H, W, C] float32, "label": [B] int32,
+      "mask": [B] float32}`, `ceil(N / B)` batches long.
+
+    Raises:
+      ValueError: if `batch_size` is not positive (raised here, not at the first `next`).
+    """
+    if batch_size < 1:
+        raise ValueError(f"eval_batches: batch_size must be positive, got {batch_size}.")
+    return _eval_batches(split, batch_size)
+
+
+def _eval_batches(split: Split, batch_size: int) -> Iterator[Batch]:
+    num_examples = _num_examples(split)
+    for start in range(0, num_examples, batch_size):
+        positions = np.arange(start, start + batch_size)
+        is_real = positions < num_examples
+        index = np.minimum(positions, num_examples - 1)
+        yield {
+            "image": split.images[index],
+            "label": split.labels[index],
+            "mask": is_real.astype(np.float32),
+        }
+
+
+_END = object()
+
+
+def prefetch_to_device(
+    batches: Iterator[Batch], *, size: int = 2, axis_name: str = DEFAULT_AXIS_NAME
+) -> Iterator[Batch]:
+    """Shards upcoming host batches onto the local devices in a background thread.
+
+    While the devices run step `k`, the thread slices and transfers the batches of
+    the next steps, keeping up to `size` of them queued. Each yielded batch has
+    leaves `[local_devices, B // local_devices, ...]` laid out as `replication.shard`
+    lays them, ready for a pmapped step.
+
+    The result is a generator: it ends when `batches` ends, re-raises in the
+    consumer any exception the source or `shard` raised, and `close()` on it (or
+    its garbage collection) stops the thread, which polls a stop flag while it
+    waits on the full queue and is a daemon in any case.
+
+    Args:
+      batches: host batches, e.g. from `train_batches` or `eval_batches`.
+      size: how many device batches to keep ready.
+      axis_name: the pmap axis name the batches are sharded along.
+
+    Returns:
+      An iterator of device batches.
+    """
+    if size < 1:
+        raise ValueError(f"prefetch_to_device: size must be positive, got {size}.")
+    return _prefetch_to_device(iter(batches), size, axis_name)
+
+
+def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> Iterator[Batch]:
+    ready: queue.Queue = queue.Queue(maxsize=size)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if not put(shard(batch, axis_name)):
+                    return
+            put(_END)
+        except BaseException as error:  # Handed to the consumer, which re-raises it.
+            put(error)
+
+    thread = threading.Thread(target=produce, name="prefetch_to_device", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def random_shift(key: jax.Array, images: jax.Array, max_shift: int) -> jax.Array:
+    """Shifts each image by its own random offset of up to `max_shift` pixels per axis.
+
+    Each image is edge-padded by `max_shift` on both sides of H and W and cropped
+    back to `[H, W]` at an offset drawn uniformly from `[0, 2 * max_shift]` per axis.
+    Edge padding repeats the border pixels, so no value appears that the image
+    did not contain (a zero would be the mean pixel after normalisation, not a border).
+
+    Args:
+      key: a PRNG key; one per device when called inside a pmapped step.
+      images: `[b, H, W, C]`.
+      max_shift: the largest shift in pixels; 0 returns `images` unchanged.
+
+    Returns:
+      The shifted images, `[b, H, W, C]`.
+    """
+    if max_shift < 0:
+        raise ValueError(f"random_shift: max_shift must be >= 0, got {max_shift}.")
+    if max_shift == 0:
+        return images
+    batch, height, width, channels = images.shape
+    padding = ((0, 0), (max_shift, max_shift), (max_shift, max_shift), (0, 0))
+    padded = jnp.pad(images, padding, mode="edge")
+    offsets = jax.random.randint(key, (batch, 2), 0, 2 * max_shift + 1)
+
+    def crop(image: jax.Array, offset: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice(image, (offset[0], offset[1], 0), (height, width, channels))
+
+    return jax.vmap(crop)(padded, offsets)
+
+
+def random_flip(key: jax.Array, images: jax.Array) -> jax.Array:
+    """Mirrors each image left-right (along W) with probability 0.5, independently.
+
+    Args:
+      key: a PRNG key; one per device when called inside a pmapped step.
+      images: `[b, H, W, C]`.
+
+    Returns:
+      The images, some flipped, `[b, H, W, C]`.
+    """
+    flip = jax.random.bernoulli(key, 0.5, (images.shape[0],))
+    return jnp.where(flip[:, None, None, None], images[:, :, ::-1, :], images)
+
+
+def make_augment_fn(
+    *, max_shift: int = 0, flip: bool = False
+) -> Callable[[jax.Array, Batch], Batch] | None:
+    """Builds the per-device augmentation a training step applies to its shard.
+
+    Which augmentations suit a dataset is the experiment config's choice: digits,
+    for example, must not be flipped.
+
+    Args:
+      max_shift: passed to `random_shift`; 0 skips shifting.
+      flip: whether to apply `random_flip`.
+
+    Returns:
+      None when there is nothing to do, else `augment(key, batch) -> batch`, which
+      replaces `batch["image"]` by its augmented copy and leaves other leaves as
+      they are.
+    """
+    if max_shift < 0:
+        raise ValueError(f"make_augment_fn: max_shift must be >= 0, got {max_shift}.")
+    if not max_shift and not flip:
+        return None
+
+    def augment(key: jax.Array, batch: Batch) -> Batch:
+        shift_key, flip_key = jax.random.split(key)
+        images = random_shift(shift_key, batch["image"], max_shift)
+        if flip:
+            images = random_flip(flip_key, images)
+        return {**batch, "image": images}
+
+    return augment

@@ -1,0 +1,44 @@
+"""Loss functions with the Updater's signature `(outputs, batch) -> (loss, metrics)`."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from haiku_state.updater import LossFn
+
+
+def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossFn:
+    """Softmax cross-entropy on `batch["label"]`, with accuracy as a metric.
+
+    Loss and accuracy are sums over the device's examples divided by the device
+    batch size. When the batch carries a `mask` (evaluation batches padded to a
+    full batch), padded examples count zero and the metrics gain `weight`, the
+    fraction of real examples: summing each metric over batches and dividing by
+    the summed weight gives the exact mean over the real examples.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
+
+    def loss_fn(
+        logits: jax.Array, batch: Mapping[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        labels = batch["label"]
+        logits = logits.astype(jnp.float32)
+        targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
+        per_example_loss = optax.softmax_cross_entropy(logits, targets)
+        correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+        batch_size = labels.shape[0]
+        if "mask" not in batch:
+            return jnp.mean(per_example_loss), {"accuracy": jnp.mean(correct)}
+        mask = batch["mask"].astype(jnp.float32)
+        metrics = {
+            "accuracy": jnp.sum(correct * mask) / batch_size,
+            "weight": jnp.mean(mask),
+        }
+        return jnp.sum(per_example_loss * mask) / batch_size, metrics
+
+    return loss_fn

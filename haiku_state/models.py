@@ -1,0 +1,189 @@
+"""The networks of the experiments, as Haiku modules, and their transformed forms.
+
+Every network maps `(batch, is_training) -> logits` and reads `batch["image"]`
+(NHWC). BatchNorm layers take `cross_replica_axis`: set to the Updater's axis
+name, the training-mode statistics are those of the global batch, so the result
+does not depend on how many devices the batch is split over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+MODELS = ("mlp", "resnet", "resnet50")
+
+
+def _batch_norm(cross_replica_axis: str | None, decay_rate: float, **kwargs) -> hk.BatchNorm:
+    return hk.BatchNorm(
+        create_scale=True,
+        create_offset=True,
+        decay_rate=decay_rate,
+        cross_replica_axis=cross_replica_axis,
+        **kwargs,
+    )
+
+
+class MLP(hk.Module):
+    """Linear -> BatchNorm -> ReLU -> Dropout blocks, then a linear classifier."""
+
+    def __init__(
+        self,
+        num_classes: int,
+        hidden_sizes: Sequence[int] = (256, 256),
+        dropout_rate: float = 0.1,
+        cross_replica_axis: str | None = None,
+        bn_decay_rate: float = 0.9,
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        self._num_classes = num_classes
+        self._hidden_sizes = tuple(hidden_sizes)
+        self._dropout_rate = dropout_rate
+        self._cross_replica_axis = cross_replica_axis
+        self._bn_decay_rate = bn_decay_rate
+
+    def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
+        x = hk.Flatten()(images)
+        for size in self._hidden_sizes:
+            x = hk.Linear(size)(x)
+            x = _batch_norm(self._cross_replica_axis, self._bn_decay_rate)(x, is_training)
+            x = jax.nn.relu(x)
+            if is_training and self._dropout_rate > 0:
+                x = hk.dropout(hk.next_rng_key(), self._dropout_rate, x)
+        return hk.Linear(self._num_classes)(x)
+
+
+class BasicBlock(hk.Module):
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34 block).
+
+    The last BatchNorm's scale starts at zero, so each block starts as the
+    identity: this makes large-learning-rate SGD stable from the first step.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        stride: int,
+        cross_replica_axis: str | None,
+        bn_decay_rate: float,
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        self._channels = channels
+        self._stride = stride
+        self._cross_replica_axis = cross_replica_axis
+        self._bn_decay_rate = bn_decay_rate
+
+    def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
+        def bn(**kwargs):
+            return _batch_norm(self._cross_replica_axis, self._bn_decay_rate, **kwargs)
+
+        shortcut = x
+        if self._stride != 1 or x.shape[-1] != self._channels:
+            shortcut = hk.Conv2D(self._channels, 1, stride=self._stride, with_bias=False)(x)
+            shortcut = bn()(shortcut, is_training)
+        y = hk.Conv2D(self._channels, 3, stride=self._stride, with_bias=False)(x)
+        y = jax.nn.relu(bn()(y, is_training))
+        y = hk.Conv2D(self._channels, 3, with_bias=False)(y)
+        y = bn(scale_init=jnp.zeros)(y, is_training)
+        return jax.nn.relu(y + shortcut)
+
+
+class SmallImageResNet(hk.Module):
+    """A ResNet-18-shaped network for small images (8x8 digits, 32x32 CIFAR).
+
+    The ImageNet stem (7x7 stride-2 convolution and max-pool) would shrink an
+    8x8 image to 2x2 before the first block; this stem is one 3x3 stride-1
+    convolution, and the stages halve the resolution from the second on.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        width: int = 16,
+        blocks_per_stage: Sequence[int] = (2, 2, 2, 2),
+        cross_replica_axis: str | None = None,
+        bn_decay_rate: float = 0.9,
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        self._num_classes = num_classes
+        self._width = width
+        self._blocks_per_stage = tuple(blocks_per_stage)
+        self._cross_replica_axis = cross_replica_axis
+        self._bn_decay_rate = bn_decay_rate
+
+    def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
+        x = hk.Conv2D(self._width, 3, with_bias=False, name="stem_conv")(images)
+        x = _batch_norm(self._cross_replica_axis, self._bn_decay_rate, name="stem_bn")(
+            x, is_training
+        )
+        x = jax.nn.relu(x)
+        for stage, num_blocks in enumerate(self._blocks_per_stage):
+            channels = self._width * 2**stage
+            for block in range(num_blocks):
+                stride = 2 if stage > 0 and block == 0 else 1
+                x = BasicBlock(
+                    channels,
+                    stride,
+                    self._cross_replica_axis,
+                    self._bn_decay_rate,
+                    name=f"stage{stage}_block{block}",
+                )(x, is_training)
+        x = jnp.mean(x, axis=(1, 2))
+        return hk.Linear(self._num_classes, w_init=jnp.zeros, name="logits")(x)
+
+
+def make_network(
+    name: str,
+    num_classes: int,
+    *,
+    cross_replica_axis: str | None = None,
+    **model_kwargs: Any,
+) -> hk.TransformedWithState:
+    """Transforms the named network into `init`/`apply` with params and state.
+
+    Args:
+      name: one of `MODELS`.
+      num_classes: size of the logits.
+      cross_replica_axis: the pmap axis name for BatchNorm statistics, or None
+        for per-device statistics.
+      **model_kwargs: the module's own options (`hidden_sizes`, `width`, ...).
+
+    Raises:
+      ValueError: for an unknown name or an option the module does not take.
+    """
+    if name not in MODELS:
+        raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
+    allowed = {
+        "mlp": {"hidden_sizes", "dropout_rate", "bn_decay_rate"},
+        "resnet": {"width", "blocks_per_stage", "bn_decay_rate"},
+        "resnet50": {"bn_decay_rate"},
+    }[name]
+    unknown = sorted(set(model_kwargs) - allowed)
+    if unknown:
+        raise ValueError(
+            f"Model {name!r} does not take {unknown}; its options are {sorted(allowed)}."
+        )
+
+    def forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
+        images = batch["image"]
+        if name == "mlp":
+            net = MLP(num_classes, cross_replica_axis=cross_replica_axis, **model_kwargs)
+        elif name == "resnet":
+            net = SmallImageResNet(
+                num_classes, cross_replica_axis=cross_replica_axis, **model_kwargs
+            )
+        else:
+            bn_config = {
+                "decay_rate": model_kwargs.get("bn_decay_rate", 0.9),
+                "cross_replica_axis": cross_replica_axis,
+            }
+            net = hk.nets.ResNet50(num_classes, bn_config=bn_config)
+        return net(images, is_training)
+
+    return hk.transform_with_state(forward)

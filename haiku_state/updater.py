@@ -1,0 +1,254 @@
+"""The Updater: one data-parallel training step over Haiku params and state.
+
+A `TrainState` holds everything that changes during training. Every leaf has a
+leading axis of `jax.local_device_count()`: `params`, `state` and `opt_state`
+are identical across that axis, `rng` holds one distinct PRNG key per device and
+`step` the (identical) step count.
+
+The step is a pure function `(train_state, batch) -> (train_state, metrics)`
+wrapped once in `jax.pmap` with the train state's buffers donated:
+
+* each device splits its own key, so dropout masks and augmentations differ
+  across devices and are fresh every step;
+* gradients are averaged with `lax.pmean`;
+* the floating leaves of the Haiku state (BatchNorm moving averages) are
+  averaged with `lax.pmean` after every step, so the replicas stay identical
+  whatever the model does. Models that should see global-batch statistics in
+  the forward pass build their BatchNorm with `cross_replica_axis=axis_name`;
+  then the averaging is a no-op numerically, and a step on N devices equals a
+  step on one device with the same global batch. Integer leaves (BatchNorm's
+  `counter`) are identical anyway and are kept as they are: averaging would
+  turn them into floats.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from haiku_state import replication
+
+Batch = Mapping[str, Any]
+Metrics = dict[str, jax.Array]
+LossFn = Callable[[Any, Batch], tuple[jax.Array, Mapping[str, jax.Array]]]
+AugmentFn = Callable[[jax.Array, Batch], Batch]
+
+
+class TrainState(NamedTuple):
+    """Everything a training run carries from one step to the next.
+
+    Every leaf has a leading axis of `jax.local_device_count()`.
+    """
+
+    params: hk.Params
+    state: hk.State
+    opt_state: optax.OptState
+    rng: jax.Array  # typed PRNG keys, one distinct key per device: shape [devices]
+    step: jax.Array  # int32 [devices]
+
+
+def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0) -> jax.Array:
+    """One key per device: `fold_in(seed_key, global_device_index)`.
+
+    Depending only on the seed key and the global index of the device, the keys
+    are the same whether N devices sit in one process or several.
+    """
+    indices = jnp.arange(first_index, first_index + num_devices, dtype=jnp.uint32)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(seed_key, indices)
+
+
+def _as_typed_key(key: jax.Array) -> jax.Array:
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)
+
+
+def _pmean_floating(tree: Any, axis_name: str) -> Any:
+    """Averages floating leaves across devices; integer leaves pass through."""
+
+    def mean_if_floating(x):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.lax.pmean(x, axis_name)
+        return x
+
+    return jax.tree.map(mean_if_floating, tree)
+
+
+class Updater:
+    """Initialises and updates a `TrainState` with a pmapped step.
+
+    Args:
+      forward: `hk.transform_with_state` of `f(batch, is_training) -> outputs`.
+      optimizer: the optax transformation applied to the averaged gradients.
+      loss_fn: `loss_fn(outputs, batch) -> (scalar loss, dict of scalar metrics)`,
+        evaluated on each device's shard of the batch.
+      axis_name: the pmap axis; BatchNorm's `cross_replica_axis` must match it.
+      augment_fn: optional `(key, batch) -> batch`, run on device at the start of
+        every training step with a per-device key (not during evaluation).
+      check_finite: if True, `update` waits for every step's loss and raises
+        `FloatingPointError` naming the step when it is not finite. That is a
+        host sync per step: a debugging aid, off by default.
+    """
+
+    def __init__(
+        self,
+        forward: hk.TransformedWithState,
+        optimizer: optax.GradientTransformation,
+        loss_fn: LossFn,
+        *,
+        axis_name: str = replication.DEFAULT_AXIS_NAME,
+        augment_fn: AugmentFn | None = None,
+        check_finite: bool = False,
+    ):
+        self._forward = forward
+        self._optimizer = optimizer
+        self._loss_fn = loss_fn
+        self._axis_name = axis_name
+        self._augment_fn = augment_fn
+        self._check_finite = check_finite
+        self._init_pmap = jax.pmap(self._init_per_device, axis_name=axis_name)
+        self._update_pmap = jax.pmap(
+            self._update_per_device, axis_name=axis_name, donate_argnums=(0,), out_axes=(0, None)
+        )
+        self._evaluate_pmap = jax.pmap(
+            self._evaluate_per_device, axis_name=axis_name, out_axes=None
+        )
+
+    @property
+    def axis_name(self) -> str:
+        return self._axis_name
+
+    def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
+        """Builds the initial, replicated `TrainState`.
+
+        Args:
+          seed: an int or a PRNG key (typed or raw). An `hk.PRNGSequence` of it
+            gives the key that initialises the params (the same on every device)
+            and the key from which the per-device keys are folded.
+          batch: a device-sharded batch (leaves `[local_devices, per_device, ...]`);
+            only its shapes and dtypes matter.
+        """
+        self._check_batch(batch, "init")
+        sequence = hk.PRNGSequence(seed)
+        init_key = _as_typed_key(next(sequence))
+        device_seed_key = _as_typed_key(next(sequence))
+        num_devices = jax.local_device_count()
+        rng = per_device_keys(device_seed_key, num_devices, jax.process_index() * num_devices)
+        rng = jax.device_put(rng, replication.device_axis_sharding(self._axis_name))
+        init_keys = replication.replicate(init_key, self._axis_name)
+        params, state, opt_state = self._init_pmap(init_keys, batch)
+        step = jax.device_put(
+            np.zeros((num_devices,), np.int32), replication.device_axis_sharding(self._axis_name)
+        )
+        return TrainState(params, state, opt_state, rng, step)
+
+    def update(self, train_state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        """One training step. `train_state`'s buffers are donated: use the result.
+
+        Returns:
+          The new train state, and `metrics` (`loss` plus the loss_fn metrics,
+          averaged over devices) as scalars without a device axis.
+        """
+        self._check_train_state(train_state, "update")
+        self._check_batch(batch, "update")
+        if not self._check_finite:
+            return self._update_pmap(train_state, batch)
+        step = int(jax.device_get(train_state.step.addressable_data(0))[0])
+        new_state, metrics = self._update_pmap(train_state, batch)
+        loss = float(metrics["loss"])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"Non-finite loss {loss} at step {step}.")
+        return new_state, metrics
+
+    def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
+        """The loss and metrics with `is_training=False`; the state is untouched."""
+        self._check_train_state(train_state, "evaluate")
+        self._check_batch(batch, "evaluate")
+        return self._evaluate_pmap(train_state, batch)
+
+    def _init_per_device(self, init_key, batch):
+        params, state = self._forward.init(init_key, batch, is_training=True)
+        # Averaging makes replicas identical even for data-dependent initialisers.
+        state = _pmean_floating(state, self._axis_name)
+        opt_state = self._optimizer.init(params)
+        return params, state, opt_state
+
+    def _loss(self, params, state, key, batch):
+        outputs, new_state = self._forward.apply(params, state, key, batch, is_training=True)
+        loss, metrics = self._checked_loss(outputs, batch)
+        return loss, (new_state, metrics)
+
+    def _checked_loss(self, outputs, batch):
+        loss, metrics = self._loss_fn(outputs, batch)
+        if jnp.shape(loss) != ():
+            raise ValueError(
+                f"loss_fn must return a scalar loss; got shape {jnp.shape(loss)}. Reduce it "
+                "over the per-device batch (e.g. with jnp.mean)."
+            )
+        for name, value in metrics.items():
+            if jnp.shape(value) != ():
+                raise ValueError(
+                    f"loss_fn metric {name!r} must be a scalar; got shape {jnp.shape(value)}."
+                )
+        return loss, metrics
+
+    def _update_per_device(self, train_state: TrainState, batch):
+        params, state, opt_state, rng, step = train_state
+        rng, step_key = jax.random.split(rng)
+        augment_key, apply_key = jax.random.split(step_key)
+        if self._augment_fn is not None:
+            batch = self._augment_fn(augment_key, batch)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        (loss, (state, metrics)), grads = grad_fn(params, state, apply_key, batch)
+        grads = jax.lax.pmean(grads, self._axis_name)
+        state = _pmean_floating(state, self._axis_name)
+        updates, opt_state = self._optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = jax.lax.pmean({"loss": loss, **metrics}, self._axis_name)
+        return TrainState(params, state, opt_state, rng, step + 1), metrics
+
+    def _evaluate_per_device(self, train_state: TrainState, batch):
+        outputs, _ = self._forward.apply(
+            train_state.params, train_state.state, train_state.rng, batch, is_training=False
+        )
+        loss, metrics = self._checked_loss(outputs, batch)
+        return jax.lax.pmean({"loss": loss, **metrics}, self._axis_name)
+
+    def _check_train_state(self, train_state: Any, where: str) -> None:
+        if not isinstance(train_state, TrainState):
+            raise TypeError(f"{where}: expected a TrainState, got {type(train_state).__name__}.")
+        expected = (jax.local_device_count(),)
+        if np.shape(train_state.step) != expected:
+            raise ValueError(
+                f"{where}: train_state.step has shape {np.shape(train_state.step)}, expected "
+                f"{expected}: a replicated TrainState from Updater.init (or a restored one)."
+            )
+
+    def _check_batch(self, batch: Batch, where: str) -> None:
+        """Rejects batches pmap would fail on, with a message naming the leaf."""
+        num_devices = jax.local_device_count()
+        leaves = jax.tree_util.tree_leaves_with_path(batch)
+        if not leaves:
+            raise ValueError(f"{where}: the batch has no arrays.")
+        per_device_sizes = {}
+        for path, leaf in leaves:
+            name = jax.tree_util.keystr(path)
+            shape = np.shape(leaf)
+            if len(shape) < 2 or shape[0] != num_devices:
+                raise ValueError(
+                    f"{where}: batch leaf {name} has shape {shape}; expected "
+                    f"[local_devices={num_devices}, per_device_batch, ...]. Use hs.shard() "
+                    "to split a host batch over the devices."
+                )
+            per_device_sizes[name] = shape[1]
+        if len(set(per_device_sizes.values())) > 1:
+            raise ValueError(
+                f"{where}: batch leaves disagree on the per-device batch size: "
+                f"{per_device_sizes}."
+            )
