@@ -165,7 +165,7 @@ def _read_cifar10_batches(paths: list[str]) -> Split:
         labels.append(np.asarray(batch[b"labels"], dtype=np.int32))
     nhwc = np.concatenate(images).transpose(0, 2, 3, 1).astype(np.float32)
     normalised = (nhwc / 255.0 - CIFAR10_MEAN) / CIFAR10_STD
-    return Split(normalised.astype(np.float32), np.concatenate(labels))
+    return Split(normalised.astype(np.float32, copy=False), np.concatenate(labels))
 
 
 def _make_synthetic(
@@ -196,10 +196,6 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
     return num_examples // batch_size
 
 
-def _num_examples(split: Split) -> int:
-    return len(split.labels)
-
-
 def train_batches(
     split: Split, batch_size: int, *, seed: int, start_step: int = 0
 ) -> Iterator[Batch]:
@@ -223,7 +219,7 @@ def train_batches(
       ValueError: if `batch_size` is not in `[1, N]` or `start_step` is negative
         (raised here, not at the first `next`).
     """
-    num_examples = _num_examples(split)
+    num_examples = len(split.labels)
     if not 1 <= batch_size <= num_examples:
         raise ValueError(
             f"train_batches: batch_size={batch_size} must be between 1 and the "
@@ -235,7 +231,7 @@ def train_batches(
 
 
 def _train_batches(split: Split, batch_size: int, seed: int, start_step: int) -> Iterator[Batch]:
-    num_examples = _num_examples(split)
+    num_examples = len(split.labels)
     steps = steps_per_epoch(num_examples, batch_size)
     epoch, first_step_in_epoch = divmod(start_step, steps)
     while True:
@@ -271,7 +267,7 @@ def eval_batches(split: Split, batch_size: int) -> Iterator[Batch]:
 
 
 def _eval_batches(split: Split, batch_size: int) -> Iterator[Batch]:
-    num_examples = _num_examples(split)
+    num_examples = len(split.labels)
     for start in range(0, num_examples, batch_size):
         positions = np.arange(start, start + batch_size)
         is_real = positions < num_examples

@@ -165,7 +165,7 @@ def test_synthetic_is_determined_by_its_seed():
     assert first.train.labels.dtype == np.int32
     assert first.image_shape == (4, 5, 2) and first.num_classes == 3
     assert first.train.labels.min() >= 0 and first.train.labels.max() < 3
-    for a, b in zip(first.train + first.test, again.train + again.test):
+    for a, b in zip(first.train + first.test, again.train + again.test, strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(first.train.images, other.train.images)
 
@@ -190,10 +190,12 @@ def test_train_batches_same_seed_same_order_other_seed_other_order():
     first = _take(data.train_batches(split, 3, seed=7), 6)
     again = _take(data.train_batches(split, 3, seed=7), 6)
     other = _take(data.train_batches(split, 3, seed=8), 6)
-    for a, b in zip(first, again):
+    for a, b in zip(first, again, strict=True):
         np.testing.assert_array_equal(a["label"], b["label"])
         np.testing.assert_array_equal(a["image"], b["image"])
-    assert any(not np.array_equal(a["label"], b["label"]) for a, b in zip(first, other))
+    assert any(
+        not np.array_equal(a["label"], b["label"]) for a, b in zip(first, other, strict=True)
+    )
 
 
 def test_train_batches_shapes_dtypes_and_pairing():
@@ -226,7 +228,7 @@ def test_train_batches_resume_at_a_step_as_if_never_interrupted(start_step):
     split = _toy_split(10)  # 3 steps per epoch: start steps 3 and 5, 7 cross epoch boundaries.
     uninterrupted = _take(data.train_batches(split, 3, seed=4), start_step + 6)[start_step:]
     resumed = _take(data.train_batches(split, 3, seed=4, start_step=start_step), 6)
-    for a, b in zip(uninterrupted, resumed):
+    for a, b in zip(uninterrupted, resumed, strict=True):
         np.testing.assert_array_equal(a["label"], b["label"])
         np.testing.assert_array_equal(a["image"], b["image"])
 
@@ -275,7 +277,7 @@ def test_prefetch_to_device_yields_sharded_copies_of_the_host_batches():
     host_batches = list(data.eval_batches(split, 8))
     device_batches = list(data.prefetch_to_device(iter(host_batches), size=2))
     assert len(device_batches) == len(host_batches)
-    for host, device in zip(host_batches, device_batches):
+    for host, device in zip(host_batches, device_batches, strict=True):
         assert set(device) == set(host)
         for name, leaf in device.items():
             assert isinstance(leaf, jax.Array)
@@ -360,7 +362,7 @@ def test_random_flip_mirrors_along_the_width():
     mirror = images[0, :, ::-1, :]
     is_flipped = [np.array_equal(example, mirror) for example in flipped]
     is_kept = [np.array_equal(example, images[0]) for example in flipped]
-    assert all(f or k for f, k in zip(is_flipped, is_kept))
+    assert all(f or k for f, k in zip(is_flipped, is_kept, strict=True))
     assert any(is_flipped) and any(is_kept)
 
 

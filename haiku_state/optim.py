@@ -1,0 +1,64 @@
+"""Optimizers and learning-rate schedules built from an experiment config."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import optax
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "warmup_cosine")
+
+
+def _decay_mask(params: Any) -> Any:
+    """Weight decay on weight matrices and kernels; not on biases or BatchNorm."""
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def learning_rate_schedule(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:
+    """The schedule named by `config["schedule"]`, over `total_steps` steps."""
+    schedule = config["schedule"]
+    peak = config["learning_rate"]
+    if schedule == "constant":
+        return optax.constant_schedule(peak)
+    if schedule == "warmup_cosine":
+        warmup_steps = config["warmup_steps"]
+        if not 0 <= warmup_steps < total_steps:
+            raise ValueError(
+                f"optimizer.warmup_steps={warmup_steps} must be in [0, steps={total_steps})."
+            )
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=peak,
+            warmup_steps=warmup_steps,
+            decay_steps=total_steps,
+            end_value=0.0,
+        )
+    raise ValueError(f"Unknown optimizer.schedule {schedule!r}; expected one of {SCHEDULES}.")
+
+
+def make_optimizer(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransformation:
+    """The optax transformation described by an experiment's `optimizer` config.
+
+    Args:
+      config: `name` (one of `OPTIMIZERS`), `learning_rate`, `schedule`,
+        `warmup_steps`, `weight_decay`, `momentum` (sgd), `nesterov` (sgd).
+      total_steps: the run's length, for the schedule.
+    """
+    name = config["name"]
+    if name not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer.name {name!r}; expected one of {OPTIMIZERS}.")
+    learning_rate = learning_rate_schedule(config, total_steps)
+    weight_decay = config["weight_decay"]
+    if name == "adamw":
+        return optax.adamw(learning_rate, weight_decay=weight_decay, mask=_decay_mask)
+    if name == "adam":
+        optimizer = optax.adam(learning_rate)
+    else:
+        optimizer = optax.sgd(learning_rate, momentum=config["momentum"] or None,
+                              nesterov=config["nesterov"])
+    if weight_decay:
+        # Coupled (L2) decay, as in the ResNet papers: added to the gradient.
+        optimizer = optax.chain(optax.add_decayed_weights(weight_decay, mask=_decay_mask), optimizer)
+    return optimizer
