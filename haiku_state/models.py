@@ -8,13 +8,17 @@ does not depend on how many devices the batch is split over.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import jmp
 
 MODELS = ("mlp", "resnet", "resnet50")
+PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def _batch_norm(cross_replica_axis: str | None, decay_rate: float, **kwargs) -> hk.BatchNorm:
@@ -143,6 +147,7 @@ def make_network(
     num_classes: int,
     *,
     cross_replica_axis: str | None = None,
+    precision: str = "float32",
     **model_kwargs: Any,
 ) -> hk.TransformedWithState:
     """Transforms the named network into `init`/`apply` with params and state.
@@ -152,13 +157,20 @@ def make_network(
       num_classes: size of the logits.
       cross_replica_axis: the pmap axis name for BatchNorm statistics, or None
         for per-device statistics.
+      precision: `float32`, or a half type to compute in (`bfloat16`, `float16`)
+        with `hk.mixed_precision` policies: params stay float32, the network
+        computes in half and returns float32 logits, and BatchNorm computes and
+        keeps its statistics in float32 (its output is cast back to half).
+        float16 needs loss scaling in the Updater; bfloat16 does not.
       **model_kwargs: the module's own options (`hidden_sizes`, `width`, ...).
 
     Raises:
-      ValueError: for an unknown name or an option the module does not take.
+      ValueError: for an unknown name, precision or an option the module does not take.
     """
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown precision {precision!r}; expected one of {PRECISIONS}.")
     allowed = {
         "mlp": {"hidden_sizes", "dropout_rate", "bn_decay_rate"},
         "resnet": {"width", "blocks_per_stage", "bn_decay_rate"},
@@ -170,20 +182,29 @@ def make_network(
             f"Model {name!r} does not take {unknown}; its options are {sorted(allowed)}."
         )
 
-    def forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
-        images = batch["image"]
-        if name == "mlp":
-            net = MLP(num_classes, cross_replica_axis=cross_replica_axis, **model_kwargs)
-        elif name == "resnet":
-            net = SmallImageResNet(
-                num_classes, cross_replica_axis=cross_replica_axis, **model_kwargs
-            )
-        else:
-            bn_config = {
+    network_class = {"mlp": MLP, "resnet": SmallImageResNet, "resnet50": hk.nets.ResNet50}[name]
+    if name == "resnet50":
+        model_kwargs = {
+            "bn_config": {
                 "decay_rate": model_kwargs.get("bn_decay_rate", 0.9),
                 "cross_replica_axis": cross_replica_axis,
             }
-            net = hk.nets.ResNet50(num_classes, bn_config=bn_config)
-        return net(images, is_training)
+        }
+    else:
+        model_kwargs = {"cross_replica_axis": cross_replica_axis, **model_kwargs}
+
+    def forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
+        with contextlib.ExitStack() as policies:
+            if precision != "float32":
+                policy = jmp.get_policy(f"params=float32,compute={precision},output=float32")
+                batch_norm_policy = jmp.get_policy(
+                    f"params=float32,compute=float32,output={precision}"
+                )
+                policies.enter_context(hk.mixed_precision.push_policy(network_class, policy))
+                policies.enter_context(
+                    hk.mixed_precision.push_policy(hk.BatchNorm, batch_norm_policy)
+                )
+            net = network_class(num_classes, **model_kwargs)
+            return net(batch["image"], is_training)
 
     return hk.transform_with_state(forward)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import optax
@@ -56,9 +57,12 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int) -> optax.Gradien
     if name == "adam":
         optimizer = optax.adam(learning_rate)
     else:
-        optimizer = optax.sgd(learning_rate, momentum=config["momentum"] or None,
-                              nesterov=config["nesterov"])
+        optimizer = optax.sgd(
+            learning_rate, momentum=config["momentum"] or None, nesterov=config["nesterov"]
+        )
     if weight_decay:
         # Coupled (L2) decay, as in the ResNet papers: added to the gradient.
-        optimizer = optax.chain(optax.add_decayed_weights(weight_decay, mask=_decay_mask), optimizer)
+        optimizer = optax.chain(
+            optax.add_decayed_weights(weight_decay, mask=_decay_mask), optimizer
+        )
     return optimizer

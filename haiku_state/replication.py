@@ -27,7 +27,7 @@ PyTree = Any
 DEFAULT_AXIS_NAME = "i"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def local_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
     """A one-axis mesh over this process's devices, as `jax.pmap` lays them out."""
     return Mesh(np.array(jax.local_devices()), (axis_name,))
@@ -113,20 +113,22 @@ def _leaf_bits(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _replica_mismatch(tree: PyTree) -> PyTree:
+def _replica_mismatch(leaves: list[jax.Array]) -> list[jax.Array]:
     """Per leaf, per device: does this replica differ bitwise from replica 0?"""
 
     def differs(x):
         bits = _leaf_bits(x)
         return jnp.any((bits != bits[:1]).reshape(bits.shape[0], -1), axis=1)
 
-    return jax.tree.map(differs, tree)
+    # A flat list: rebuilding custom pytree nodes (jmp loss scales) from booleans
+    # would trip their own checks.
+    return [differs(x) for x in leaves]
 
 
 def _device_axis_size(tree: PyTree, what: str) -> int:
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        raise ValueError(f"{what}: the tree has no leaves.")
+        return 0
     first = leaves[0]
     if not np.ndim(first):
         raise ValueError(f"{what}: leaves have no leading device axis.")
@@ -145,9 +147,11 @@ def assert_replicas_identical(tree: PyTree) -> None:
       AssertionError: naming the first leaf path whose replicas differ, the
         devices that differ from device 0, and chex's element-wise report.
     """
-    _device_axis_size(tree, "assert_replicas_identical")
-    mismatch = jax.device_get(jax.tree.leaves(_replica_mismatch(tree)))
-    for (path, leaf), differs in zip(jax.tree_util.tree_leaves_with_path(tree), mismatch):
+    if not _device_axis_size(tree, "assert_replicas_identical"):
+        return  # An empty tree (a stateless model's state) has nothing to differ.
+    leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
+    mismatch = jax.device_get(_replica_mismatch([leaf for _, leaf in leaves_with_paths]))
+    for (path, leaf), differs in zip(leaves_with_paths, mismatch, strict=True):
         if not np.any(differs):
             continue
         bad_devices = np.flatnonzero(differs).tolist()
@@ -177,9 +181,10 @@ def assert_keys_distinct(keys: jax.Array) -> None:
     Raises:
       AssertionError: naming the first pair of devices whose keys are equal.
     """
+    key_ndim = np.ndim(keys) if _is_key(keys) else np.ndim(keys) - 1
     data = jax.random.key_data(keys) if _is_key(keys) else keys
     data = np.asarray(jax.device_get(data))
-    if data.ndim < 1:
+    if key_ndim < 1:
         raise ValueError(
             f"assert_keys_distinct: expected keys with a leading device axis, got shape "
             f"{data.shape}."

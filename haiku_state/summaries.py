@@ -11,7 +11,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Mapping, TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from absl import logging
 
@@ -138,7 +139,9 @@ def plot_curves(workdir: str) -> str:
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for axis, metric in zip(axes, ("loss", "accuracy"), strict=True):
         for split, style in (("train", "-"), ("eval", "o-")):
-            points = [(r["step"], r[metric]) for r in records if r["split"] == split and metric in r]
+            points = [
+                (r["step"], r[metric]) for r in records if r["split"] == split and metric in r
+            ]
             if points:
                 steps, values = zip(*points, strict=True)
                 axis.plot(steps, values, style, label=split)

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import logging as std_logging
 import math
 import os
 import signal
 import sys
 import time
-from typing import Any, Iterator, Mapping, NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
 from absl import app, flags, logging
@@ -36,7 +39,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an experiment file defining get_config().", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval"], "Train, or evaluate the latest checkpoint.")
+_MODE = flags.DEFINE_enum(
+    "mode", "train", ["train", "eval"], "Train, or evaluate the latest checkpoint."
+)
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     None,
@@ -92,8 +97,15 @@ def validate_config(config: Any, num_devices: int) -> None:
     missing = [key for key in REQUIRED_KEYS if key not in config]
     if missing:
         raise ValueError(f"Config lacks the keys {missing}; every experiment has {REQUIRED_KEYS}.")
-    for key in ("steps", "batch_size", "eval_batch_size", "log_every", "eval_every",
-                "check_every", "checkpoint_every"):
+    for key in (
+        "steps",
+        "batch_size",
+        "eval_batch_size",
+        "log_every",
+        "eval_every",
+        "check_every",
+        "checkpoint_every",
+    ):
         if config[key] < 1:
             raise ValueError(f"config.{key}={config[key]} must be a positive integer.")
     for key in ("batch_size", "eval_batch_size"):
@@ -105,23 +117,36 @@ def validate_config(config: Any, num_devices: int) -> None:
     if config.max_to_keep is not None and config.max_to_keep < 1:
         raise ValueError(f"config.max_to_keep={config.max_to_keep} must be >= 1 or None.")
     if config.data.name not in data.DATASETS:
-        raise ValueError(f"Unknown config.data.name {config.data.name!r}; expected one of "
-                         f"{data.DATASETS}.")
+        raise ValueError(
+            f"Unknown config.data.name {config.data.name!r}; expected one of {data.DATASETS}."
+        )
     if config.model.name not in models.MODELS:
-        raise ValueError(f"Unknown config.model.name {config.model.name!r}; expected one of "
-                         f"{models.MODELS}.")
+        raise ValueError(
+            f"Unknown config.model.name {config.model.name!r}; expected one of {models.MODELS}."
+        )
     if config.optimizer.name not in optim.OPTIMIZERS:
-        raise ValueError(f"Unknown config.optimizer.name {config.optimizer.name!r}; expected one "
-                         f"of {optim.OPTIMIZERS}.")
+        raise ValueError(
+            f"Unknown config.optimizer.name {config.optimizer.name!r}; expected one "
+            f"of {optim.OPTIMIZERS}."
+        )
     if config.optimizer.schedule not in optim.SCHEDULES:
-        raise ValueError(f"Unknown config.optimizer.schedule {config.optimizer.schedule!r}; "
-                         f"expected one of {optim.SCHEDULES}.")
+        raise ValueError(
+            f"Unknown config.optimizer.schedule {config.optimizer.schedule!r}; "
+            f"expected one of {optim.SCHEDULES}."
+        )
     if config.optimizer.learning_rate <= 0:
-        raise ValueError(f"config.optimizer.learning_rate={config.optimizer.learning_rate} "
-                         "must be positive.")
+        raise ValueError(
+            f"config.optimizer.learning_rate={config.optimizer.learning_rate} must be positive."
+        )
     if not 0 <= config.optimizer.warmup_steps < config.steps:
-        raise ValueError(f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
-                         f"in [0, steps={config.steps}).")
+        raise ValueError(
+            f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
+            f"in [0, steps={config.steps})."
+        )
+    if config.get("precision", "float32") not in models.PRECISIONS:
+        raise ValueError(
+            f"Unknown config.precision {config.precision!r}; expected one of {models.PRECISIONS}."
+        )
     if not 0.0 <= config.label_smoothing < 1.0:
         raise ValueError(f"config.label_smoothing={config.label_smoothing} must be in [0, 1).")
 
@@ -144,19 +169,30 @@ def build_experiment(config: Any) -> Experiment:
         data_config.name,
         data_dir=data_config.get("dir") or None,
         seed=config.seed,
-        **{k: data_config[k] for k in ("image_shape", "num_classes", "num_train", "num_test")
-           if k in data_config},
+        **{
+            k: data_config[k]
+            for k in ("image_shape", "num_classes", "num_train", "num_test")
+            if k in data_config
+        },
     )
     model_options = {k: v for k, v in config.model.items() if k != "name"}
+    precision = config.get("precision", "float32")
     network = models.make_network(
-        config.model.name, dataset.num_classes, cross_replica_axis="i", **model_options
+        config.model.name,
+        dataset.num_classes,
+        cross_replica_axis="i",
+        precision=precision,
+        **model_options,
     )
+    # float16's narrow range needs loss scaling; bfloat16 has float32's range.
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2**15)) if precision == "float16" else None
     updater = Updater(
         network,
         optim.make_optimizer(config.optimizer, config.steps),
         losses.classification_loss(dataset.num_classes, config.label_smoothing),
         axis_name="i",
         augment_fn=data.make_augment_fn(max_shift=data_config.max_shift, flip=data_config.flip),
+        loss_scale=loss_scale,
     )
     schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
     return Experiment(dataset, updater, schedule)
@@ -164,10 +200,12 @@ def build_experiment(config: Any) -> Experiment:
 
 def _placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
     """A sharded all-zeros batch: the shapes `Updater.init` needs, before any data is read."""
-    return replication.shard({
-        "image": np.zeros((batch_size, *dataset.image_shape), np.float32),
-        "label": np.zeros((batch_size,), np.int32),
-    })
+    return replication.shard(
+        {
+            "image": np.zeros((batch_size, *dataset.image_shape), np.float32),
+            "label": np.zeros((batch_size,), np.int32),
+        }
+    )
 
 
 def evaluate_split(
@@ -263,11 +301,16 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     logging.info(
         "%s at step %d of %d on %d %s device(s); workdir %s.",
         "Resuming" if restored is not None else "Starting",
-        start_step, config.steps, jax.local_device_count(), jax.default_backend(), workdir,
+        start_step,
+        config.steps,
+        jax.local_device_count(),
+        jax.default_backend(),
+        workdir,
     )
     writer = summaries.MetricWriter(workdir, config.steps, enabled=jax.process_index() == 0)
-    all_finite = jax.jit(lambda tree: jnp.all(jnp.array(
-        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])))
+    all_finite = jax.jit(
+        lambda tree: jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    )
 
     def save(step: int) -> None:
         _check_replicas(train_state)
@@ -279,8 +322,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         checkpointer.save(train_state, metadata=_run_metadata(config))
 
     batches: Iterator[Any] = data.prefetch_to_device(
-        data.train_batches(dataset.train, config.batch_size, seed=config.seed,
-                           start_step=start_step)
+        data.train_batches(
+            dataset.train, config.batch_size, seed=config.seed, start_step=start_step
+        )
     )
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched.
     window_start, window_step = time.monotonic(), start_step
@@ -289,8 +333,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         with _StopRequest() as stop:
             while step < config.steps:
                 if stop.signal_name:
-                    logging.warning("%s received: saving step %d and stopping.",
-                                    stop.signal_name, step)
+                    logging.warning(
+                        "%s received: saving step %d and stopping.", stop.signal_name, step
+                    )
                     _check_finite_losses(jax.device_get(pending), checkpointer.latest_step())
                     save(step)
                     checkpointer.wait_until_finished()
@@ -308,7 +353,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                     now = time.monotonic()
                     scalars = _mean_metrics(window)
                     scalars["examples_per_s"] = (
-                        (step - window_step) * config.batch_size / (now - window_start))
+                        (step - window_step) * config.batch_size / (now - window_start)
+                    )
                     scalars["learning_rate"] = float(experiment.learning_rate(step - 1))
                     writer.write(step, "train", scalars)
                     window_start, window_step = now, step
@@ -316,15 +362,17 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                     _check_replicas(train_state)
                 if step % config.eval_every == 0 or step == config.steps:
                     eval_metrics = evaluate_split(
-                        updater, train_state, dataset.test, config.eval_batch_size)
+                        updater, train_state, dataset.test, config.eval_batch_size
+                    )
                     writer.write(step, "eval", eval_metrics)
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     _check_finite_losses(jax.device_get(pending), checkpointer.latest_step())
                     save(step)
         if start_step >= config.steps:
             logging.info("Already trained to step %d; evaluating.", start_step)
-            eval_metrics = evaluate_split(updater, train_state, dataset.test,
-                                          config.eval_batch_size)
+            eval_metrics = evaluate_split(
+                updater, train_state, dataset.test, config.eval_batch_size
+            )
         checkpointer.wait_until_finished()
     finally:
         batches.close()
@@ -332,8 +380,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         writer.close()
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
-        print(f"Final eval at step {step}: accuracy {eval_metrics['accuracy']:.2%}, "
-              f"loss {eval_metrics['loss']:.4f}", flush=True)
+        print(
+            f"Final eval at step {step}: accuracy {eval_metrics['accuracy']:.2%}, "
+            f"loss {eval_metrics['loss']:.4f}",
+            flush=True,
+        )
     return eval_metrics
 
 
@@ -342,17 +393,22 @@ def evaluate_checkpoint(config: Any, workdir: str) -> dict[str, float]:
     validate_config(config, jax.local_device_count())
     experiment = build_experiment(config)
     like = experiment.updater.init(
-        config.seed, _placeholder_batch(experiment.dataset, config.batch_size))
+        config.seed, _placeholder_batch(experiment.dataset, config.batch_size)
+    )
     directory = os.path.join(workdir, "checkpoints")
     with checkpoint.Checkpointer(directory, max_to_keep=config.max_to_keep) as checkpointer:
         train_state = checkpointer.restore(like)
     if train_state is None:
         raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
     step = int(jax.device_get(train_state.step.addressable_data(0))[0])
-    metrics = evaluate_split(experiment.updater, train_state, experiment.dataset.test,
-                             config.eval_batch_size)
-    print(f"Eval of {directory} at step {step}: "
-          + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+    metrics = evaluate_split(
+        experiment.updater, train_state, experiment.dataset.test, config.eval_batch_size
+    )
+    print(
+        f"Eval of {directory} at step {step}: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+        flush=True,
+    )
     return metrics
 
 
@@ -369,13 +425,18 @@ def _load_config_module(path: str) -> Any:
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with an unknown experiment or config key explained."""
     config_path = next(
-        (arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")), None)
+        (arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")), None
+    )
     if config_path is None:
-        sys.exit(f"--config is required: one of "
-                 f"{[f'experiments/{n}.py' for n in available_experiments()]}.")
+        sys.exit(
+            f"--config is required: one of "
+            f"{[f'experiments/{n}.py' for n in available_experiments()]}."
+        )
     if not os.path.isfile(config_path.split(":")[0]):
-        sys.exit(f"Unknown experiment config {config_path!r}; the experiments are "
-                 f"{available_experiments()} (files in {_EXPERIMENTS_DIR}).")
+        sys.exit(
+            f"Unknown experiment config {config_path!r}; the experiments are "
+            f"{available_experiments()} (files in {_EXPERIMENTS_DIR})."
+        )
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:
@@ -385,8 +446,18 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"{e}\nPass --helpfull to see the flags.")
 
 
+def _quiet_library_info_logs() -> None:
+    """Orbax logs every file it renames at INFO; keep its warnings, drop the chatter."""
+
+    def keep(record) -> bool:
+        return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+    logging.get_absl_handler().addFilter(keep)
+
+
 def main(argv: list[str]) -> None:
     del argv
+    _quiet_library_info_logs()
     if _CPU_DEVICES.value:
         jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
     if _WORKDIR.value is None:

@@ -24,15 +24,20 @@ wrapped once in `jax.pmap` with the train state's buffers donated:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from haiku_state import replication
+
+BACKENDS = ("pmap", "shard_map")
 
 Batch = Mapping[str, Any]
 Metrics = dict[str, jax.Array]
@@ -51,6 +56,13 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
     rng: jax.Array  # typed PRNG keys, one distinct key per device: shape [devices]
     step: jax.Array  # int32 [devices]
+
+
+class LossScaledOptState(NamedTuple):
+    """`opt_state` of an Updater with loss scaling: the optimizer's and the scale."""
+
+    optimizer: optax.OptState
+    loss_scale: jmp.LossScale
 
 
 def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0) -> jax.Array:
@@ -94,6 +106,15 @@ class Updater:
       check_finite: if True, `update` waits for every step's loss and raises
         `FloatingPointError` naming the step when it is not finite. That is a
         host sync per step: a debugging aid, off by default.
+      loss_scale: optional `jmp` loss scale for float16 training: the loss is
+        multiplied by it before differentiation and the gradients divided by it
+        after. With `jmp.DynamicLossScale` the scale is part of `opt_state`
+        (a `LossScaledOptState`), halves on non-finite gradients, whose step is
+        then skipped on every device alike, and grows after a run of good steps.
+      backend: `"pmap"`, or `"shard_map"` for the same per-device step written
+        with `jax.shard_map` under `jax.jit` over a one-axis `Mesh`: the modern
+        API that JAX itself now implements pmap with. Both take and return the
+        same `TrainState` layout, so checkpoints move freely between them.
     """
 
     def __init__(
@@ -105,24 +126,67 @@ class Updater:
         axis_name: str = replication.DEFAULT_AXIS_NAME,
         augment_fn: AugmentFn | None = None,
         check_finite: bool = False,
+        loss_scale: jmp.LossScale | None = None,
+        backend: str = "pmap",
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"Unknown backend {backend!r}; expected one of {BACKENDS}.")
         self._forward = forward
         self._optimizer = optimizer
         self._loss_fn = loss_fn
         self._axis_name = axis_name
         self._augment_fn = augment_fn
         self._check_finite = check_finite
-        self._init_pmap = jax.pmap(self._init_per_device, axis_name=axis_name)
-        self._update_pmap = jax.pmap(
-            self._update_per_device, axis_name=axis_name, donate_argnums=(0,), out_axes=(0, None)
+        self._loss_scale = loss_scale
+        self._backend = backend
+        self._init_pmap = self._parallel(self._init_per_device, out_axes=0)
+        self._update_pmap = self._parallel(
+            self._update_per_device, out_axes=(0, None), donate_argnums=(0,)
         )
-        self._evaluate_pmap = jax.pmap(
-            self._evaluate_per_device, axis_name=axis_name, out_axes=None
-        )
+        self._evaluate_pmap = self._parallel(self._evaluate_per_device, out_axes=None)
 
     @property
     def axis_name(self) -> str:
         return self._axis_name
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    def _parallel(self, per_device_fn, *, out_axes, donate_argnums=()):
+        """Runs `per_device_fn` on every device's slice of the leading axis.
+
+        `out_axes` is 0 for outputs that keep the device axis and None for
+        outputs that are identical on every device (averaged metrics).
+        """
+        if self._backend == "pmap":
+            return jax.pmap(
+                per_device_fn,
+                axis_name=self._axis_name,
+                out_axes=out_axes,
+                donate_argnums=donate_argnums,
+            )
+        device_axis = PartitionSpec(self._axis_name)
+        is_axis = lambda x: x is None or isinstance(x, int)  # noqa: E731
+        out_specs = jax.tree.map(
+            lambda a: device_axis if a == 0 else PartitionSpec(), out_axes, is_leaf=is_axis
+        )
+
+        def add_device_axis(out_axis, tree):
+            return jax.tree.map(lambda x: x[None], tree) if out_axis == 0 else tree
+
+        def per_block(*blocks):
+            # Each device sees a block of one slice: [1, ...] -> [...] -> [1, ...].
+            outputs = per_device_fn(*jax.tree.map(lambda x: x[0], blocks))
+            return jax.tree.map(add_device_axis, out_axes, outputs, is_leaf=is_axis)
+
+        mapped = jax.shard_map(
+            per_block,
+            mesh=replication.local_mesh(self._axis_name),
+            in_specs=device_axis,
+            out_specs=out_specs,
+        )
+        return jax.jit(mapped, donate_argnums=donate_argnums)
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
         """Builds the initial, replicated `TrainState`.
@@ -177,12 +241,14 @@ class Updater:
         # Averaging makes replicas identical even for data-dependent initialisers.
         state = _pmean_floating(state, self._axis_name)
         opt_state = self._optimizer.init(params)
+        if self._loss_scale is not None:
+            opt_state = LossScaledOptState(opt_state, self._loss_scale)
         return params, state, opt_state
 
-    def _loss(self, params, state, key, batch):
+    def _loss(self, params, state, key, batch, loss_scale):
         outputs, new_state = self._forward.apply(params, state, key, batch, is_training=True)
         loss, metrics = self._checked_loss(outputs, batch)
-        return loss, (new_state, metrics)
+        return loss_scale.scale(loss), (loss, new_state, metrics)
 
     def _checked_loss(self, outputs, batch):
         loss, metrics = self._loss_fn(outputs, batch)
@@ -204,14 +270,32 @@ class Updater:
         augment_key, apply_key = jax.random.split(step_key)
         if self._augment_fn is not None:
             batch = self._augment_fn(augment_key, batch)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        (loss, (state, metrics)), grads = grad_fn(params, state, apply_key, batch)
-        grads = jax.lax.pmean(grads, self._axis_name)
-        state = _pmean_floating(state, self._axis_name)
-        updates, opt_state = self._optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = jax.lax.pmean({"loss": loss, **metrics}, self._axis_name)
-        return TrainState(params, state, opt_state, rng, step + 1), metrics
+        scaled = isinstance(opt_state, LossScaledOptState)
+        loss_scale = opt_state.loss_scale if scaled else jmp.NoOpLossScale()
+        optimizer_state = opt_state.optimizer if scaled else opt_state
+
+        grad_fn = jax.grad(self._loss, has_aux=True)
+        grads, (loss, new_state, metrics) = grad_fn(params, state, apply_key, batch, loss_scale)
+        grads = loss_scale.unscale(jax.lax.pmean(grads, self._axis_name))
+        new_state = _pmean_floating(new_state, self._axis_name)
+        updates, new_optimizer_state = self._optimizer.update(grads, optimizer_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, **metrics}
+
+        if scaled:
+            # Gradients are averaged already, so every device takes the same decision.
+            grads_finite = jmp.all_finite(grads)
+            new_params, new_state, new_optimizer_state = jmp.select_tree(
+                grads_finite,
+                (new_params, new_state, new_optimizer_state),
+                (params, state, optimizer_state),
+            )
+            new_opt_state = LossScaledOptState(new_optimizer_state, loss_scale.adjust(grads_finite))
+            metrics["loss_scale"] = loss_scale.loss_scale
+        else:
+            new_opt_state = new_optimizer_state
+        metrics = jax.lax.pmean(metrics, self._axis_name)
+        return TrainState(new_params, new_state, new_opt_state, rng, step + 1), metrics
 
     def _evaluate_per_device(self, train_state: TrainState, batch):
         outputs, _ = self._forward.apply(
@@ -223,12 +307,17 @@ class Updater:
     def _check_train_state(self, train_state: Any, where: str) -> None:
         if not isinstance(train_state, TrainState):
             raise TypeError(f"{where}: expected a TrainState, got {type(train_state).__name__}.")
-        expected = (jax.local_device_count(),)
-        if np.shape(train_state.step) != expected:
-            raise ValueError(
-                f"{where}: train_state.step has shape {np.shape(train_state.step)}, expected "
-                f"{expected}: a replicated TrainState from Updater.init (or a restored one)."
-            )
+        num_devices = jax.local_device_count()
+        if all(np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)):
+            return
+        for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
+            if np.shape(leaf)[:1] != (num_devices,):
+                raise ValueError(
+                    f"{where}: train_state{jax.tree_util.keystr(path)} has shape "
+                    f"{np.shape(leaf)}; every leaf needs a leading axis of local_devices="
+                    f"{num_devices}: use a TrainState from Updater.init (or a restored one), "
+                    "or hs.replicate() unreplicated values."
+                )
 
     def _check_batch(self, batch: Batch, where: str) -> None:
         """Rejects batches pmap would fail on, with a message naming the leaf."""
@@ -249,6 +338,5 @@ class Updater:
             per_device_sizes[name] = shape[1]
         if len(set(per_device_sizes.values())) > 1:
             raise ValueError(
-                f"{where}: batch leaves disagree on the per-device batch size: "
-                f"{per_device_sizes}."
+                f"{where}: batch leaves disagree on the per-device batch size: {per_device_sizes}."
             )

@@ -17,8 +17,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def mlp_config(**overrides):
     config = train._load_config_module(os.path.join(REPO, "experiments", "mlp.py"))
     config.update(
-        steps=30, log_every=10, eval_every=30, check_every=10, checkpoint_every=15,
-        batch_size=64, eval_batch_size=128,
+        steps=30,
+        log_every=10,
+        eval_every=30,
+        check_every=10,
+        checkpoint_every=15,
+        batch_size=64,
+        eval_batch_size=128,
     )
     config.model.hidden_sizes = (32,)
     config.optimizer.warmup_steps = 5
@@ -36,7 +41,11 @@ def run_cli(*args, timeout=120):
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "-m", "haiku_state.train", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -61,8 +70,10 @@ def test_run_writes_metrics_tensorboard_curves_and_checkpoints(finished_run):
     assert eval_records[0]["accuracy"] == pytest.approx(final["accuracy"])
     # Better than chance (10%) after 30 steps of a working setup.
     assert final["accuracy"] > 0.5
-    assert any(name.startswith("events.out.tfevents") for name in
-               os.listdir(os.path.join(workdir, "tensorboard")))
+    assert any(
+        name.startswith("events.out.tfevents")
+        for name in os.listdir(os.path.join(workdir, "tensorboard"))
+    )
     assert os.path.getsize(os.path.join(workdir, summaries.CURVES_FILE)) > 0
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["15", "30"]
 
@@ -83,15 +94,20 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(finishe
     workdir = str(tmp_path / "diverge")
     train.train_and_evaluate(mlp_config(steps=15), workdir)
     checkpoint_dir = os.path.join(workdir, "checkpoints")
-    before = {name: os.path.getmtime(os.path.join(checkpoint_dir, name))
-              for name in os.listdir(checkpoint_dir)}
+    before = {
+        name: os.path.getmtime(os.path.join(checkpoint_dir, name))
+        for name in os.listdir(checkpoint_dir)
+    }
     # Resume with an absurd learning rate: the loss overflows within a few steps.
-    exploding = mlp_config(steps=45, **{"optimizer.learning_rate": 1e30,
-                                        "optimizer.schedule": "constant"})
+    exploding = mlp_config(
+        steps=45, **{"optimizer.learning_rate": 1e30, "optimizer.schedule": "constant"}
+    )
     with pytest.raises(FloatingPointError, match=r"Non-finite (loss|params) .* at step \d+"):
         train.train_and_evaluate(exploding, workdir)
-    after = {name: os.path.getmtime(os.path.join(checkpoint_dir, name))
-             for name in os.listdir(checkpoint_dir)}
+    after = {
+        name: os.path.getmtime(os.path.join(checkpoint_dir, name))
+        for name in os.listdir(checkpoint_dir)
+    }
     assert after == before
 
 
@@ -131,7 +147,9 @@ def test_cli_unknown_config_key_lists_the_keys(tmp_path):
 
 
 def test_cli_bad_value_type_is_refused(tmp_path):
-    result = run_cli("--config=experiments/mlp.py", "--config.steps=many", f"--workdir={tmp_path}/w")
+    result = run_cli(
+        "--config=experiments/mlp.py", "--config.steps=many", f"--workdir={tmp_path}/w"
+    )
     assert result.returncode != 0
     assert "--config.steps=many" in result.stderr
     assert not (tmp_path / "w").exists()

@@ -1,0 +1,230 @@
+"""Tests of haiku_state.replication: shard, replicate/unreplicate and the replica assertions.
+
+Every test runs with 4 simulated CPU devices (tests/conftest.py).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import haiku_state as hs
+from haiku_state import replication
+
+NUM_DEVICES = 4
+
+
+def _host_batch(batch_size: int = 32) -> dict[str, np.ndarray]:
+    """Example `i` is filled with the value `i`, so a shard names the examples it holds."""
+    images = np.broadcast_to(
+        np.arange(batch_size, dtype=np.float32)[:, None, None, None], (batch_size, 8, 8, 1)
+    ).copy()
+    return {"image": images, "label": np.arange(batch_size, dtype=np.int32)}
+
+
+def _replicated_tree() -> dict:
+    """A params-like tree with float, int and typed-key leaves, replicated on every device."""
+    tree = {
+        "mlp/linear": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(3)},
+        "mlp/linear_1": {"w": jnp.ones((3, 2)), "b": jnp.full((2,), 0.5)},
+        "counter": jnp.array(7, jnp.int32),
+        "key": jax.random.key(0),
+    }
+    return hs.replicate(tree)
+
+
+def _is_typed_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _with_replica_changed(tree, path: tuple, device: int, new_value):
+    """A host copy of `tree` in which replica `device` of the leaf at `path` is `new_value`."""
+    copy = jax.tree.map(lambda x: x if _is_typed_key(x) else np.array(x), tree)
+    leaf = copy
+    for name in path[:-1]:
+        leaf = leaf[name]
+    leaf[path[-1]][device] = new_value
+    return copy
+
+
+class ShardTest(chex.TestCase):
+    def test_shard_splits_leading_axis_into_per_device_slices_in_order(self):
+        host = _host_batch(32)
+        sharded = hs.shard(host)
+        chex.assert_shape(sharded["image"], (NUM_DEVICES, 8, 8, 8, 1))
+        chex.assert_shape(sharded["label"], (NUM_DEVICES, 8))
+        np.testing.assert_array_equal(np.asarray(sharded["label"]), np.arange(32).reshape(4, 8))
+        self.assertEqual(sharded["image"].dtype, jnp.float32)
+        self.assertEqual(sharded["label"].dtype, jnp.int32)
+
+    def test_shard_puts_one_slice_on_each_of_the_4_devices(self):
+        sharded = hs.shard(_host_batch(32))
+        labels = sharded["label"]
+        self.assertEqual(labels.sharding, replication.device_axis_sharding())
+        self.assertEqual(labels.sharding.device_set, set(jax.local_devices()))
+        shards = sorted(labels.addressable_shards, key=lambda s: s.index[0].start)
+        self.assertLen(shards, NUM_DEVICES)
+        self.assertLen({s.device for s in shards}, NUM_DEVICES)
+        for device_index, data_shard in enumerate(shards):
+            chex.assert_shape(data_shard.data, (1, 8))
+            np.testing.assert_array_equal(
+                np.asarray(data_shard.data)[0], np.arange(8 * device_index, 8 * device_index + 8)
+            )
+
+    def test_shard_accepts_device_array_leaves(self):
+        sharded = hs.shard({"x": jnp.arange(8.0)})
+        np.testing.assert_array_equal(np.asarray(sharded["x"]), np.arange(8.0).reshape(4, 2))
+        self.assertEqual(sharded["x"].sharding, replication.device_axis_sharding())
+
+    def test_shard_output_is_fed_to_pmap_without_resharding(self):
+        sharded = hs.shard(_host_batch(16))
+        sums = jax.pmap(lambda batch: jnp.sum(batch["label"]))(sharded)
+        np.testing.assert_array_equal(np.asarray(sums), np.arange(16).reshape(4, 4).sum(axis=1))
+
+    def test_shard_rejects_batch_size_not_divisible_naming_b_and_device_count(self):
+        with self.assertRaisesRegex(ValueError, r"B=30.*'image'.*4 local devices"):
+            hs.shard(_host_batch(30))
+
+    def test_shard_rejects_a_scalar_leaf_naming_it(self):
+        with self.assertRaisesRegex(ValueError, r"'weight'.*scalar"):
+            hs.shard({"image": np.zeros((8, 2)), "weight": np.float32(1.0)})
+
+
+class ReplicateTest(chex.TestCase):
+    def test_replicate_gives_every_leaf_a_device_axis_of_identical_copies(self):
+        tree = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3), "n": np.int32(3)}
+        replicated = hs.replicate(tree)
+        chex.assert_shape(replicated["w"], (NUM_DEVICES, 2, 3))
+        chex.assert_shape(replicated["n"], (NUM_DEVICES,))
+        self.assertEqual(replicated["w"].dtype, jnp.float32)
+        self.assertEqual(replicated["n"].dtype, jnp.int32)
+        for device in range(NUM_DEVICES):
+            np.testing.assert_array_equal(np.asarray(replicated["w"][device]), tree["w"])
+            self.assertEqual(int(replicated["n"][device]), 3)
+
+    def test_replicate_lays_one_copy_on_each_device_with_the_pmap_sharding(self):
+        replicated = _replicated_tree()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(replicated):
+            with self.subTest(jax.tree_util.keystr(path)):
+                self.assertEqual(leaf.sharding, replication.device_axis_sharding())
+                devices = [data_shard.device for data_shard in leaf.addressable_shards]
+                self.assertCountEqual(devices, jax.local_devices())
+
+    def test_replicate_output_including_typed_keys_is_accepted_by_pmap(self):
+        # jax.pmap refuses committed arrays that do not carry its own sharding (e.g. the
+        # replicated output of jnp.broadcast_to); replicate must produce what pmap wants.
+        replicated = _replicated_tree()
+
+        def per_device(tree):
+            noise = jax.random.normal(tree["key"], tree["mlp/linear"]["w"].shape)
+            return tree["mlp/linear"]["w"] + noise, tree["counter"] + 1
+
+        noisy, counters = jax.pmap(per_device)(replicated)
+        chex.assert_shape(noisy, (NUM_DEVICES, 2, 3))
+        np.testing.assert_array_equal(np.asarray(counters), np.full((NUM_DEVICES,), 8))
+        # The same key on every device: the same noise on every device.
+        hs.assert_replicas_identical(noisy)
+
+    def test_unreplicate_inverts_replicate_including_typed_keys(self):
+        tree = {
+            "w": jnp.arange(6.0).reshape(2, 3),
+            "n": jnp.array(7, jnp.int32),
+            "key": jax.random.key(42),
+        }
+        round_trip = hs.unreplicate(hs.replicate(tree))
+        chex.assert_trees_all_equal_shapes_and_dtypes(round_trip, tree)
+        np.testing.assert_array_equal(np.asarray(round_trip["w"]), np.asarray(tree["w"]))
+        self.assertEqual(int(round_trip["n"]), 7)
+        self.assertTrue(jax.dtypes.issubdtype(round_trip["key"].dtype, jax.dtypes.prng_key))
+        np.testing.assert_array_equal(
+            jax.random.key_data(round_trip["key"]), jax.random.key_data(tree["key"])
+        )
+
+    def test_unreplicate_takes_device_0_copy_of_device_and_host_arrays(self):
+        per_device_rows = np.arange(12.0, dtype=np.float32).reshape(NUM_DEVICES, 3)
+        on_devices = jax.device_put(per_device_rows, replication.device_axis_sharding())
+        taken = hs.unreplicate({"device": on_devices, "host": per_device_rows})
+        np.testing.assert_array_equal(np.asarray(taken["device"]), per_device_rows[0])
+        np.testing.assert_array_equal(np.asarray(taken["host"]), per_device_rows[0])
+
+
+class AssertReplicasIdenticalTest(chex.TestCase):
+    def test_replicas_identical_passes_on_replicated_tree_with_keys_and_nans(self):
+        tree = _replicated_tree()
+        hs.assert_replicas_identical(tree)
+        # Bit equality: the same NaN on every device is identical.
+        hs.assert_replicas_identical(hs.replicate({"nan": jnp.full((3,), jnp.nan)}))
+
+    def test_replicas_identical_fails_naming_the_leaf_path_and_device(self):
+        tree = _replicated_tree()
+        perturbed = _with_replica_changed(
+            tree, ("mlp/linear_1", "b"), 2, np.nextafter(np.float32(0.5), np.float32(1.0))
+        )
+        with self.assertRaisesRegex(
+            AssertionError, r"\['mlp/linear_1'\]\['b'\].*devices \[2\] differ from device 0"
+        ):
+            hs.assert_replicas_identical(perturbed)
+        # The unperturbed original still passes: the copy did not alias it.
+        hs.assert_replicas_identical(tree)
+
+    def test_replicas_identical_names_the_first_differing_leaf_and_all_bad_devices(self):
+        tree = _replicated_tree()
+        perturbed = _with_replica_changed(tree, ("mlp/linear", "w"), 1, np.zeros((2, 3)))
+        perturbed["mlp/linear"]["w"][3] = -1.0
+        perturbed["mlp/linear_1"]["w"][2] = 0.0
+        with self.assertRaisesRegex(AssertionError, r"\['mlp/linear'\]\['w'\].*devices \[1, 3\]"):
+            hs.assert_replicas_identical(perturbed)
+
+    def test_replicas_identical_compares_bits_so_negative_zero_differs(self):
+        zeros = np.zeros((NUM_DEVICES, 2), np.float32)
+        zeros[3, 1] = -0.0
+        with self.assertRaisesRegex(AssertionError, r"\['bn'\].*devices \[3\]"):
+            hs.assert_replicas_identical({"bn": zeros})
+
+    def test_replicas_identical_fails_naming_an_int_leaf(self):
+        tree = _replicated_tree()
+        perturbed = _with_replica_changed(tree, ("counter",), 0, 8)
+        # Device 0 is the reference: every other device now differs from it.
+        with self.assertRaisesRegex(AssertionError, r"\['counter'\].*devices \[1, 2, 3\]"):
+            hs.assert_replicas_identical(perturbed)
+
+    def test_replicas_identical_fails_naming_a_typed_key_leaf(self):
+        keys = jax.random.split(jax.random.key(0), NUM_DEVICES)
+        with self.assertRaisesRegex(AssertionError, r"\['rng'\].*devices \[1, 2, 3\]"):
+            hs.assert_replicas_identical({"params": np.zeros((NUM_DEVICES, 2)), "rng": keys})
+
+    def test_replicas_identical_rejects_leaves_without_a_device_axis(self):
+        with self.assertRaisesRegex(ValueError, "no leading device axis"):
+            hs.assert_replicas_identical({"w": np.float32(1.0)})
+        with self.assertRaises(AssertionError):
+            hs.assert_replicas_identical({"a": np.zeros((4, 2)), "b": np.zeros((2, 4))})
+
+
+class AssertKeysDistinctTest(chex.TestCase):
+    def test_keys_distinct_passes_on_split_typed_keys_and_raw_key_data(self):
+        keys = jax.random.split(jax.random.key(0), NUM_DEVICES)
+        hs.assert_keys_distinct(keys)
+        hs.assert_keys_distinct(jax.random.key_data(keys))
+
+    def test_keys_distinct_fails_naming_the_two_devices_with_equal_keys(self):
+        keys = jax.random.split(jax.random.key(0), NUM_DEVICES)
+        duplicated = keys.at[3].set(keys[1])
+        with self.assertRaisesRegex(AssertionError, r"devices 1 and 3 are equal"):
+            hs.assert_keys_distinct(duplicated)
+        raw = np.array(jax.random.key_data(keys))
+        raw[2] = raw[0]
+        with self.assertRaisesRegex(AssertionError, r"devices 0 and 2 are equal"):
+            hs.assert_keys_distinct(raw)
+
+    def test_keys_distinct_fails_when_every_device_holds_the_same_key(self):
+        same = hs.replicate(jax.random.key(0))
+        with self.assertRaisesRegex(AssertionError, r"devices 0 and 1 are equal"):
+            hs.assert_keys_distinct(same)
+
+    def test_keys_distinct_rejects_a_single_typed_key_without_device_axis(self):
+        with self.assertRaisesRegex(ValueError, "leading device axis"):
+            hs.assert_keys_distinct(jax.random.key(1))
+
+    def test_keys_distinct_rejects_raw_key_data_without_device_axis(self):
+        with self.assertRaisesRegex(ValueError, "leading device axis"):
+            hs.assert_keys_distinct(np.uint32(7))

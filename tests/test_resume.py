@@ -1,0 +1,132 @@
+"""Preemption and crash tests: real subprocesses of `python -m haiku_state.train` on `mlp`.
+
+Each interrupted run is resumed to the end and its final checkpoint compared,
+leaf by leaf with `np.array_equal`, to that of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from haiku_state import checkpoint, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 240
+FLAGS = [
+    "--config=experiments/mlp.py",
+    "--cpu_devices=4",
+    f"--config.steps={STEPS}",
+    "--config.log_every=10",
+    "--config.eval_every=1000000",
+    "--config.check_every=40",
+    "--config.batch_size=64",
+    "--config.model.hidden_sizes=(32,)",
+    "--config.optimizer.warmup_steps=10",
+]
+
+
+def start(workdir, *extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "haiku_state.train", f"--workdir={workdir}", *FLAGS, *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def run_to_end(workdir, *extra):
+    process = start(workdir, *extra)
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, output
+    return output
+
+
+def wait_for_logged_step(workdir, min_step, process, timeout=120):
+    """Waits until metrics.jsonl shows a train event at or beyond `min_step`."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0]
+        if os.path.exists(path):
+            with open(path) as f:
+                steps = [json.loads(line)["step"] for line in f if line.strip()]
+            if steps and max(steps) >= min_step:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"no train event at step >= {min_step} within {timeout} s")
+
+
+def final_state(workdir):
+    config = train._load_config_module(os.path.join(REPO, "experiments", "mlp.py"))
+    config.model.hidden_sizes = (32,)
+    config.batch_size = 64
+    config.steps = STEPS
+    config.optimizer.warmup_steps = 10
+    experiment = train.build_experiment(config)
+    like = experiment.updater.init(
+        config.seed, train._placeholder_batch(experiment.dataset, config.batch_size)
+    )
+    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
+        assert checkpointer.latest_step() == STEPS
+        return checkpointer.restore(like)
+
+
+def assert_bit_identical(actual, expected):
+    actual = actual._replace(rng=jax.random.key_data(actual.rng))
+    expected = expected._replace(rng=jax.random.key_data(expected.rng))
+    paths_and_leaves = jax.tree_util.tree_leaves_with_path(expected)
+    for (path, want), got in zip(paths_and_leaves, jax.tree.leaves(actual), strict=True):
+        assert np.array_equal(np.asarray(got), np.asarray(want)), jax.tree_util.keystr(path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+    run_to_end(workdir, f"--config.checkpoint_every={STEPS}")
+    return final_state(workdir)
+
+
+def test_sigterm_saves_the_step_in_flight_exits_0_and_resumes_bit_identically(
+    uninterrupted, tmp_path
+):
+    workdir = str(tmp_path)
+    # Only the final step is a scheduled checkpoint: any other one is the preemption's.
+    process = start(workdir, f"--config.checkpoint_every={STEPS}")
+    wait_for_logged_step(workdir, 20, process)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "SIGTERM received: saving step" in output
+    saved = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints"))]
+    assert len(saved) == 1 and 20 <= saved[0] < STEPS, saved
+
+    output = run_to_end(workdir, f"--config.checkpoint_every={STEPS}")
+    assert f"Resuming at step {saved[0]}" in output
+    assert_bit_identical(final_state(workdir), uninterrupted)
+
+
+def test_sigkill_at_any_moment_resumes_from_last_complete_checkpoint(uninterrupted, tmp_path):
+    workdir = str(tmp_path)
+    # Frequent asynchronous saves, so the kill is likely to land during one.
+    process = start(workdir, "--config.checkpoint_every=10", "--config.max_to_keep=2")
+    wait_for_logged_step(workdir, 60, process)
+    process.kill()
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+
+    output = run_to_end(workdir, "--config.checkpoint_every=10", "--config.max_to_keep=2")
+    assert "Resuming at step" in output
+    assert_bit_identical(final_state(workdir), uninterrupted)
