@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.check_every = 200
     config.checkpoint_every = 200
     config.max_to_keep = 3
+    config.backend = "pmap"  # Or "shard_map": the same step on jax.shard_map.
     config.precision = "float32"  # Or bfloat16 / float16 (mixed precision).
     config.label_smoothing = 0.1
 

@@ -40,6 +40,7 @@ resume and the saves that follow it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -74,6 +75,7 @@ _VERSIONED_PACKAGES = (
 _MAX_REASON_CHARS = 400
 
 
+@functools.lru_cache(maxsize=1)
 def package_versions() -> dict[str, str]:
     """The installed versions of the packages a checkpoint's contents depend on."""
     versions = {}
@@ -179,8 +181,8 @@ class Checkpointer:
         `train_state` is the replicated state the `Updater` returns; device 0's
         copy of params, state and opt_state is written, and every device's key.
         The caller may donate `train_state` to the next step as soon as this
-        returns: the saved arrays are fresh buffers (the unreplicated slices and
-        the key data), copied to host memory before Orbax's `save` returns.
+        returns: device 0's copy of every leaf (and every device's key) is copied
+        into fresh host memory first, in one batched transfer.
         A save still in flight is waited for first.
 
         Args:
@@ -200,11 +202,18 @@ class Checkpointer:
           TypeError: if `metadata` is not JSON-serialisable.
         """
         self._check_replicated(train_state, "save")
-        # Fresh buffers, so that donating `train_state` cannot reach what is being written:
-        # the unreplicated slices are new arrays, but `key_data` is a view of the keys'
-        # buffer, so the (small) keys are copied to the host here.
-        unreplicated = replication.unreplicate(train_state)
-        key_data = np.array(jax.device_get(jax.random.key_data(train_state.rng)), copy=True)
+        # Host copies, fetched in one batched transfer: a donating next step cannot reach them
+        # (on CPU a fetched array can be a view of the device buffer, hence the copy), and
+        # Orbax has nothing left to copy before it hands the write to its thread.
+        rng = train_state.rng
+        first_replica = jax.device_get(
+            [leaf.addressable_data(0) for leaf in jax.tree.leaves(train_state._replace(rng=()))]
+        )
+        unreplicated = jax.tree.unflatten(
+            jax.tree.structure(train_state._replace(rng=())),
+            [np.array(leaf[0], copy=True) for leaf in first_replica],
+        )
+        key_data = np.array(jax.device_get(jax.random.key_data(rng)), copy=True)
         step = int(jax.device_get(unreplicated.step))
         num_devices = key_data.shape[0]
         full_metadata = {

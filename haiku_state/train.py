@@ -193,6 +193,7 @@ def build_experiment(config: Any) -> Experiment:
         axis_name="i",
         augment_fn=data.make_augment_fn(max_shift=data_config.max_shift, flip=data_config.flip),
         loss_scale=loss_scale,
+        backend=config.get("backend", "pmap"),
     )
     schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
     return Experiment(dataset, updater, schedule)
