@@ -27,10 +27,12 @@ def _run(backend, train_state=None, steps=NUM_STEPS):
         backend=backend,
     )
     rng = np.random.default_rng(0)
-    batch = hs.shard({
-        "image": rng.normal(size=(32, 8, 8, 1)).astype(np.float32),
-        "label": rng.integers(0, 10, 32).astype(np.int32),
-    })
+    batch = hs.shard(
+        {
+            "image": rng.normal(size=(32, 8, 8, 1)).astype(np.float32),
+            "label": rng.integers(0, 10, 32).astype(np.int32),
+        }
+    )
     if train_state is None:
         train_state = step_updater.init(0, batch)
     for _ in range(steps):

@@ -20,7 +20,7 @@ import pytest
 from haiku_state import checkpoint, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 240
+STEPS = 1000  # Long enough that a signal sent after step 20 lands mid-run.
 FLAGS = [
     "--config=experiments/mlp.py",
     "--cpu_devices=4",
