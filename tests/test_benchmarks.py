@@ -1,0 +1,193 @@
+"""Smoke tests of `benchmarks/`: one experiment measured in process, the run record, the plots.
+
+The process has 4 simulated CPU devices (conftest.py), so the measured step is the
+real multi-device one; step counts are tiny, so no figure here is a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # `benchmarks` is a top-level package of the repository, not installed.
+    sys.path.insert(0, REPO)
+
+from benchmarks import core, flax_models, plot, run  # noqa: E402
+from haiku_state import models  # noqa: E402
+
+TINY = core.Settings(
+    batch_size=32,
+    steps_per_window=2,
+    windows=2,
+    warmup_steps=1,
+    num_batches=2,
+    loop_steps=0,
+    checkpoint_saves=1,
+)
+
+
+def _is_positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory):
+    peak = core.measure_peak_matmul(size=128, repeats=2, calls_per_repeat=2)
+    result = core.benchmark_experiment(
+        "mlp", TINY, peak=peak, workdir=tmp_path_factory.mktemp("bench"), log=lambda line: None
+    )
+    device_run = {
+        "num_devices": jax.local_device_count(),
+        **core.device_info(),
+        "peak_matmul": peak,
+        "experiments": [result],
+        "skipped": ["resnet: not measured in this test"],
+    }
+    return device_run, result
+
+
+def test_benchmark_experiment_reports_positive_finite_throughputs_and_ratios(mlp_run):
+    _, result = mlp_run
+    assert result["experiment"] == "mlp"
+    assert result["num_devices"] == jax.local_device_count() == 4
+    assert result["per_device_batch"] == 8
+    for variant in ("updater", "hand_written", "updater_with_input"):
+        figures = result["throughput"][variant]
+        for name in ("examples_per_s", "steps_per_s", "first_call_s"):
+            assert _is_positive_finite(figures[name]), (variant, name, figures[name])
+        assert len(figures["window_steps_per_s"]) == TINY.windows
+    for name in ("updater_vs_hand_written", "input_pipeline_vs_presharded"):
+        assert _is_positive_finite(result["ratios"][name]), (name, result["ratios"])
+    assert result["ratios"]["updater_vs_flax"] is None  # No Flax peer for the MLP.
+    assert _is_positive_finite(result["flops"]["per_device_per_step"])
+    assert result["flops"]["per_step"] == pytest.approx(4 * result["flops"]["per_device_per_step"])
+    assert result["flops"]["updater_matches_hand_written"] is True
+    assert _is_positive_finite(result["utilisation"]["mfu"])
+    assert result["memory"]["compiled_update_per_device"]["total_bytes"] > 0
+    assert result["memory"]["device_peak_bytes_in_use"] is None  # CPU reports none.
+    checkpoint = result["checkpoint"]
+    assert _is_positive_finite(checkpoint["size_mb"])
+    for mode in ("async", "sync"):
+        assert _is_positive_finite(checkpoint[mode]["blocked_s"])
+        assert _is_positive_finite(checkpoint[mode]["write_mb_per_s"])
+    assert "skipped" in result["loop"]
+
+
+def test_run_record_is_written_as_json_with_machine_versions_and_figures(mlp_run, tmp_path):
+    device_run, result = mlp_run
+    record = core.make_run_record(
+        [device_run],
+        settings={"quick": True},
+        command=["python", "-m", "benchmarks.run"],
+        wall_s=1.5,
+    )
+    path = core.write_run_record(record, tmp_path)
+    assert path.parent == tmp_path and path.name.endswith("_cpu.json")
+    loaded = json.loads(path.read_text())
+    assert {"node", "processor", "cpu_count"} <= set(loaded["machine"])
+    assert {"jax", "jaxlib", "dm-haiku", "optax", "flax", "python"} <= set(loaded["versions"])
+    assert loaded["platform"] == "cpu" and loaded["device_kind"]
+    assert loaded["device_counts"] == [4]
+    [saved] = loaded["results"]
+    assert saved["throughput"]["updater"]["examples_per_s"] == pytest.approx(
+        result["throughput"]["updater"]["examples_per_s"]
+    )
+    assert loaded["runs"][0]["peak_matmul"]["float32"]["all_devices_tflop_per_s"] > 0
+    table = run.format_table(loaded)
+    assert "mlp" in table and "skipped (4 dev): resnet" in table
+
+
+def _synthetic_result(experiment: str, num_devices: int, examples_per_s: float) -> dict:
+    return {
+        "experiment": experiment,
+        "num_devices": num_devices,
+        "platform": "cpu",
+        "device_kind": "cpu",
+        "precision": "float32",
+        "throughput": {
+            "updater": {"examples_per_s": examples_per_s},
+            "hand_written": {"examples_per_s": examples_per_s * 1.01},
+            "flax": {"examples_per_s": examples_per_s * 0.98} if experiment != "mlp" else None,
+        },
+        "ratios": {
+            "updater_vs_hand_written": 0.99,
+            "updater_vs_flax": 1.02 if experiment != "mlp" else None,
+            "input_pipeline_vs_presharded": 0.9,
+        },
+        "targets": {"updater_vs_hand_written": 0.97, "loop_vs_update": 0.9},
+        "loop": {"ratio_vs_update": 0.93} if num_devices == 1 else {"skipped": "x"},
+    }
+
+
+def test_plot_draws_scaling_throughput_and_ratio_charts(tmp_path):
+    record = {
+        "created_utc": "2026-01-01T00:00:00+00:00",
+        "platform": "cpu",
+        "settings": {},
+        "results": [
+            _synthetic_result(experiment, devices, 1000.0 * devices)
+            for experiment in ("mlp", "resnet")
+            for devices in (1, 2, 4)
+        ],
+    }
+    (tmp_path / "20260101T000000Z_cpu.json").write_text(json.dumps(record))
+    (tmp_path / "not_a_record.json").write_text("[1, 2]")
+    paths = plot.plot_all(tmp_path)
+    assert [p.name for p in paths] == [plot.SCALING_FILE, plot.THROUGHPUT_FILE, plot.RATIOS_FILE]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_results_says_what_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make bench"):
+        plot.plot_all(tmp_path)
+
+
+def test_precisions_are_the_librarys_and_others_are_refused_with_the_reason():
+    assert set(core.SUPPORTED_PRECISIONS) == set(models.PRECISIONS)
+    for precision in models.PRECISIONS:
+        core.check_precision(precision)
+    with pytest.raises(ValueError, match="config.precision"):
+        core.check_precision("float8")
+    with pytest.raises(SystemExit):
+        run._parse_args(["--precisions=float32,float8"])
+
+
+def test_subprocess_env_gives_the_device_count_on_cpu_and_gpu(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_foo=1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    monkeypatch.delenv("JAX_THREEFRY_PARTITIONABLE", raising=False)
+    env = run.subprocess_env(2)
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=2"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert "JAX_THREEFRY_PARTITIONABLE" not in env
+    assert run.subprocess_env(1, quick=True)["JAX_THREEFRY_PARTITIONABLE"] == "0"
+
+
+@pytest.mark.parametrize("name", core.FLAX_PEERS)
+def test_flax_peer_has_the_haiku_networks_parameter_count(name):
+    config = core.load_experiment_config(name)
+    image_shape, num_classes = core.SYNTHETIC_SHAPES[name]
+    options = {k: v for k, v in config.model.items() if k != "name"}
+    network = models.make_network(name, num_classes, **options)
+    batch = {"image": jnp.zeros((2, *image_shape)), "label": jnp.zeros((2,), jnp.int32)}
+    params, _ = jax.eval_shape(
+        lambda key: network.init(key, batch, is_training=True), jax.random.key(0)
+    )
+    model = flax_models.make_model(config, num_classes)
+    variables = jax.eval_shape(
+        lambda key: model.init({"params": key}, jnp.zeros((1, *image_shape))), jax.random.key(0)
+    )
+
+    def count(tree):
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+    assert count(variables["params"]) == count(params)
+    assert len(jax.tree.leaves(variables["params"])) == len(jax.tree.leaves(params))
