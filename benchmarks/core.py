@@ -621,7 +621,12 @@ def _benchmark_experiment(
         },
     }
 
-    workdir = workdir / f"{name}_{num_devices}dev"
+    # A fresh directory per call: a loop run in a used workdir would resume, not train, and a
+    # Checkpointer does not save a step that exists.
+    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(
+        tempfile.mkdtemp(prefix=f"{name}_{num_devices}dev_{settings.precision}_", dir=workdir)
+    )
     updater_variant = by_name["updater"]
     if settings.checkpoint_saves:
         try:

@@ -201,6 +201,12 @@ def _worker(args: argparse.Namespace) -> None:
 
     num_devices = args.worker_devices
     info = core.device_info()
+    if info["platform"] == "cpu" and "JAX_THREEFRY_PARTITIONABLE" not in os.environ:
+        # As `python -m haiku_state.train` runs on CPU: XLA:CPU compiles JAX's default
+        # (partitionable) threefry about 3x slower, and the parameter initialisers of
+        # `Updater.init` and Flax's `model.init` dominate start-up. It changes which random
+        # bits are drawn, not the work of a step; each run records the setting.
+        jax.config.update("jax_threefry_partitionable", False)
     run: dict[str, Any] = {
         "num_devices": num_devices,
         **info,
@@ -273,18 +279,9 @@ def _write_json(path: str, value: Any) -> None:
 # -- The parent ---------------------------------------------------------------------------------
 
 
-def subprocess_env(num_devices: int, quick: bool = False) -> dict[str, str]:
-    """The environment that gives a subprocess `num_devices` devices (see the module doc).
-
-    With `quick`, also `JAX_THREEFRY_PARTITIONABLE=0` (unless set already): XLA:CPU
-    compiles the partitionable threefry, JAX's default, about 3x slower (about 1 s per
-    random tensor on 2 cores), and the parameter initialisers of `Updater.init` and
-    of Flax's `model.init` dominate a smoke run's compile time. It changes the random
-    values, not the work of a step; each run records the setting.
-    """
+def subprocess_env(num_devices: int) -> dict[str, str]:
+    """The environment that gives a subprocess `num_devices` devices (see the module doc)."""
     env = dict(os.environ)
-    if quick:
-        env.setdefault("JAX_THREEFRY_PARTITIONABLE", "0")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={num_devices}"
     env.pop("JAX_NUM_CPU_DEVICES", None)
@@ -310,7 +307,7 @@ def _run_device_count(args: argparse.Namespace, argv: list[str], num_devices: in
     try:
         completed = subprocess.run(
             command,
-            env=subprocess_env(num_devices, args.quick),
+            env=subprocess_env(num_devices),
             cwd=core.REPO_ROOT,
             stdout=sys.stderr,
             timeout=args.timeout_s,
