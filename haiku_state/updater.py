@@ -23,6 +23,7 @@ wrapped once in `jax.pmap` with the train state's buffers donated:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -59,10 +60,15 @@ class TrainState(NamedTuple):
 
 
 class LossScaledOptState(NamedTuple):
-    """`opt_state` of an Updater with loss scaling: the optimizer's and the scale."""
+    """`opt_state` of an Updater with loss scaling: the optimizer's, and the scale as arrays.
+
+    Plain arrays (not a `jmp` object) so that Orbax and `jit` lowering can rebuild
+    the tree with placeholders; the Updater turns them back into its `jmp` scale.
+    """
 
     optimizer: optax.OptState
-    loss_scale: jmp.LossScale
+    loss_scale: jax.Array  # float32 scalar
+    good_steps: jax.Array  # int32 scalar: finite steps since the last change (dynamic scale)
 
 
 def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0) -> jax.Array:
@@ -242,7 +248,11 @@ class Updater:
         state = _pmean_floating(state, self._axis_name)
         opt_state = self._optimizer.init(params)
         if self._loss_scale is not None:
-            opt_state = LossScaledOptState(opt_state, self._loss_scale)
+            opt_state = LossScaledOptState(
+                opt_state,
+                jnp.asarray(self._loss_scale.loss_scale, jnp.float32),
+                jnp.zeros((), jnp.int32),
+            )
         return params, state, opt_state
 
     def _loss(self, params, state, key, batch, loss_scale):
@@ -271,7 +281,7 @@ class Updater:
         if self._augment_fn is not None:
             batch = self._augment_fn(augment_key, batch)
         scaled = isinstance(opt_state, LossScaledOptState)
-        loss_scale = opt_state.loss_scale if scaled else jmp.NoOpLossScale()
+        loss_scale = self._rebuild_loss_scale(opt_state) if scaled else jmp.NoOpLossScale()
         optimizer_state = opt_state.optimizer if scaled else opt_state
 
         grad_fn = jax.grad(self._loss, has_aux=True)
@@ -290,12 +300,25 @@ class Updater:
                 (new_params, new_state, new_optimizer_state),
                 (params, state, optimizer_state),
             )
-            new_opt_state = LossScaledOptState(new_optimizer_state, loss_scale.adjust(grads_finite))
+            adjusted = loss_scale.adjust(grads_finite)
+            good_steps = getattr(adjusted, "counter", opt_state.good_steps)
+            new_opt_state = LossScaledOptState(
+                new_optimizer_state,
+                jnp.asarray(adjusted.loss_scale, jnp.float32),
+                jnp.asarray(good_steps, jnp.int32),
+            )
             metrics["loss_scale"] = loss_scale.loss_scale
         else:
             new_opt_state = new_optimizer_state
         metrics = jax.lax.pmean(metrics, self._axis_name)
         return TrainState(new_params, new_state, new_opt_state, rng, step + 1), metrics
+
+    def _rebuild_loss_scale(self, opt_state: LossScaledOptState) -> jmp.LossScale:
+        if isinstance(self._loss_scale, jmp.DynamicLossScale):
+            return dataclasses.replace(
+                self._loss_scale, loss_scale=opt_state.loss_scale, counter=opt_state.good_steps
+            )
+        return jmp.StaticLossScale(opt_state.loss_scale)
 
     def _evaluate_per_device(self, train_state: TrainState, batch):
         outputs, _ = self._forward.apply(
