@@ -49,8 +49,7 @@ _CPU_DEVICES = flags.DEFINE_integer(
     lower_bound=1,
 )
 
-REQUIRED_KEYS = (
-    "seed",
+POSITIVE_INT_KEYS = (
     "steps",
     "batch_size",
     "eval_batch_size",
@@ -58,6 +57,10 @@ REQUIRED_KEYS = (
     "eval_every",
     "check_every",
     "checkpoint_every",
+)
+REQUIRED_KEYS = (
+    "seed",
+    *POSITIVE_INT_KEYS,
     "max_to_keep",
     "label_smoothing",
     "optimizer",
@@ -97,15 +100,7 @@ def validate_config(config: Any, num_devices: int) -> None:
     missing = [key for key in REQUIRED_KEYS if key not in config]
     if missing:
         raise ValueError(f"Config lacks the keys {missing}; every experiment has {REQUIRED_KEYS}.")
-    for key in (
-        "steps",
-        "batch_size",
-        "eval_batch_size",
-        "log_every",
-        "eval_every",
-        "check_every",
-        "checkpoint_every",
-    ):
+    for key in POSITIVE_INT_KEYS:
         if config[key] < 1:
             raise ValueError(f"config.{key}={config[key]} must be a positive integer.")
     for key in ("batch_size", "eval_batch_size"):
