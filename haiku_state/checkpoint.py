@@ -7,13 +7,23 @@ the items
 * `params`, `state`, `opt_state`: standard Orbax pytree checkpoints of the
   UNREPLICATED trees (device axis dropped: every replica is identical), so a
   checkpoint does not depend on the number of devices that wrote it;
-* `rng`: `{"key_data": uint32 [devices, ...]}`, the per-device PRNG keys as
+* `rng`: `{"key_data": uint32 [devices, ...]}`, the per-device PRNG keys of
+  every device of every process, in global device order, as
   `jax.random.key_data` (raw key data is the portable form of typed keys);
 * `step`: JSON `{"step": int, "key_impl": str, "empty_items": [...]}`, what a
   restore needs besides the arrays (Orbax refuses to write a tree without
   arrays, e.g. plain SGD's opt_state; such an item is listed, not written);
 * `metadata`: JSON with `package_versions`, `device_count` and whatever the
   caller adds (the experiment config); informational, restore never needs it.
+
+Multi-process runs (`jax.distributed`). Every process calls `save` and
+`restore` at the same steps. The trees are host copies that are identical on
+every process, so Orbax writes them once, from process 0, and every process
+reads them back; the keys are gathered from every process first. A checkpoint
+therefore does not depend on how the devices were spread over processes, and
+restores on any process count. Orbax's barriers then go through the
+`jax.distributed` client rather than device collectives, because the writes
+run in a background thread beside the training step's collectives.
 
 Completeness. On a local filesystem Orbax writes a step into
 `<step>.orbax-checkpoint-tmp`, writes `commit_success.txt` into it and renames
@@ -51,7 +61,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
+from absl import flags, logging
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -140,6 +150,13 @@ class Checkpointer:
         self._axis_name = axis_name
         self._damaged_steps: set[int] = set()
         self._saving_step: int | None = None
+        if async_save and jax.process_count() > 1 and not _use_client_barriers():
+            logging.warning(
+                "Multi-process run without parsed absl flags: Orbax's barriers would be "
+                "device collectives, which must not run in a background thread. Checkpoints "
+                "are written synchronously; run under absl.app to write them asynchronously."
+            )
+            async_save = False
         # One writer thread: `save` hands it host copies and returns. Orbax's own async
         # mode starts a dozen threads per save in the caller's thread, which blocked the
         # training loop for about a third of a synchronous save.
@@ -190,7 +207,8 @@ class Checkpointer:
         """Starts writing `train_state` as the checkpoint of its step.
 
         `train_state` is the replicated state the `Updater` returns; device 0's
-        copy of params, state and opt_state is written, and every device's key.
+        copy of params, state and opt_state is written, and every device's key
+        (of every process: in a multi-process run every process must call it).
         The caller may donate `train_state` to the next step as soon as this
         returns: device 0's copy of every leaf (and every device's key) is copied
         into fresh host memory first, in one batched transfer.
@@ -224,7 +242,7 @@ class Checkpointer:
             jax.tree.structure(train_state._replace(rng=())),
             [np.array(leaf[0], copy=True) for leaf in first_replica],
         )
-        key_data = np.array(jax.device_get(jax.random.key_data(rng)), copy=True)
+        key_data = np.array(replication.global_key_data(rng), copy=True)
         step = int(jax.device_get(unreplicated.step))
         num_devices = key_data.shape[0]
         full_metadata = {
@@ -505,21 +523,47 @@ class Checkpointer:
         return train_state
 
     def _device_keys(self, key_data: jax.Array, key_impl: str, step: int) -> jax.Array:
-        """Typed per-device keys: the saved ones, or re-derived for a new device count."""
+        """This process's typed per-device keys: the saved ones, or re-derived for a new count.
+
+        `key_data` holds a key per global device of the run that saved it; with the
+        same global device count, this process takes the rows of its own devices.
+        """
         num_devices = jax.local_device_count()
+        first_index = jax.process_index() * num_devices
         keys = jax.random.wrap_key_data(key_data, impl=key_impl)
-        if keys.shape[0] != num_devices:
+        if keys.shape[0] == jax.device_count():
+            keys = keys[first_index : first_index + num_devices]
+        else:
             logging.warning(
-                "Checkpoint step %d holds PRNG keys for %d devices but this process has %d: "
+                "Checkpoint step %d holds PRNG keys for %d devices but this run has %d: "
                 "re-deriving the per-device keys as fold_in(saved key of device 0, global "
                 "device index) (haiku_state.updater.per_device_keys). Deterministic, but a "
                 "different random stream from the run that saved it.",
                 step,
                 keys.shape[0],
-                num_devices,
+                jax.device_count(),
             )
-            keys = per_device_keys(keys[0], num_devices, jax.process_index() * num_devices)
+            keys = per_device_keys(keys[0], num_devices, first_index)
         return jax.device_put(keys, replication.device_axis_sharding(self._axis_name))
+
+
+def _use_client_barriers() -> bool:
+    """Makes Orbax synchronise processes through the `jax.distributed` client.
+
+    Orbax's default barrier is a device collective. Called from the writer thread
+    while the main thread dispatches training steps, it could interleave with the
+    step's collectives in a different order on each process and deadlock; the
+    client's barriers are safe from any thread. Orbax reads the choice from an
+    absl flag, so it takes effect only once flags are parsed (as under `app.run`).
+
+    Returns:
+      Whether Orbax will use the client's barriers.
+    """
+    try:
+        flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+        return bool(flags.FLAGS.experimental_orbax_use_distributed_barrier)
+    except flags.UnparsedFlagAccessError:
+        return False
 
 
 def _path_names(path: tuple) -> tuple[str, ...]:

@@ -196,8 +196,28 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
     return num_examples // batch_size
 
 
+def _check_process(batch_size: int, process_index: int, process_count: int, where: str) -> int:
+    """Validates a process's share of a global batch and returns its size."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"{where}: process_index={process_index} must be in [0, process_count={process_count})."
+        )
+    if batch_size % process_count:
+        raise ValueError(
+            f"{where}: batch_size={batch_size} is not divisible by the {process_count} "
+            "processes; every process loads an equal slice of each global batch."
+        )
+    return batch_size // process_count
+
+
 def train_batches(
-    split: Split, batch_size: int, *, seed: int, start_step: int = 0
+    split: Split,
+    batch_size: int,
+    *,
+    seed: int,
+    start_step: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
 ) -> Iterator[Batch]:
     """An endless stream of shuffled training batches, resumable at any step.
 
@@ -206,18 +226,26 @@ def train_batches(
     `k % steps_per_epoch` of epoch `k // steps_per_epoch`, so starting at
     `start_step` computes only that epoch's permutation and nothing before it.
 
+    In a multi-process run each process yields only its own contiguous slice of
+    every global batch (process `p` gets rows `[p * B / P, (p + 1) * B / P)`), and
+    gathers nothing else. Sharded over its local devices, global device `g` then
+    sees the same rows whatever the number of processes.
+
     Args:
       split: the examples to draw from.
-      batch_size: the global (host) batch size.
+      batch_size: the global batch size, over all processes.
       seed: fixes the shuffle of every epoch.
       start_step: the first step to yield, e.g. the step a checkpoint was saved at.
+      process_index: this process's index, `jax.process_index()`.
+      process_count: the number of processes, `jax.process_count()`.
 
     Returns:
-      An iterator of `{"image": [B, H, W, C] float32, "label": [B] int32}`.
+      An iterator of `{"image": [B / P, H, W, C] float32, "label": [B / P] int32}`.
 
     Raises:
-      ValueError: if `batch_size` is not in `[1, N]` or `start_step` is negative
-        (raised here, not at the first `next`).
+      ValueError: if `batch_size` is not in `[1, N]` or not divisible by
+        `process_count`, or `start_step` is negative (raised here, not at the
+        first `next`).
     """
     num_examples = len(split.labels)
     if not 1 <= batch_size <= num_examples:
@@ -227,49 +255,63 @@ def train_batches(
         )
     if start_step < 0:
         raise ValueError(f"train_batches: start_step must be >= 0, got {start_step}.")
-    return _train_batches(split, batch_size, seed, start_step)
+    local_size = _check_process(batch_size, process_index, process_count, "train_batches")
+    return _train_batches(
+        split, batch_size, seed, start_step, process_index * local_size, local_size
+    )
 
 
-def _train_batches(split: Split, batch_size: int, seed: int, start_step: int) -> Iterator[Batch]:
+def _train_batches(
+    split: Split, batch_size: int, seed: int, start_step: int, offset: int, local_size: int
+) -> Iterator[Batch]:
     num_examples = len(split.labels)
     steps = steps_per_epoch(num_examples, batch_size)
     epoch, first_step_in_epoch = divmod(start_step, steps)
     while True:
         order = np.random.default_rng([seed, epoch]).permutation(num_examples)
         for step_in_epoch in range(first_step_in_epoch, steps):
-            index = order[step_in_epoch * batch_size : (step_in_epoch + 1) * batch_size]
+            start = step_in_epoch * batch_size + offset
+            index = order[start : start + local_size]
             yield {"image": split.images[index], "label": split.labels[index]}
         epoch, first_step_in_epoch = epoch + 1, 0
 
 
-def eval_batches(split: Split, batch_size: int) -> Iterator[Batch]:
+def eval_batches(
+    split: Split, batch_size: int, *, process_index: int = 0, process_count: int = 1
+) -> Iterator[Batch]:
     """One ordered pass over every example, in batches of exactly `batch_size`.
 
     The last batch is padded by repeating the split's last example, so every batch
     has the same shape (one compilation) and the batch splits evenly over devices.
     `"mask"` is 1.0 for real examples and 0.0 for padding; weighting metrics by it
-    makes their average over the pass exact.
+    makes their average over the pass exact. In a multi-process run each process
+    yields its own contiguous slice of every global batch, as `train_batches` does.
 
     Args:
       split: the examples to evaluate on.
-      batch_size: the global (host) batch size.
+      batch_size: the global batch size, over all processes.
+      process_index: this process's index, `jax.process_index()`.
+      process_count: the number of processes, `jax.process_count()`.
 
     Returns:
-      An iterator of `{"image": [B, H, W, C] float32, "label": [B] int32,
-      "mask": [B] float32}`, `ceil(N / B)` batches long.
+      An iterator of `{"image": [B / P, H, W, C] float32, "label": [B / P] int32,
+      "mask": [B / P] float32}`, `ceil(N / B)` batches long.
 
     Raises:
-      ValueError: if `batch_size` is not positive (raised here, not at the first `next`).
+      ValueError: if `batch_size` is not positive or not divisible by
+        `process_count` (raised here, not at the first `next`).
     """
     if batch_size < 1:
         raise ValueError(f"eval_batches: batch_size must be positive, got {batch_size}.")
-    return _eval_batches(split, batch_size)
+    local_size = _check_process(batch_size, process_index, process_count, "eval_batches")
+    return _eval_batches(split, batch_size, process_index * local_size, local_size)
 
 
-def _eval_batches(split: Split, batch_size: int) -> Iterator[Batch]:
+def _eval_batches(split: Split, batch_size: int, offset: int, local_size: int) -> Iterator[Batch]:
     num_examples = len(split.labels)
-    for start in range(0, num_examples, batch_size):
-        positions = np.arange(start, start + batch_size)
+    for global_start in range(0, num_examples, batch_size):
+        start = global_start + offset
+        positions = np.arange(start, start + local_size)
         is_real = positions < num_examples
         index = np.minimum(positions, num_examples - 1)
         yield {

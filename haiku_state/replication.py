@@ -9,7 +9,9 @@ to a pmapped function every step without being copied again.
 
 The assertions at the bottom verify the invariants a data-parallel run relies
 on: every replica of params, state and opt_state is bit-identical, and every
-device draws from a different PRNG key.
+device draws from a different PRNG key. In a multi-process run
+(`jax.distributed`) they compare the devices of every process, not only the
+local ones; they are then collectives, which every process must call alike.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 PyTree = Any
@@ -31,6 +34,17 @@ DEFAULT_AXIS_NAME = "i"
 def local_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
     """A one-axis mesh over this process's devices, as `jax.pmap` lays them out."""
     return Mesh(np.array(jax.local_devices()), (axis_name,))
+
+
+@functools.cache
+def global_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
+    """A one-axis mesh over the devices of every process, in the order pmap numbers them.
+
+    Process by process, so device `k` of process `p` has the global index
+    `p * local_device_count + k` (what `lax.axis_index` returns inside pmap). In a
+    single process it equals `local_mesh`.
+    """
+    return Mesh(np.array(jax.devices()), (axis_name,))
 
 
 def device_axis_sharding(axis_name: str = DEFAULT_AXIS_NAME) -> NamedSharding:
@@ -141,16 +155,31 @@ def assert_replicas_identical(tree: PyTree) -> None:
     """Asserts that all replicas (slices along the leading axis) are bit-identical.
 
     The comparison runs on device and only a boolean per leaf and device comes
-    back to the host, so it is cheap enough to run every few hundred steps.
+    back to the host, so it is cheap enough to run every few hundred steps. In a
+    multi-process run every leaf must have the local device axis (a `TrainState`
+    does), and each device is compared with device 0 of process 0 across all
+    processes; every process must call it, and every process raises alike.
 
     Raises:
       AssertionError: naming the first leaf path whose replicas differ, the
-        devices that differ from device 0, and chex's element-wise report.
+        devices that differ from device 0, and (single process) chex's
+        element-wise report.
     """
     if not _device_axis_size(tree, "assert_replicas_identical"):
         return  # An empty tree (a stateless model's state) has nothing to differ.
     leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
-    mismatch = jax.device_get(_replica_mismatch([leaf for _, leaf in leaves_with_paths]))
+    leaves = [leaf for _, leaf in leaves_with_paths]
+    if jax.process_count() > 1:
+        mismatch = jax.device_get(_global_replica_mismatch(leaves))
+        for (path, _), differs in zip(leaves_with_paths, mismatch, strict=True):
+            if np.any(differs):
+                raise AssertionError(
+                    f"Replicas differ at leaf {jax.tree_util.keystr(path) or '<root>'}: global "
+                    f"devices {np.flatnonzero(differs).tolist()} differ from global device 0 "
+                    f"(process 0) across the {jax.process_count()} processes."
+                )
+        return
+    mismatch = jax.device_get(_replica_mismatch(leaves))
     for (path, leaf), differs in zip(leaves_with_paths, mismatch, strict=True):
         if not np.any(differs):
             continue
@@ -167,6 +196,50 @@ def assert_replicas_identical(tree: PyTree) -> None:
         )
 
 
+_CHECK_AXIS = "replicas"
+
+
+def _differs_from_global_device_0(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Per leaf: `[global_devices]` booleans, does this device's copy differ from device 0's?
+
+    Runs per device under pmap, whose axis spans every process: device 0's bits
+    reach every device through a psum in which only device 0 contributes (exact
+    for integers), so nothing but one boolean per leaf and device is gathered.
+    """
+
+    def differs(x):
+        bits = _leaf_bits(x)
+        if bits.dtype.itemsize < 4:  # bool, 8- and 16-bit: widen losslessly for the psum.
+            signed = jnp.issubdtype(bits.dtype, jnp.signedinteger)
+            bits = bits.astype(jnp.int32 if signed else jnp.uint32)
+        is_first = jax.lax.axis_index(_CHECK_AXIS) == 0
+        first = jax.lax.psum(jnp.where(is_first, bits, jnp.zeros_like(bits)), _CHECK_AXIS)
+        return jax.lax.all_gather(jnp.any(bits != first), _CHECK_AXIS)
+
+    return [differs(x) for x in leaves]
+
+
+_global_replica_mismatch = jax.pmap(
+    _differs_from_global_device_0, axis_name=_CHECK_AXIS, out_axes=None
+)
+
+
+def global_key_data(keys: jax.Array) -> np.ndarray:
+    """The raw data of every process's per-device keys, `[global_devices, ...]`, on the host.
+
+    In a single process this is `key_data(keys)`; in a multi-process run it is a
+    collective (every process must call it) that concatenates the processes'
+    keys in process order, so row `g` is the key of global device `g`.
+
+    Args:
+      keys: typed keys `[local_devices]`, or raw key data `[local_devices, ...]`.
+    """
+    data = jax.random.key_data(keys) if _is_key(keys) else keys
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(data))
+    return np.asarray(multihost_utils.process_allgather(data, tiled=True))
+
+
 def _is_key(x) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -174,21 +247,24 @@ def _is_key(x) -> bool:
 def assert_keys_distinct(keys: jax.Array) -> None:
     """Asserts that every device holds a different PRNG key.
 
+    In a multi-process run the keys of every process are gathered first
+    (`global_key_data`), so keys must differ across all devices of all processes;
+    every process must call it.
+
     Args:
       keys: typed keys of shape `[devices]`, or raw uint32 key data of shape
         `[devices, ...]`.
 
     Raises:
-      AssertionError: naming the first pair of devices whose keys are equal.
+      AssertionError: naming the first pair of (global) devices whose keys are equal.
     """
     key_ndim = np.ndim(keys) if _is_key(keys) else np.ndim(keys) - 1
-    data = jax.random.key_data(keys) if _is_key(keys) else keys
-    data = np.asarray(jax.device_get(data))
     if key_ndim < 1:
         raise ValueError(
             f"assert_keys_distinct: expected keys with a leading device axis, got shape "
-            f"{data.shape}."
+            f"{np.shape(jax.random.key_data(keys) if _is_key(keys) else keys)}."
         )
+    data = global_key_data(keys)
     flat = data.reshape(data.shape[0], -1)
     first_seen: dict[bytes, int] = {}
     for device, row in enumerate(flat):

@@ -6,6 +6,13 @@ r"""Trains or evaluates an experiment: the wiring of config, data, Updater, chec
 A run in a workdir that holds checkpoints resumes from the latest complete one
 and continues exactly as an uninterrupted run would. SIGTERM or SIGINT finishes
 the step in flight, saves a checkpoint at that step and exits cleanly.
+
+Multi-process (multi-host) runs use JAX's own runtime: start one process per
+host (or per GPU) with `--coordinator_address=HOST:PORT --num_processes=N
+--process_id=K`, or `--multihost` alone where `jax.distributed.initialize()`
+detects them (SLURM, TPU pods). Every process loads its own slice of each
+global batch; only process 0 logs and writes metrics; checkpoints are written
+once, for all processes, and restore on any process count.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import jmp
 import numpy as np
 import optax
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from haiku_state import checkpoint, data, losses, models, optim, replication, summaries
@@ -47,6 +55,26 @@ _CPU_DEVICES = flags.DEFINE_integer(
     None,
     "Number of CPU devices to simulate when running on the CPU (ignored on GPU/TPU).",
     lower_bound=1,
+)
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "Multi-process runs: HOST:PORT of process 0, where jax.distributed's coordinator listens.",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-process runs: the number of processes.", lower_bound=1
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id",
+    None,
+    "Multi-process runs: this process's index in [0, num_processes).",
+    lower_bound=0,
+)
+_MULTIHOST = flags.DEFINE_bool(
+    "multihost",
+    False,
+    "Call jax.distributed.initialize() and let it detect the cluster (SLURM, TPU pods, "
+    "Kubernetes) for whatever --coordinator_address/--num_processes/--process_id omit.",
 )
 
 POSITIVE_INT_KEYS = (
@@ -91,8 +119,14 @@ def _config_keys(config: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def validate_config(config: Any, num_devices: int) -> None:
+def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
     """Rejects a config that cannot run, naming the bad value, before anything runs.
+
+    Args:
+      config: the experiment config.
+      num_devices: the devices of the whole run (`jax.device_count()`), over which
+        the global batches are split.
+      num_processes: the processes of the run (`jax.process_count()`).
 
     Raises:
       ValueError: for a missing key or a value out of range.
@@ -103,11 +137,16 @@ def validate_config(config: Any, num_devices: int) -> None:
     for key in POSITIVE_INT_KEYS:
         if config[key] < 1:
             raise ValueError(f"config.{key}={config[key]} must be a positive integer.")
+    devices = (
+        f"{num_devices} local devices"
+        if num_processes == 1
+        else f"{num_devices} devices of the {num_processes} processes"
+    )
     for key in ("batch_size", "eval_batch_size"):
         if config[key] % num_devices:
             raise ValueError(
-                f"config.{key}={config[key]} is not divisible by the {num_devices} local "
-                f"devices; use a multiple of {num_devices}."
+                f"config.{key}={config[key]} is not divisible by the {devices}; use a "
+                f"multiple of {num_devices}."
             )
     if config.max_to_keep is not None and config.max_to_keep < 1:
         raise ValueError(f"config.max_to_keep={config.max_to_keep} must be >= 1 or None.")
@@ -195,13 +234,22 @@ def build_experiment(config: Any) -> Experiment:
 
 
 def _placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
-    """A sharded all-zeros batch: the shapes `Updater.init` needs, before any data is read."""
+    """A sharded all-zeros batch: the shapes `Updater.init` needs, before any data is read.
+
+    `batch_size` is global: this process's slice of it is what its devices see.
+    """
+    local_batch_size = batch_size // jax.process_count()
     return replication.shard(
         {
-            "image": np.zeros((batch_size, *dataset.image_shape), np.float32),
-            "label": np.zeros((batch_size,), np.int32),
+            "image": np.zeros((local_batch_size, *dataset.image_shape), np.float32),
+            "label": np.zeros((local_batch_size,), np.int32),
         }
     )
+
+
+def _this_process() -> dict[str, int]:
+    """The data-slicing arguments of `data.train_batches` / `data.eval_batches`."""
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
 
 
 def evaluate_split(
@@ -209,7 +257,7 @@ def evaluate_split(
 ) -> dict[str, float]:
     """Exact mean metrics over every example of `split` (padding excluded)."""
     per_batch = []
-    batches = data.prefetch_to_device(data.eval_batches(split, batch_size))
+    batches = data.prefetch_to_device(data.eval_batches(split, batch_size, **_this_process()))
     for batch in batches:
         if per_batch:
             jax.block_until_ready(per_batch[-1])  # At most two evaluations in flight.
@@ -227,11 +275,27 @@ def evaluate_split(
 
 
 class _StopRequest:
-    """Turns SIGTERM/SIGINT into a flag the loop reads between steps."""
+    """Turns SIGTERM/SIGINT into a decision the loop reads between steps.
 
-    def __init__(self):
+    In a multi-process run every process must stop at the same step (the save is
+    collective), but a signal may reach only some of them. There the processes
+    agree, every `agree_every` steps (when the loop fetches metrics anyway), on
+    whether any of them was signalled; a single process stops at the next step.
+    """
+
+    def __init__(self, agree_every: int):
         self.signal_name: str | None = None
+        self._agree_every = agree_every
         self._previous = {}
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to save and stop before running `step` (the same on every process)."""
+        if jax.process_count() == 1:
+            return self.signal_name is not None
+        if step % self._agree_every:
+            return False
+        signalled = np.int32(self.signal_name is not None)
+        return bool(np.any(multihost_utils.process_allgather(signalled)))
 
     def __enter__(self):
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -281,8 +345,11 @@ def _run_metadata(config: Any) -> dict[str, Any]:
 
 
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
-    """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval."""
-    validate_config(config, jax.local_device_count())
+    """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval.
+
+    In a multi-process run every process calls it with the same config and workdir.
+    """
+    validate_config(config, jax.device_count(), jax.process_count())
     experiment = build_experiment(config)
     updater, dataset = experiment.updater, experiment.dataset
 
@@ -295,12 +362,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         train_state = restored
     start_step = int(jax.device_get(train_state.step.addressable_data(0))[0])
     logging.info(
-        "%s at step %d of %d on %d %s device(s); workdir %s.",
+        "%s at step %d of %d on %d %s device(s) in %d process(es); workdir %s.",
         "Resuming" if restored is not None else "Starting",
         start_step,
         config.steps,
-        jax.local_device_count(),
+        jax.device_count(),
         jax.default_backend(),
+        jax.process_count(),
         workdir,
     )
     writer = summaries.MetricWriter(workdir, config.steps, enabled=jax.process_index() == 0)
@@ -319,18 +387,24 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
 
     batches: Iterator[Any] = data.prefetch_to_device(
         data.train_batches(
-            dataset.train, config.batch_size, seed=config.seed, start_step=start_step
+            dataset.train,
+            config.batch_size,
+            seed=config.seed,
+            start_step=start_step,
+            **_this_process(),
         )
     )
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched.
     window_start, window_step = time.monotonic(), start_step
     step = start_step
     try:
-        with _StopRequest() as stop:
+        with _StopRequest(agree_every=config.log_every) as stop:
             while step < config.steps:
-                if stop.signal_name:
+                if stop.should_stop(step):
                     logging.warning(
-                        "%s received: saving step %d and stopping.", stop.signal_name, step
+                        "%s received: saving step %d and stopping.",
+                        stop.signal_name or "A stop signal (on another process)",
+                        step,
                     )
                     _check_finite_losses(jax.device_get(pending), checkpointer.latest_step())
                     save(step)
@@ -386,7 +460,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
 
 def evaluate_checkpoint(config: Any, workdir: str) -> dict[str, float]:
     """Loads the latest checkpoint of `workdir` and evaluates it on the test split."""
-    validate_config(config, jax.local_device_count())
+    validate_config(config, jax.device_count(), jax.process_count())
     experiment = build_experiment(config)
     like = experiment.updater.init(
         config.seed, _placeholder_batch(experiment.dataset, config.batch_size)
@@ -451,11 +525,74 @@ def _quiet_library_info_logs() -> None:
     logging.get_absl_handler().addFilter(keep)
 
 
+def initialize_distributed(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    auto_detect: bool = False,
+) -> None:
+    """Joins JAX's multi-process runtime when asked to; a no-op for a single process.
+
+    Must run before anything starts a JAX backend. With all three of
+    `coordinator_address`, `num_processes` and `process_id` the cluster is given
+    explicitly (any machine, CPU collectives through gloo); with `auto_detect`,
+    `jax.distributed.initialize` fills in whatever is missing from the cluster's
+    environment (SLURM, TPU pods, Kubernetes). Processes other than 0 then log
+    warnings and errors only.
+
+    Raises:
+      ValueError: for an incomplete or inconsistent set of arguments, before
+        anything connects.
+    """
+    explicit = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    given = {name: value for name, value in explicit.items() if value is not None}
+    if not given and not auto_detect:
+        return
+    if not auto_detect and len(given) < len(explicit):
+        missing = [f"--{name}" for name in explicit if name not in given]
+        raise ValueError(
+            f"Multi-process flags given ({', '.join(f'--{n}={v}' for n, v in given.items())}) "
+            f"but {', '.join(missing)} missing: pass all three, or --multihost to detect "
+            "the rest from the cluster (SLURM, TPU pods)."
+        )
+    if coordinator_address is not None:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
+                "10.0.0.1:1234 (the address of process 0)."
+            )
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(
+            f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
+        )
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    if jax.process_index() != 0:
+        logging.set_verbosity(logging.WARNING)
+    logging.info(
+        "Process %d of %d: %d local of %d devices.",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+
+
 def main(argv: list[str]) -> None:
     del argv
     _quiet_library_info_logs()
     if _CPU_DEVICES.value:
         jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    try:
+        initialize_distributed(
+            _COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MULTIHOST.value
+        )
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
     if jax.default_backend() == "cpu":
         # XLA:CPU compiles the partitionable threefry about 3x slower, and the parameter
         # initialisers dominate start-up (ResNet: 23 s -> 8 s). It changes which random

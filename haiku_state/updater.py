@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from haiku_state import replication
@@ -118,9 +119,11 @@ class Updater:
         (a `LossScaledOptState`), halves on non-finite gradients, whose step is
         then skipped on every device alike, and grows after a run of good steps.
       backend: `"pmap"`, or `"shard_map"` for the same per-device step written
-        with `jax.shard_map` under `jax.jit` over a one-axis `Mesh`: the modern
-        API that JAX itself now implements pmap with. Both take and return the
-        same `TrainState` layout, so checkpoints move freely between them.
+        with `jax.shard_map` under `jax.jit` over a one-axis `Mesh` of every
+        process's devices: the modern API that JAX itself now implements pmap
+        with. Both take and return the same `TrainState` layout (this process's
+        devices on the leading axis, also in a multi-process run), so
+        checkpoints move freely between them.
     """
 
     def __init__(
@@ -186,13 +189,23 @@ class Updater:
             outputs = per_device_fn(*jax.tree.map(lambda x: x[0], blocks))
             return jax.tree.map(add_device_axis, out_axes, outputs, is_leaf=is_axis)
 
-        mapped = jax.shard_map(
-            per_block,
-            mesh=replication.local_mesh(self._axis_name),
-            in_specs=device_axis,
-            out_specs=out_specs,
+        mesh = replication.global_mesh(self._axis_name)
+        mapped = jax.jit(
+            jax.shard_map(per_block, mesh=mesh, in_specs=device_axis, out_specs=out_specs),
+            donate_argnums=donate_argnums,
         )
-        return jax.jit(mapped, donate_argnums=donate_argnums)
+        if jax.process_count() == 1:
+            return mapped
+
+        def across_processes(*args):
+            # The TrainState holds this process's devices only, as pmap's does: view those
+            # buffers as one global array for the jit over every process's devices, and
+            # its results as local ones again. No data moves.
+            global_args = multihost_utils.host_local_array_to_global_array(args, mesh, device_axis)
+            outputs = mapped(*global_args)
+            return multihost_utils.global_array_to_host_local_array(outputs, mesh, out_specs)
+
+        return across_processes
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
         """Builds the initial, replicated `TrainState`.

@@ -243,6 +243,43 @@ def test_train_batches_refuse_a_negative_start_step():
         data.train_batches(_toy_split(10), 2, seed=0, start_step=-1)
 
 
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_train_batches_of_the_processes_concatenate_to_the_global_batch(process_count):
+    split = _toy_split(20)
+    global_batches = _take(data.train_batches(split, 8, seed=3, start_step=5), 4)
+    per_process = [
+        _take(
+            data.train_batches(
+                split, 8, seed=3, start_step=5, process_index=p, process_count=process_count
+            ),
+            4,
+        )
+        for p in range(process_count)
+    ]
+    for step, expected in enumerate(global_batches):
+        for name in ("image", "label"):
+            slices = [batches[step][name] for batches in per_process]
+            assert all(len(s) == 8 // process_count for s in slices)
+            np.testing.assert_array_equal(np.concatenate(slices), expected[name])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"process_index": 0, "process_count": 3}, "not divisible by the 3 processes"),
+        (
+            {"process_index": 2, "process_count": 2},
+            r"process_index=2 must be in \[0, process_count=2\)",
+        ),
+    ],
+)
+def test_batches_refuse_a_bad_process_slice(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        data.train_batches(_toy_split(10), 4, seed=0, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        data.eval_batches(_toy_split(10), 4, **kwargs)
+
+
 # Evaluation batches.
 
 
@@ -266,6 +303,19 @@ def test_eval_batches_without_remainder_have_no_padding():
     batches = list(data.eval_batches(_toy_split(8), 4))
     assert len(batches) == 2
     assert all(np.all(b["mask"] == 1) for b in batches)
+
+
+def test_eval_batches_of_the_processes_concatenate_to_the_global_batch():
+    split = _toy_split(10)
+    global_batches = list(data.eval_batches(split, 4))
+    per_process = [
+        list(data.eval_batches(split, 4, process_index=p, process_count=2)) for p in range(2)
+    ]
+    assert [len(batches) for batches in per_process] == [3, 3]
+    for step, expected in enumerate(global_batches):
+        for name in ("image", "label", "mask"):
+            got = np.concatenate([batches[step][name] for batches in per_process])
+            np.testing.assert_array_equal(got, expected[name])
 
 
 # Prefetching onto devices.

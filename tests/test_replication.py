@@ -193,6 +193,25 @@ class AssertReplicasIdenticalTest(chex.TestCase):
         with self.assertRaisesRegex(AssertionError, r"\['rng'\].*devices \[1, 2, 3\]"):
             hs.assert_replicas_identical({"params": np.zeros((NUM_DEVICES, 2)), "rng": keys})
 
+    def test_cross_process_comparison_flags_the_devices_the_local_one_flags(self):
+        # Multi-process runs compare every device with global device 0 inside a pmap
+        # over all processes' devices; in one process that pmap spans the 4 local ones.
+        tree = _replicated_tree()
+        tree["flags"] = hs.replicate(jnp.array([True, False]))
+        tree["half"] = hs.replicate(jnp.ones((2,), jnp.bfloat16))
+        perturbed = _with_replica_changed(tree, ("mlp/linear", "w"), 3, np.zeros((2, 3)))
+        perturbed["counter"][1] = 8
+        perturbed["flags"][2] = np.array([True, True])
+        perturbed["half"][1] = np.array([1, 2], jnp.bfloat16)
+        for candidate in (tree, perturbed):
+            leaves = jax.tree.leaves(candidate)
+            expected = jax.device_get(replication._replica_mismatch(leaves))
+            got = jax.device_get(replication._global_replica_mismatch(leaves))
+            for want, have in zip(expected, got, strict=True):
+                np.testing.assert_array_equal(have, want)
+        flagged = jax.device_get(replication._global_replica_mismatch(jax.tree.leaves(perturbed)))
+        assert sum(bool(np.any(f)) for f in flagged) == 4
+
     def test_replicas_identical_rejects_leaves_without_a_device_axis(self):
         with self.assertRaisesRegex(ValueError, "no leading device axis"):
             hs.assert_replicas_identical({"w": np.float32(1.0)})

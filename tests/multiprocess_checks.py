@@ -1,0 +1,59 @@
+"""One process of a multi-process check of the replica and key assertions.
+
+    python tests/multiprocess_checks.py PORT NUM_PROCESSES PROCESS_ID
+
+Run by `test_multiprocess.py` once per process, each with 2 simulated CPU
+devices. Every process prints one `RESULT <name> <outcome>` line per check, so
+the test can verify that all processes reach the same verdict (a check that
+raised on one process only would leave the others waiting in the next
+collective).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def outcome(check) -> str:
+    try:
+        check()
+    except AssertionError as e:
+        return "raised: " + str(e).replace("\n", " ")
+    return "passed"
+
+
+def main(port: int, num_processes: int, process_id: int) -> None:
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
+    import haiku_state as hs
+
+    tree = hs.replicate({"w": jnp.arange(6.0).reshape(2, 3), "count": jnp.int32(7)})
+    print("RESULT identical", outcome(lambda: hs.assert_replicas_identical(tree)), flush=True)
+
+    # The last device of the last process holds a copy that differs in one element.
+    local = np.array(jax.device_get(tree["w"]))
+    if process_id == num_processes - 1:
+        local[-1, 0, 0] += 1e-6
+    perturbed = {"w": hs.shard(local.reshape(-1, 3)), "count": tree["count"]}
+    print("RESULT perturbed", outcome(lambda: hs.assert_replicas_identical(perturbed)), flush=True)
+
+    # Keys distinct on each process but equal across processes (every process folds
+    # in local indices 0 and 1): only the cross-process comparison can catch it.
+    local_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+        jax.random.key(0), jnp.arange(jax.local_device_count())
+    )
+    print("RESULT keys_local", outcome(lambda: hs.assert_keys_distinct(local_keys)), flush=True)
+    global_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+        jax.random.key(0),
+        jnp.arange(jax.local_device_count()) + process_id * jax.local_device_count(),
+    )
+    print("RESULT keys_global", outcome(lambda: hs.assert_keys_distinct(global_keys)), flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*(int(arg) for arg in sys.argv[1:4]))
