@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
 import pytest
@@ -19,7 +20,7 @@ import pytest
 import haiku_state as hs
 from haiku_state import losses, models
 from haiku_state.checkpoint import Checkpointer, package_versions
-from haiku_state.updater import per_device_keys
+from haiku_state.updater import LossScaledOptState, per_device_keys
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
 # they surface as unraisable exceptions whenever garbage collection runs, in any later test.
@@ -202,6 +203,32 @@ def test_resume_continues_bit_identically(setup, tmp_path):
         restored = checkpointer.restore(setup.init(seed=7))
     assert int(restored.step[0]) == 3
     resumed = setup.train(restored, setup.batches[3:])
+
+    _assert_bit_identical(resumed, uninterrupted)
+
+
+def test_float16_run_with_dynamic_loss_scale_resumes_bit_identically(tmp_path):
+    # The loss scale lives in opt_state (LossScaledOptState) and must survive Orbax.
+    network = models.make_network(
+        "mlp", 10, cross_replica_axis="i", hidden_sizes=(16,), precision="float16"
+    )
+    updater = hs.Updater(
+        network,
+        optax.sgd(0.1, momentum=0.9),
+        losses.classification_loss(10),
+        loss_scale=jmp.DynamicLossScale(jnp.float32(2**15), period=2),
+    )
+    half = Setup(updater, [_make_batch(seed) for seed in range(6)])
+    uninterrupted = _host_copy(half.train(half.init(), half.batches))
+
+    first_half = half.train(half.init(), half.batches[:3])
+    assert isinstance(first_half.opt_state, LossScaledOptState)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(first_half)
+    with Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(half.init(seed=7))
+    _assert_bit_identical(restored.opt_state, _host_copy(first_half.opt_state))
+    resumed = half.train(restored, half.batches[3:])
 
     _assert_bit_identical(resumed, uninterrupted)
 
