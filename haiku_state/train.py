@@ -474,11 +474,12 @@ def evaluate_checkpoint(config: Any, workdir: str) -> dict[str, float]:
     metrics = evaluate_split(
         experiment.updater, train_state, experiment.dataset.test, config.eval_batch_size
     )
-    print(
-        f"Eval of {directory} at step {step}: "
-        + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-        flush=True,
-    )
+    if jax.process_index() == 0:
+        print(
+            f"Eval of {directory} at step {step}: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+            flush=True,
+        )
     return metrics
 
 
