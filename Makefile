@@ -7,10 +7,13 @@ EXP ?= resnet
 WORKDIR ?= runs/$(EXP)
 DEVICES ?= 2
 ARGS ?=
+# train-multiprocess: local processes joined by jax.distributed, DEVICES simulated CPU devices each.
+PROCESSES ?= 2
+PORT ?= 12345
 # Test processes: each simulates 4 CPU devices.
 TEST_WORKERS ?= 2
 
-.PHONY: install test train eval bench bench-quick bench-plot lint format clean
+.PHONY: install test train train-multiprocess eval bench bench-quick bench-plot lint format clean
 
 install: $(STAMP)
 
@@ -26,6 +29,15 @@ test: install
 train: install
 	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) $(ARGS)
+
+train-multiprocess: install
+	@status=0; pids=""; \
+	for k in $$(seq 0 $$(($(PROCESSES) - 1))); do \
+		$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+			--cpu_devices=$(DEVICES) --coordinator_address=127.0.0.1:$(PORT) \
+			--num_processes=$(PROCESSES) --process_id=$$k $(ARGS) & pids="$$pids $$!"; \
+	done; \
+	for pid in $$pids; do wait $$pid || status=1; done; exit $$status
 
 eval: install
 	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
