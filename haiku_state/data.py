@@ -15,6 +15,7 @@ Augmentation runs on device, inside the pmapped step, on each device's shard.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue
@@ -25,7 +26,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from haiku_state import replication
 from haiku_state.replication import DEFAULT_AXIS_NAME, shard
 
 Batch = dict[str, Any]
@@ -344,6 +347,109 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> 
             yield item
     finally:
         stop.set()
+
+
+# `train.train_and_evaluate` keeps a training split of at most this many bytes (images and
+# labels) on every device and draws its batches there (`device_train_batches`); larger
+# splits go through the host pipeline (`train_batches` + `prefetch_to_device`).
+DEVICE_RESIDENT_MAX_BYTES = 128 * 2**20
+
+
+def fits_on_device(split: Split, max_bytes: int = DEVICE_RESIDENT_MAX_BYTES) -> bool:
+    """Whether `split` is small enough to keep a copy on every local device."""
+    return split.images.nbytes + split.labels.nbytes <= max_bytes
+
+
+def device_train_batches(
+    split: Split,
+    batch_size: int,
+    *,
+    seed: int,
+    start_step: int = 0,
+    axis_name: str = DEFAULT_AXIS_NAME,
+) -> Iterator[Batch]:
+    """The batches of `train_batches`, drawn on device from a device-resident split.
+
+    The split is transferred once, a full copy to every local device; each epoch's
+    permutation (the same `default_rng([seed, epoch])` permutation `train_batches`
+    draws) is transferred once per epoch. Each step is then one jitted gather that
+    every device runs on its own slice of the batch, dispatched asynchronously:
+    no host gather, no host-to-device copy of images, no background thread. On a
+    small machine those compete with the step for the cores and the GIL (on 2 CPU
+    cores the host pipeline cost the MLP example 20-25 % of its throughput).
+
+    Batch `k` holds exactly the examples of batch `k` of `train_batches(split,
+    batch_size, seed=seed)`, in the same order, laid out as `prefetch_to_device`
+    lays them out, so a run gives the same results with either pipeline. Use it
+    for splits that fit in device memory next to the model (`fits_on_device`).
+
+    Args:
+      split: the examples to draw from.
+      batch_size: the global (host) batch size, a multiple of the local device count.
+      seed: fixes the shuffle of every epoch, as in `train_batches`.
+      start_step: the first step to yield.
+      axis_name: the pmap axis name the batches are sharded along.
+
+    Returns:
+      An iterator of device batches `{"image": [devices, B // devices, H, W, C],
+      "label": [devices, B // devices]}`.
+
+    Raises:
+      ValueError: if `batch_size` is not in `[1, N]` or not a multiple of the local
+        device count, or `start_step` is negative (raised here, not at the first `next`).
+    """
+    num_examples = len(split.labels)
+    num_devices = jax.local_device_count()
+    if not 1 <= batch_size <= num_examples:
+        raise ValueError(
+            f"device_train_batches: batch_size={batch_size} must be between 1 and the "
+            f"{num_examples} examples of the split."
+        )
+    if batch_size % num_devices:
+        raise ValueError(
+            f"device_train_batches: batch_size={batch_size} is not divisible by the "
+            f"{num_devices} local devices."
+        )
+    if start_step < 0:
+        raise ValueError(f"device_train_batches: start_step must be >= 0, got {start_step}.")
+    return _device_train_batches(split, batch_size, seed, start_step, axis_name)
+
+
+def _gather_batch(
+    images: jax.Array,
+    labels: jax.Array,
+    order: jax.Array,
+    step_in_epoch: jax.Array,
+    *,
+    batch_size: int,
+    num_devices: int,
+) -> Batch:
+    """Batch `step_in_epoch` of the epoch permutation `order`, as `[devices, per_device]`."""
+    index = jax.lax.dynamic_slice_in_dim(order, step_in_epoch * batch_size, batch_size)
+    index = index.reshape(num_devices, batch_size // num_devices)
+    return {"image": images[index], "label": labels[index]}
+
+
+def _device_train_batches(
+    split: Split, batch_size: int, seed: int, start_step: int, axis_name: str
+) -> Iterator[Batch]:
+    num_examples = len(split.labels)
+    num_devices = jax.local_device_count()
+    on_every_device = NamedSharding(replication.local_mesh(axis_name), PartitionSpec())
+    images, labels = jax.device_put((split.images, split.labels), on_every_device)
+    gather = jax.jit(
+        functools.partial(_gather_batch, batch_size=batch_size, num_devices=num_devices),
+        # Each device's slice of the batch: the layout a pmapped step takes as it is.
+        out_shardings=replication.device_axis_sharding(axis_name),
+    )
+    steps = steps_per_epoch(num_examples, batch_size)
+    epoch, first_step_in_epoch = divmod(start_step, steps)
+    while True:
+        permutation = np.random.default_rng([seed, epoch]).permutation(num_examples)
+        order = jax.device_put(permutation.astype(np.int32), on_every_device)
+        for step_in_epoch in range(first_step_in_epoch, steps):
+            yield gather(images, labels, order, np.int32(step_in_epoch))
+        epoch, first_step_in_epoch = epoch + 1, 0
 
 
 def random_shift(key: jax.Array, images: jax.Array, max_shift: int) -> jax.Array:
