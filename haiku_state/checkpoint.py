@@ -45,8 +45,6 @@ import functools
 import importlib.metadata
 import json
 import os
-import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -88,25 +86,6 @@ def package_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
-
-
-def _lower_thread_priority() -> None:
-    """Gives the calling thread (and the threads it starts) the lowest CPU priority, on Linux.
-
-    The asynchronous writer runs Orbax's Python and its helper threads while the
-    training loop dispatches steps: on a small machine (2 CPU cores) they took
-    the cores from the loop, which ran the 50 steps after a save 1.5-2x slower.
-    At the lowest priority the write uses the cycles the loop leaves idle and
-    finishes a little later instead. Linux sets the nice value per thread (new
-    threads inherit it); elsewhere `setpriority` would renice the whole process,
-    so this does nothing there.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError as e:  # E.g. a sandbox that forbids it: the write only runs at normal priority.
-        logging.info("Could not lower the checkpoint writer's priority: %s", e)
 
 
 class _DamagedCheckpointError(Exception):
@@ -165,9 +144,7 @@ class Checkpointer:
         # mode starts a dozen threads per save in the caller's thread, which blocked the
         # training loop for about a third of a synchronous save.
         self._writer = (
-            concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="checkpoint_writer", initializer=_lower_thread_priority
-            )
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint_writer")
             if async_save
             else None
         )
