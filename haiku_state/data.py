@@ -15,7 +15,6 @@ Augmentation runs on device, inside the pmapped step, on each device's shard.
 
 from __future__ import annotations
 
-import functools
 import os
 import pickle
 import queue
@@ -367,16 +366,19 @@ def device_train_batches(
     seed: int,
     start_step: int = 0,
     axis_name: str = DEFAULT_AXIS_NAME,
+    steps_per_gather: int = 8,
 ) -> Iterator[Batch]:
     """The batches of `train_batches`, drawn on device from a device-resident split.
 
-    The split is transferred once, a full copy to every local device; each epoch's
-    permutation (the same `default_rng([seed, epoch])` permutation `train_batches`
-    draws) is transferred once per epoch. Each step is then one jitted gather that
-    every device runs on its own slice of the batch, dispatched asynchronously:
-    no host gather, no host-to-device copy of images, no background thread. On a
-    small machine those compete with the step for the cores and the GIL (on 2 CPU
-    cores the host pipeline cost the MLP example 20-25 % of its throughput).
+    The split is transferred once, a full copy to every local device. Then, for
+    every `steps_per_gather` steps, the host transfers their example indices (the
+    same `default_rng([seed, epoch])` permutations `train_batches` draws) and one
+    jitted gather, dispatched asynchronously, builds their batches, each device
+    its own slice of each batch. No host gather, no host-to-device copy of images,
+    no background thread: on a small machine those compete with the step for the
+    cores and the GIL (on 2 CPU cores the host pipeline cost the MLP example 20-25 %
+    of its throughput), and one launch per several steps keeps the gather's own
+    dispatch cost (about 0.5 ms on 4 simulated CPU devices) off most steps.
 
     Batch `k` holds exactly the examples of batch `k` of `train_batches(split,
     batch_size, seed=seed)`, in the same order, laid out as `prefetch_to_device`
@@ -389,6 +391,8 @@ def device_train_batches(
       seed: fixes the shuffle of every epoch, as in `train_batches`.
       start_step: the first step to yield.
       axis_name: the pmap axis name the batches are sharded along.
+      steps_per_gather: how many steps' batches one gather builds (and holds on
+        the devices until they are consumed).
 
     Returns:
       An iterator of device batches `{"image": [devices, B // devices, H, W, C],
@@ -396,7 +400,8 @@ def device_train_batches(
 
     Raises:
       ValueError: if `batch_size` is not in `[1, N]` or not a multiple of the local
-        device count, or `start_step` is negative (raised here, not at the first `next`).
+        device count, or `start_step` is negative or `steps_per_gather` not
+        positive (raised here, not at the first `next`).
     """
     num_examples = len(split.labels)
     num_devices = jax.local_device_count()
@@ -412,44 +417,49 @@ def device_train_batches(
         )
     if start_step < 0:
         raise ValueError(f"device_train_batches: start_step must be >= 0, got {start_step}.")
-    return _device_train_batches(split, batch_size, seed, start_step, axis_name)
+    if steps_per_gather < 1:
+        raise ValueError(
+            f"device_train_batches: steps_per_gather must be positive, got {steps_per_gather}."
+        )
+    return _device_train_batches(split, batch_size, seed, start_step, axis_name, steps_per_gather)
 
 
-def _gather_batch(
-    images: jax.Array,
-    labels: jax.Array,
-    order: jax.Array,
-    step_in_epoch: jax.Array,
-    *,
-    batch_size: int,
-    num_devices: int,
-) -> Batch:
-    """Batch `step_in_epoch` of the epoch permutation `order`, as `[devices, per_device]`."""
-    index = jax.lax.dynamic_slice_in_dim(order, step_in_epoch * batch_size, batch_size)
-    index = index.reshape(num_devices, batch_size // num_devices)
-    return {"image": images[index], "label": labels[index]}
+def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> list[Batch]:
+    """The batches of `index` (`[steps, devices, per_device]` example indices), one per step."""
+    return [{"image": images[i], "label": labels[i]} for i in index]
 
 
 def _device_train_batches(
-    split: Split, batch_size: int, seed: int, start_step: int, axis_name: str
+    split: Split,
+    batch_size: int,
+    seed: int,
+    start_step: int,
+    axis_name: str,
+    steps_per_gather: int,
 ) -> Iterator[Batch]:
     num_examples = len(split.labels)
     num_devices = jax.local_device_count()
-    on_every_device = NamedSharding(replication.local_mesh(axis_name), PartitionSpec())
-    images, labels = jax.device_put((split.images, split.labels), on_every_device)
-    gather = jax.jit(
-        functools.partial(_gather_batch, batch_size=batch_size, num_devices=num_devices),
-        # Each device's slice of the batch: the layout a pmapped step takes as it is.
-        out_shardings=replication.device_axis_sharding(axis_name),
+    mesh = replication.local_mesh(axis_name)
+    images, labels = jax.device_put(
+        (split.images, split.labels), NamedSharding(mesh, PartitionSpec())
     )
+    # Each device's slice of every batch: the layout a pmapped step takes as it is.
+    gather = jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding(axis_name))
+    index_sharding = NamedSharding(mesh, PartitionSpec(None, axis_name))
     steps = steps_per_epoch(num_examples, batch_size)
-    epoch, first_step_in_epoch = divmod(start_step, steps)
+    step = start_step
+    order_epoch, order = None, None
     while True:
-        permutation = np.random.default_rng([seed, epoch]).permutation(num_examples)
-        order = jax.device_put(permutation.astype(np.int32), on_every_device)
-        for step_in_epoch in range(first_step_in_epoch, steps):
-            yield gather(images, labels, order, np.int32(step_in_epoch))
-        epoch, first_step_in_epoch = epoch + 1, 0
+        index = np.empty((steps_per_gather, batch_size), np.int32)
+        for row in range(steps_per_gather):
+            epoch, step_in_epoch = divmod(step + row, steps)
+            if epoch != order_epoch:
+                order_epoch = epoch
+                order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+            index[row] = order[step_in_epoch * batch_size : (step_in_epoch + 1) * batch_size]
+        index = index.reshape(steps_per_gather, num_devices, batch_size // num_devices)
+        yield from gather(images, labels, jax.device_put(index, index_sharding))
+        step += steps_per_gather
 
 
 def random_shift(key: jax.Array, images: jax.Array, max_shift: int) -> jax.Array:

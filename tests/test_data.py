@@ -322,12 +322,16 @@ def test_prefetch_to_device_thread_stops_when_the_consumer_closes_early():
 # Device-resident batches.
 
 
-@pytest.mark.parametrize("start_step", [0, 3])
-def test_device_train_batches_are_the_train_batches_sharded_across_epochs(start_step):
-    split = _toy_split(20)  # 2 steps per epoch of 8: the steps below cross three epochs.
+@pytest.mark.parametrize("start_step, steps_per_gather", [(0, 1), (3, 1), (0, 4), (3, 4)])
+def test_device_train_batches_are_the_train_batches_sharded_across_epochs(
+    start_step, steps_per_gather
+):
+    split = _toy_split(20)  # 2 steps per epoch of 8: the steps below cross four epochs.
     host = data.train_batches(split, 8, seed=3, start_step=start_step)
-    on_device = data.device_train_batches(split, 8, seed=3, start_step=start_step)
-    for _ in range(6):
+    on_device = data.device_train_batches(
+        split, 8, seed=3, start_step=start_step, steps_per_gather=steps_per_gather
+    )
+    for _ in range(7):
         expected, batch = next(host), next(on_device)
         assert set(batch) == set(expected)
         for name, leaf in batch.items():
@@ -344,6 +348,8 @@ def test_device_train_batches_refuse_what_train_batches_refuse_and_an_uneven_spl
         data.device_train_batches(_toy_split(10), 4, seed=0, start_step=-1)
     with pytest.raises(ValueError, match="not divisible by the 4 local devices"):
         data.device_train_batches(_toy_split(10), 6, seed=0)
+    with pytest.raises(ValueError, match="steps_per_gather"):
+        data.device_train_batches(_toy_split(10), 4, seed=0, steps_per_gather=0)
 
 
 def test_fits_on_device_counts_images_and_labels():
