@@ -10,6 +10,8 @@ uninterrupted run would have seen from step `k` on, without replaying the earlie
 
 Host batches are numpy dicts `{"image": [B, H, W, C] float32, "label": [B] int32}`;
 `prefetch_to_device` shards them onto the local devices in a background thread.
+A split small enough to keep on the devices (`fits_on_device`) can skip the host
+instead: `device_train_batches` draws the same batches there with a jitted gather.
 Augmentation runs on device, inside the pmapped step, on each device's shard.
 """
 
