@@ -5,13 +5,16 @@
 1. `Updater.update` throughput on synthetic data, a few device batches sharded
    once and cycled, at most two steps in flight (after dispatching step k, wait
    for step k-1's metrics, as `haiku_state.train` does);
-2. the hand-written `jax.pmap` step (`benchmarks.baselines`) and, for the
-   ResNets, the Flax linen peer (`benchmarks.flax_models`), with their timed
-   windows interleaved with the Updater's, so machine noise hits all alike;
+2. the hand-written `jax.pmap` step (`benchmarks.baselines`), the Updater
+   with `backend="shard_map"`, the Updater fed by the input pipeline
+   `train.train_and_evaluate` uses and, for the ResNets, the Flax linen peer
+   (`benchmarks.flax_models`), with their timed windows interleaved with the
+   Updater's, so machine noise hits all alike;
 3. FLOPs per step from XLA's cost analysis and the model FLOP utilisation
    against `measure_peak_matmul`;
 4. compile time and memory;
-5. the whole training loop (`train.train_and_evaluate`) against the bare update;
+5. the whole training loop (`train.train_and_evaluate`) against the bare update,
+   timed again right after the loop;
 6. `Checkpointer.save` blocking time, asynchronous against synchronous.
 
 `benchmarks.run` calls it once per experiment in one subprocess per device
@@ -406,7 +409,10 @@ def _host_batches(dataset: data.Dataset, batch_size: int, count: int) -> list[di
 
 
 def training_input(
-    dataset: data.Dataset, batch_size: int, seed: int, axis_name: str = "i"
+    dataset: data.Dataset,
+    batch_size: int,
+    seed: int,
+    axis_name: str = replication.DEFAULT_AXIS_NAME,
 ) -> tuple[str, Iterator[Any]]:
     """The input pipeline `train.train_and_evaluate` uses for `dataset`, and its name.
 
