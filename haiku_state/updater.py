@@ -348,7 +348,7 @@ class Updater:
 
         The leaf shapes of a pmap call are checked by pmap itself (see
         `_call_checked`). `shard_map` would not refuse a leaf whose leading axis is
-        a multiple of the device count (an unreplicated kernel): it would quietly
+        a multiple of the device count (the keys of a run on more devices): it would quietly
         hand each device a slice of it. So that backend checks every leaf first,
         with the cheapest test that catches it.
         """
