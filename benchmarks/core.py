@@ -5,13 +5,16 @@
 1. `Updater.update` throughput on synthetic data, a few device batches sharded
    once and cycled, at most two steps in flight (after dispatching step k, wait
    for step k-1's metrics, as `haiku_state.train` does);
-2. the hand-written `jax.pmap` step (`benchmarks.baselines`) and, for the
-   ResNets, the Flax linen peer (`benchmarks.flax_models`), with their timed
-   windows interleaved with the Updater's, so machine noise hits all alike;
+2. the hand-written `jax.pmap` step (`benchmarks.baselines`), the Updater
+   with `backend="shard_map"`, the Updater fed by the input pipeline
+   `train.train_and_evaluate` uses and, for the ResNets, the Flax linen peer
+   (`benchmarks.flax_models`), with their timed windows interleaved with the
+   Updater's, so machine noise hits all alike;
 3. FLOPs per step from XLA's cost analysis and the model FLOP utilisation
    against `measure_peak_matmul`;
 4. compile time and memory;
-5. the whole training loop (`train.train_and_evaluate`) against the bare update;
+5. the whole training loop (`train.train_and_evaluate`) against the bare update,
+   timed again right after the loop;
 6. `Checkpointer.save` blocking time, asynchronous against synchronous.
 
 `benchmarks.run` calls it once per experiment in one subprocess per device
@@ -109,11 +112,19 @@ class Settings:
         config's `steps`, 0 skips the loop benchmark.
       loop_log_every: its logging window; None takes the config's `log_every`. The
         first window (compilation) is dropped from the steady state.
+      loop_synthetic_data: run the loop on synthetic data of the timed shape
+        (`SYNTHETIC_SHAPES`) instead of the experiment's own data (for a smoke
+        run: loading the digits imports scikit-learn, 3.5 s on 2 cores).
       checkpoint_saves: timed saves per mode (async, sync), after one warm-up save;
         0 skips the checkpoint benchmark.
+      hand_written: whether to time the hand-written pmap step
+        (`throughput.hand_written`, `ratios.updater_vs_hand_written`).
       flax: whether to time the Flax peer where there is one.
       shard_map: whether to also time the hand-written step as `jit(shard_map)`
         (`baselines.make_shard_map_step`): what `jax.pmap`'s own dispatch costs.
+      updater_shard_map: whether to also time the library's `Updater` built with
+        `backend="shard_map"` (`throughput.updater_shard_map`), against the pmap
+        Updater (`ratios.updater_shard_map_vs_pmap`).
       precision: one of `SUPPORTED_PRECISIONS`, set as `config.precision`.
       model_overrides: `(key, value)` pairs set on `config.model` (e.g. a smaller
         ResNet for `--quick`); recorded in the result. Applies to every variant
@@ -128,9 +139,12 @@ class Settings:
     num_batches: int = 4
     loop_steps: int | None = None
     loop_log_every: int | None = None
+    loop_synthetic_data: bool = False
     checkpoint_saves: int = 3
+    hand_written: bool = True
     flax: bool = True
     shard_map: bool = False
+    updater_shard_map: bool = True
     precision: str = "float32"
     model_overrides: tuple[tuple[str, Any], ...] = ()
 
@@ -394,6 +408,26 @@ def _host_batches(dataset: data.Dataset, batch_size: int, count: int) -> list[di
     ]
 
 
+def training_input(
+    dataset: data.Dataset,
+    batch_size: int,
+    seed: int,
+    axis_name: str = replication.DEFAULT_AXIS_NAME,
+) -> tuple[str, Iterator[Any]]:
+    """The input pipeline `train.train_and_evaluate` uses for `dataset`, and its name.
+
+    A split that fits on the devices is kept there and batched by a jitted gather
+    (`data.device_train_batches`); a larger one is batched on the host and sharded
+    by `data.prefetch_to_device`'s thread.
+    """
+    if jax.process_count() == 1 and data.fits_on_device(dataset.train):
+        return "device_train_batches", data.device_train_batches(
+            dataset.train, batch_size, seed=seed, axis_name=axis_name
+        )
+    host = data.train_batches(dataset.train, batch_size, seed=seed)
+    return "train_batches+prefetch_to_device", data.prefetch_to_device(host, axis_name=axis_name)
+
+
 def _flax_variant(
     config: Any,
     dataset: data.Dataset,
@@ -489,21 +523,22 @@ def _benchmark_experiment(
     loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
     augment_fn = data.make_augment_fn(max_shift=config.data.max_shift, flip=config.data.flip)
 
-    variants = [
-        _Variant("updater", updater.update, updater.init(config.seed, batches[0]), batches),
-        _Variant(
-            "hand_written",
-            baselines.make_hand_written_step(
-                network, optimizer, loss_fn, augment_fn, updater.axis_name
-            ),
-            updater.init(config.seed, batches[0]),
-            batches,
-        ),
-    ]
-    # The same Updater fed by the library's input pipeline instead of pre-sharded batches:
-    # host batches drawn by `train_batches` and sharded by `prefetch_to_device`'s thread.
-    input_pipeline = data.prefetch_to_device(
-        data.train_batches(dataset.train, batch_size, seed=config.seed), axis_name=updater.axis_name
+    variants = [_Variant("updater", updater.update, updater.init(config.seed, batches[0]), batches)]
+    if settings.hand_written:
+        variants.append(
+            _Variant(
+                "hand_written",
+                baselines.make_hand_written_step(
+                    network, optimizer, loss_fn, augment_fn, updater.axis_name
+                ),
+                updater.init(config.seed, batches[0]),
+                batches,
+            )
+        )
+    # The same Updater fed by the input pipeline `train.train_and_evaluate` picks for this
+    # data instead of pre-sharded batches.
+    input_pipeline_name, input_pipeline = training_input(
+        dataset, batch_size, config.seed, updater.axis_name
     )
     stack.callback(input_pipeline.close)
     variants.append(
@@ -526,6 +561,20 @@ def _benchmark_experiment(
                 batches,
             )
         )
+    if settings.updater_shard_map:
+        # The library's other backend: the same step under jit(shard_map), on the same
+        # TrainState layout, so the pmap Updater's init serves it.
+        shard_map_config = config.copy_and_resolve_references()
+        shard_map_config.backend = "shard_map"
+        shard_map_updater = train.build_experiment(shard_map_config).updater
+        variants.append(
+            _Variant(
+                "updater_shard_map",
+                shard_map_updater.update,
+                updater.init(config.seed, batches[0]),
+                batches,
+            )
+        )
     if settings.flax and name in FLAX_PEERS:
         variants.append(
             _flax_variant(config, dataset, host_batches, loss_fn, optimizer, augment_fn)
@@ -538,45 +587,63 @@ def _benchmark_experiment(
         warmup_step_s[variant.name] = _warm_up(variant, settings.warmup_steps)
         log(f"[{num_devices} dev] {name}: {variant.name} first call {variant.first_call_s:.1f} s")
     steps_per_window = _window_length(settings, warmup_step_s["updater"])
-    costs = {
-        "updater": _updater_costs(updater, by_name["updater"]),
-        "hand_written": _costs(
+    costs = {"updater": _updater_costs(updater, by_name["updater"])}
+    if "hand_written" in by_name:
+        costs["hand_written"] = _costs(
             by_name["hand_written"].step,
             baselines.per_device_step(network, optimizer, loss_fn, augment_fn, updater.axis_name),
             updater.axis_name,
             by_name["hand_written"].carry,
             batches[0],
-        ),
-    }
+        )
     if "flax" in by_name:
         costs["flax"] = compiled_costs(
             by_name["flax"].step, by_name["flax"].carry, by_name["flax"].batches[0]
         )
 
+    log(f"[{num_devices} dev] {name}: costs analysed; {steps_per_window} steps per window")
     _time_interleaved(variants, settings.windows, steps_per_window)
     throughput = {v.name: _throughput(v, steps_per_window, batch_size) for v in variants}
     ratios = {
-        "updater_vs_hand_written": _paired_ratio(by_name["updater"], by_name["hand_written"]),
+        "updater_vs_hand_written": (
+            _paired_ratio(by_name["updater"], by_name["hand_written"])
+            if "hand_written" in by_name
+            else None
+        ),
         "updater_vs_flax": (
             _paired_ratio(by_name["updater"], by_name["flax"]) if "flax" in by_name else None
         ),
         "input_pipeline_vs_presharded": _paired_ratio(
             by_name["updater_with_input"], by_name["updater"]
         ),
+        "updater_shard_map_vs_pmap": (
+            _paired_ratio(by_name["updater_shard_map"], by_name["updater"])
+            if "updater_shard_map" in by_name
+            else None
+        ),
         "shard_map_vs_hand_written": (
             _paired_ratio(by_name["shard_map"], by_name["hand_written"])
-            if "shard_map" in by_name
+            if "shard_map" in by_name and "hand_written" in by_name
             else None
         ),
     }
     log(
-        f"[{num_devices} dev] {name}: updater {throughput['updater']['examples_per_s']:,.0f} ex/s, "
-        f"/hand-written {ratios['updater_vs_hand_written']:.3f}"
+        f"[{num_devices} dev] {name}: updater {throughput['updater']['examples_per_s']:,.0f} ex/s"
+        + (
+            f", /hand-written {ratios['updater_vs_hand_written']:.3f}"
+            if ratios["updater_vs_hand_written"]
+            else ""
+        )
         + (f", /flax {ratios['updater_vs_flax']:.3f}" if ratios["updater_vs_flax"] else "")
+        + (
+            f", shard_map/pmap {ratios['updater_shard_map_vs_pmap']:.3f}"
+            if ratios["updater_shard_map_vs_pmap"]
+            else ""
+        )
     )
 
     flops_per_device = costs["updater"]["flops_per_device"]
-    hand_flops = costs["hand_written"]["flops_per_device"]
+    hand_flops = costs.get("hand_written", {}).get("flops_per_device")
     flops = {
         "per_device_per_step": flops_per_device,
         "per_step": flops_per_device * num_devices if flops_per_device else None,
@@ -603,6 +670,7 @@ def _benchmark_experiment(
         "image_shape": list(dataset.image_shape),
         "num_classes": dataset.num_classes,
         "batch_size": batch_size,
+        "input_pipeline": input_pipeline_name,
         "per_device_batch": batch_size // num_devices,
         "steps_per_window": steps_per_window,
         "windows": settings.windows,
@@ -644,11 +712,24 @@ def _benchmark_experiment(
         result["checkpoint"] = {"skipped": "checkpoint_saves=0"}
     input_pipeline.close()
     for variant in variants:  # Free the timed states before the loop builds its own.
-        variant.carry, variant.batches = None, []
+        if variant is not updater_variant:
+            variant.carry, variant.batches = None, []
+
+    def bare_update_around_loop() -> float:
+        """The Updater's examples/s: median over its windows before and right after the loop."""
+        after = _Variant("updater_after_loop", updater.update, updater_variant.carry, batches)
+        _time_interleaved([after], settings.windows, steps_per_window)
+        updater_variant.carry = after.carry
+        result["throughput"]["updater"]["window_steps_per_s_after_loop"] = [
+            steps_per_window / s for s in after.window_s
+        ]
+        window_s = statistics.median(updater_variant.window_s + after.window_s)
+        return batch_size * steps_per_window / window_s
+
     if skip_loop is None and settings.loop_steps != 0:
         try:
             result["loop"] = benchmark_training_loop(
-                name, settings, throughput["updater"]["examples_per_s"], workdir / "loop"
+                name, settings, bare_update_around_loop, workdir / "loop"
             )
             log(f"[{num_devices} dev] {name}: loop/update {result['loop']['ratio_vs_update']:.3f}")
         except Exception as e:  # Recorded; the figures above stand.
@@ -656,6 +737,7 @@ def _benchmark_experiment(
             log(f"[{num_devices} dev] {name}: loop failed: {result['loop']['skipped']}")
     else:
         result["loop"] = {"skipped": skip_loop or "loop_steps=0"}
+    updater_variant.carry, updater_variant.batches = None, []
     return result
 
 
@@ -811,25 +893,38 @@ def loop_config(name: str, settings: Settings, num_devices: int) -> Any:
     config.log_every = log_every
     config.eval_every = steps
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 4)
+    if settings.loop_synthetic_data:
+        config.data.name = "synthetic"
+        config.data.image_shape, config.data.num_classes = SYNTHETIC_SHAPES[name]
+        config.data.num_test = config.eval_batch_size
     if config.data.name == "synthetic":
         config.data.num_train = max(config.data.get("num_train", 0), 4 * config.batch_size)
     return config
 
 
 def benchmark_training_loop(
-    name: str, settings: Settings, bare_examples_per_s: float, workdir: Path
+    name: str, settings: Settings, bare_update: Callable[[], float], workdir: Path
 ) -> dict[str, Any]:
     """Runs `train.train_and_evaluate` and compares its steady state to the bare update.
 
     The steady state is the time-weighted mean of the logged `examples_per_s`
     over every window but the first (which compiles): total examples over total
     time, so the window holding the half-way checkpoint counts in full.
+
+    Args:
+      name: the experiment.
+      settings: its settings (`loop_config`).
+      bare_update: called once the loop has run; returns the examples/s of the bare
+        update to compare with. The loop cannot be interleaved with the bare update,
+        so the caller times the update on both sides of it.
+      workdir: a fresh directory for the run.
     """
     config = loop_config(name, settings, jax.local_device_count())
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # Its final-eval line; stdout is the table's.
         final = train.train_and_evaluate(config, str(workdir))
     wall_s = time.perf_counter() - start
+    bare_examples_per_s = bare_update()
     records = [r for r in summaries.read_metrics(str(workdir)) if r["split"] == "train"]
     records.sort(key=lambda r: r["step"])
     steady_examples = steady_seconds = 0.0
@@ -849,6 +944,7 @@ def benchmark_training_loop(
         "examples_per_s": steady,
         "window_examples_per_s": window_rates,
         "median_window_examples_per_s": statistics.median(window_rates) if window_rates else None,
+        "update_examples_per_s": bare_examples_per_s,
         "ratio_vs_update": steady / bare_examples_per_s,
         # Robust to the few windows holding one-time costs (first lr evaluation after the
         # first log, the first checkpoint's jit compiles): the loop's per-step overhead.

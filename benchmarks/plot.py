@@ -8,10 +8,12 @@ and writes, next to them unless `--output_dir` says otherwise:
 * `scaling.png`: Updater examples/s against the device count, one panel per
   experiment, one line per platform/device kind and precision (the latest run
   of each wins where runs overlap);
-* `throughput.png`: examples/s of the Updater, the hand-written pmap step and
-  the Flax peer, per experiment and device count, of the latest run;
-* `ratios.png`: Updater / hand-written, Updater / Flax, input pipeline /
-  pre-sharded and training loop / bare update, with the targets drawn in.
+* `throughput.png`: examples/s of the Updater (pmap and shard_map backends), the
+  hand-written pmap step and the Flax peer, per experiment and device count, of
+  the latest run;
+* `ratios.png`: Updater / hand-written, Updater / Flax, shard_map Updater / pmap
+  Updater, input pipeline / pre-sharded and training loop / bare update, with
+  the targets drawn in.
 """
 
 from __future__ import annotations
@@ -121,7 +123,12 @@ def _bar_groups(results: Sequence[dict[str, Any]]) -> list[str]:
 def plot_throughput(run: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     results = run["results"]
-    variants = (("updater", "Updater"), ("hand_written", "hand-written pmap"), ("flax", "Flax"))
+    variants = (
+        ("updater", "Updater"),
+        ("updater_shard_map", "Updater, shard_map backend"),
+        ("hand_written", "hand-written pmap"),
+        ("flax", "Flax"),
+    )
     figure, axis = plt.subplots(figsize=(max(6.0, 1.4 * len(results) + 2), 4))
     width = 0.8 / len(variants)
     for index, (variant, label) in enumerate(variants):
@@ -129,7 +136,7 @@ def plot_throughput(run: dict[str, Any], path: Path) -> Path:
         for position, result in enumerate(results):
             figures = result["throughput"].get(variant)
             if figures and figures.get("examples_per_s"):
-                xs.append(position + (index - 1) * width)
+                xs.append(position + (index - (len(variants) - 1) / 2) * width)
                 heights.append(figures["examples_per_s"])
         if xs:
             axis.bar(xs, heights, width=width, label=label)
@@ -151,6 +158,7 @@ def plot_ratios(run: dict[str, Any], path: Path) -> Path:
     series = (
         ("Updater / hand-written", lambda r: r["ratios"].get("updater_vs_hand_written")),
         ("Updater / Flax", lambda r: r["ratios"].get("updater_vs_flax")),
+        ("Updater shard_map / pmap", lambda r: r["ratios"].get("updater_shard_map_vs_pmap")),
         ("input pipeline / pre-sharded", lambda r: r["ratios"].get("input_pipeline_vs_presharded")),
         ("loop / bare update", lambda r: (r.get("loop") or {}).get("ratio_vs_update")),
     )
@@ -161,7 +169,7 @@ def plot_ratios(run: dict[str, Any], path: Path) -> Path:
         for position, result in enumerate(results):
             ratio = value(result)
             if ratio is not None:
-                xs.append(position + (index - 1.5) * width)
+                xs.append(position + (index - (len(series) - 1) / 2) * width)
                 heights.append(ratio)
         if xs:
             axis.bar(xs, heights, width=width, label=label)

@@ -36,20 +36,27 @@ from typing import Any
 from benchmarks import core
 
 QUICK_EXPERIMENTS = ("mlp", "resnet")
-QUICK_DEVICES = (1, 2)
+# One device count (two devices: the collectives run) keeps --quick within 60 s on 2 cores.
+QUICK_DEVICES = (2,)
 DEFAULT_DEVICES = (1, 2, 4)
 # ResNet-50 at 224x224 takes seconds per step on a CPU: without --full it runs with a
 # tiny batch, at the first device count only, without the training-loop figure.
 CPU_RESNET50_BATCH = 8
 # --quick is a smoke run that must fit in 60 s on 2 CPU cores, where XLA takes 10-15 s to
 # compile each step of the full small-image ResNet (and its init): it times a ResNet with
-# one block per stage at width 8 instead (recorded in each result's `model_overrides`).
-QUICK_MODEL_OVERRIDES = {"resnet": (("width", 8), ("blocks_per_stage", (1, 1, 1, 1)))}
+# two stages of one block at width 8 instead (recorded in each result's `model_overrides`).
+QUICK_MODEL_OVERRIDES = {"resnet": (("width", 8), ("blocks_per_stage", (1, 1)))}
 QUICK_MATMUL_SIZE = 512
+# --quick times the hand-written step and the shard_map Updater on the MLP only: on the
+# ResNet each is one more compile of 5-11 s on 2 cores, and the code they exercise is the same.
+QUICK_COMPARED_EXPERIMENTS = ("mlp",)
 # Training-loop run lengths (None: the experiment's own `steps`). The ResNet's 400 steps
 # take minutes per device count on a CPU; 200 keep its cadence (log every 50, an
 # asynchronous checkpoint and a replica check at step 100) with three steady windows.
 FULL_LOOP_STEPS = {"resnet": 200}
+# Timed windows of about 0.6 s (5 per variant, interleaved): with five variants per
+# experiment and three device counts, `make bench` stays within 8 minutes on 2 cores.
+WINDOW_S = 0.6
 
 
 def _csv(text: str) -> list[str]:
@@ -63,7 +70,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="CI smoke run: mlp and resnet, devices 1,2, tiny step counts (< 60 s on 2 cores).",
+        help="CI smoke run: mlp and resnet, 2 devices, tiny step counts (< 60 s on 2 cores).",
     )
     parser.add_argument(
         "--full",
@@ -89,6 +96,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "--checkpoint_saves", type=int, default=None, help="Timed saves per mode (0 skips)."
     )
     parser.add_argument("--no_flax", action="store_true", help="Skip the Flax peer.")
+    parser.add_argument(
+        "--no_updater_shard_map",
+        action="store_true",
+        help="Skip the Updater with backend='shard_map' (timed next to the pmap Updater).",
+    )
     parser.add_argument(
         "--shard_map",
         action="store_true",
@@ -142,9 +154,12 @@ def settings_for(name: str, args: argparse.Namespace, platform: str, num_devices
             num_batches=2,
             loop_steps=30 if args.loop_steps is None else args.loop_steps,
             loop_log_every=10,
+            loop_synthetic_data=True,
             checkpoint_saves=1 if args.checkpoint_saves is None else args.checkpoint_saves,
+            hand_written=name in QUICK_COMPARED_EXPERIMENTS,
             flax=not args.no_flax and first_count,
-            shard_map=args.shard_map,
+            shard_map=args.shard_map and name in QUICK_COMPARED_EXPERIMENTS,
+            updater_shard_map=not args.no_updater_shard_map and name in QUICK_COMPARED_EXPERIMENTS,
             model_overrides=QUICK_MODEL_OVERRIDES.get(name, ()),
         )
         if name != "mlp" or not first_count:
@@ -153,11 +168,13 @@ def settings_for(name: str, args: argparse.Namespace, platform: str, num_devices
         settings = core.Settings(
             batch_size=args.batch_size,
             steps_per_window=args.steps,
+            target_window_s=WINDOW_S,
             windows=args.windows or 5,
             loop_steps=FULL_LOOP_STEPS.get(name) if args.loop_steps is None else args.loop_steps,
-            checkpoint_saves=3 if args.checkpoint_saves is None else args.checkpoint_saves,
+            checkpoint_saves=2 if args.checkpoint_saves is None else args.checkpoint_saves,
             flax=not args.no_flax,
             shard_map=args.shard_map,
+            updater_shard_map=not args.no_updater_shard_map,
         )
     if name == "resnet50" and platform == "cpu" and not args.full:
         settings = core.Settings(
@@ -170,6 +187,7 @@ def settings_for(name: str, args: argparse.Namespace, platform: str, num_devices
             checkpoint_saves=1,
             flax=not args.no_flax,
             shard_map=args.shard_map,
+            updater_shard_map=not args.no_updater_shard_map,
         )
     if name == "resnet50" and not args.full:
         skip_loop = "resnet50: the loop (synthetic data) runs only with --full"
@@ -347,6 +365,8 @@ def format_table(record: dict[str, Any]) -> str:
         ("input/pre", 9),
         ("flax ex/s", 10),
         ("upd/flax", 8),
+        ("shmap ex/s", 10),
+        ("shmap/pmap", 10),
         ("TFLOP/s", 8),
         ("MFU", 6),
         ("compile s", 9),
@@ -359,6 +379,7 @@ def format_table(record: dict[str, Any]) -> str:
     for r in record["results"]:
         throughput, ratios = r["throughput"], r["ratios"]
         flax = throughput.get("flax")
+        shard_map = throughput.get("updater_shard_map")
         loop, checkpoint = r.get("loop", {}), r.get("checkpoint", {})
         ckpt_blocked = ckpt_rate = "-"
         if "async" in checkpoint:
@@ -372,11 +393,13 @@ def format_table(record: dict[str, Any]) -> str:
             str(r["batch_size"]),
             _fmt(throughput["updater"]["examples_per_s"], ",.0f"),
             _fmt(throughput["updater"]["steps_per_s"], ".2f"),
-            _fmt(throughput["hand_written"]["examples_per_s"], ",.0f"),
-            _fmt(ratios["updater_vs_hand_written"], ".3f"),
+            _fmt((throughput.get("hand_written") or {}).get("examples_per_s"), ",.0f"),
+            _fmt(ratios.get("updater_vs_hand_written"), ".3f"),
             _fmt(ratios.get("input_pipeline_vs_presharded"), ".3f"),
             _fmt(flax["examples_per_s"] if flax else None, ",.0f"),
             _fmt(ratios["updater_vs_flax"], ".3f"),
+            _fmt(shard_map["examples_per_s"] if shard_map else None, ",.0f"),
+            _fmt(ratios.get("updater_shard_map_vs_pmap"), ".3f"),
             _fmt(r["utilisation"]["achieved_tflop_per_s"], ".3f"),
             _fmt(r["utilisation"]["mfu"], ".1%"),
             _fmt(throughput["updater"]["compile_s"], ".1f"),
@@ -414,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     runs = [_run_device_count(args, argv, n) for n in args.devices]
     notes = []
+    if args.quick:
+        notes.append(
+            "--quick: the hand-written step and the shard_map Updater are timed on "
+            f"{', '.join(QUICK_COMPARED_EXPERIMENTS)} only (each is another compile elsewhere)."
+        )
     if any(r.get("platform") == "cpu" for r in runs) and max(args.devices) > 1:
         notes.append(
             f"CPU device counts are simulated: all devices share the {os.cpu_count()} host "

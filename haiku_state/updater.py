@@ -241,9 +241,9 @@ class Updater:
         self._check_train_state(train_state, "update")
         self._check_batch(batch, "update")
         if not self._check_finite:
-            return self._update_pmap(train_state, batch)
+            return self._call_checked(self._update_pmap, train_state, batch, "update")
         step = int(jax.device_get(train_state.step.addressable_data(0))[0])
-        new_state, metrics = self._update_pmap(train_state, batch)
+        new_state, metrics = self._call_checked(self._update_pmap, train_state, batch, "update")
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
             raise FloatingPointError(f"Non-finite loss {loss} at step {step}.")
@@ -253,7 +253,7 @@ class Updater:
         """The loss and metrics with `is_training=False`; the state is untouched."""
         self._check_train_state(train_state, "evaluate")
         self._check_batch(batch, "evaluate")
-        return self._evaluate_pmap(train_state, batch)
+        return self._call_checked(self._evaluate_pmap, train_state, batch, "evaluate")
 
     def _init_per_device(self, init_key, batch):
         params, state = self._forward.init(init_key, batch, is_training=True)
@@ -340,12 +340,44 @@ class Updater:
         loss, metrics = self._checked_loss(outputs, batch)
         return jax.lax.pmean({"loss": loss, **metrics}, self._axis_name)
 
+    def _call_checked(self, parallel_fn: Callable, train_state: Any, batch: Batch, where: str):
+        """Calls a parallel step; if it rejects its arguments, names the train-state leaf at fault.
+
+        The per-leaf shape check runs only when the call fails: looping over every
+        leaf in Python costs about 1 ms per call for ResNet-50's 643 leaves, while
+        the call itself already refuses a misshapen train state before it runs
+        anything (and so before it donates anything). pmap does, because the batch
+        (checked first) fixes the mapped size at the local device count and every
+        argument must agree with it.
+        """
+        try:
+            return parallel_fn(train_state, batch)
+        except (ValueError, TypeError):
+            self._check_leaf_shapes(train_state, where)  # Raises the clear message, if it is that.
+            raise
+
     def _check_train_state(self, train_state: Any, where: str) -> None:
+        """Rejects what is not a `TrainState`; under shard_map also misshapen leaves.
+
+        The leaf shapes of a pmap call are checked by pmap itself (see
+        `_call_checked`). `shard_map` would not refuse a leaf whose leading axis is
+        a multiple of the device count (the keys of a run on more devices): it would quietly
+        hand each device a slice of it. So that backend checks every leaf first,
+        with the cheapest test that catches it.
+        """
         if not isinstance(train_state, TrainState):
             raise TypeError(f"{where}: expected a TrainState, got {type(train_state).__name__}.")
+        if self._backend == "shard_map":
+            num_devices = jax.local_device_count()
+            if not all(
+                getattr(leaf, "ndim", 0) and leaf.shape[0] == num_devices
+                for leaf in jax.tree.leaves(train_state)
+            ):
+                self._check_leaf_shapes(train_state, where)
+
+    def _check_leaf_shapes(self, train_state: TrainState, where: str) -> None:
+        """Raises ValueError naming the first leaf without a leading axis of local_devices."""
         num_devices = jax.local_device_count()
-        if all(np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)):
-            return
         for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
             if np.shape(leaf)[:1] != (num_devices,):
                 raise ValueError(

@@ -90,3 +90,24 @@ def test_state_of_one_backend_continues_on_the_other(runs):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match=r"Unknown backend 'vmap'.*'pmap', 'shard_map'"):
         hs.Updater(lambda: None, optax.sgd(0.1), losses.classification_loss(10), backend="vmap")
+
+
+@pytest.mark.parametrize("backend", updater.BACKENDS)
+def test_keys_of_another_device_count_are_refused_by_name_and_nothing_is_donated(runs, backend):
+    # Eight keys on four devices: shard_map would quietly hand each device two of them (and
+    # use the first) if the Updater did not check; no shape check downstream would notice.
+    train_state = runs[backend][0]
+    broken = train_state._replace(rng=jax.random.split(jax.random.key(0), 8))
+    step_updater = hs.Updater(
+        models.make_network("mlp", 10, cross_replica_axis="i", hidden_sizes=(16,)),
+        optax.sgd(0.05, momentum=0.9),
+        losses.classification_loss(10),
+        backend=backend,
+    )
+    batch = hs.shard(
+        {"image": np.zeros((32, 8, 8, 1), np.float32), "label": np.zeros(32, np.int32)}
+    )
+    pattern = r"update: train_state.rng has shape \(8,\); every leaf needs a leading axis"
+    with pytest.raises(ValueError, match=pattern):
+        step_updater.update(broken, batch)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(train_state))

@@ -58,14 +58,19 @@ def test_benchmark_experiment_reports_positive_finite_throughputs_and_ratios(mlp
     assert result["experiment"] == "mlp"
     assert result["num_devices"] == jax.local_device_count() == 4
     assert result["per_device_batch"] == 8
-    for variant in ("updater", "hand_written", "updater_with_input"):
+    for variant in ("updater", "hand_written", "updater_with_input", "updater_shard_map"):
         figures = result["throughput"][variant]
         for name in ("examples_per_s", "steps_per_s", "first_call_s"):
             assert _is_positive_finite(figures[name]), (variant, name, figures[name])
         assert len(figures["window_steps_per_s"]) == TINY.windows
-    for name in ("updater_vs_hand_written", "input_pipeline_vs_presharded"):
+    for name in (
+        "updater_vs_hand_written",
+        "input_pipeline_vs_presharded",
+        "updater_shard_map_vs_pmap",
+    ):
         assert _is_positive_finite(result["ratios"][name]), (name, result["ratios"])
     assert result["ratios"]["updater_vs_flax"] is None  # No Flax peer for the MLP.
+    assert result["input_pipeline"] == "device_train_batches"  # The digits-sized split fits.
     assert _is_positive_finite(result["flops"]["per_device_per_step"])
     assert result["flops"]["per_step"] == pytest.approx(4 * result["flops"]["per_device_per_step"])
     assert result["flops"]["updater_matches_hand_written"] is True
@@ -124,6 +129,32 @@ def _synthetic_result(experiment: str, num_devices: int, examples_per_s: float) 
         "targets": {"updater_vs_hand_written": 0.97, "loop_vs_update": 0.9},
         "loop": {"ratio_vs_update": 0.93} if num_devices == 1 else {"skipped": "x"},
     }
+
+
+def test_table_shows_the_shard_map_updater_and_a_dash_for_variants_not_timed():
+    result = _synthetic_result("resnet", 2, 1000.0)
+    del result["throughput"]["hand_written"]  # As --quick times the ResNet.
+    result["ratios"]["updater_vs_hand_written"] = None
+    result["throughput"]["updater_shard_map"] = {"examples_per_s": 990.0}
+    result["ratios"]["updater_shard_map_vs_pmap"] = 0.99
+    result["throughput"]["updater"].update(steps_per_s=7.8, compile_s=1.0)
+    result.update(batch_size=128, utilisation={"achieved_tflop_per_s": None, "mfu": None})
+    header, row = run.format_table({"results": [result], "runs": []}).splitlines()
+    titles = ["updater ex/s", "hand ex/s", "upd/hand", "shmap ex/s", "shmap/pmap"]
+    assert all(title in header for title in titles)
+    cells = row.split()
+    assert cells[:5] == ["resnet", "2", "128", "1,000", "7.80"]
+    assert cells[5:7] == ["-", "-"]  # Hand-written examples/s and Updater / hand-written.
+    assert cells[10:12] == ["990", "0.990"]  # shard_map Updater examples/s and / pmap.
+
+
+def test_quick_loop_config_runs_on_synthetic_data_of_the_timed_shape():
+    settings = core.Settings(loop_steps=30, loop_log_every=10, loop_synthetic_data=True)
+    config = core.loop_config("mlp", settings, num_devices=4)
+    assert config.data.name == "synthetic"
+    assert tuple(config.data.image_shape) == core.SYNTHETIC_SHAPES["mlp"][0]
+    assert config.steps == 30 and config.log_every == 10
+    assert config.checkpoint_every == 20 and config.eval_every == 30
 
 
 def test_plot_draws_scaling_throughput_and_ratio_charts(tmp_path):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from haiku_state import data
+from haiku_state import data, replication
 
 NUM_DEVICES = 4
 
@@ -367,6 +367,56 @@ def test_prefetch_to_device_thread_stops_when_the_consumer_closes_early():
     while len(_prefetch_threads()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(_prefetch_threads()) == before
+
+
+# Device-resident batches.
+
+
+@pytest.mark.parametrize(
+    "start_step, steps_per_gather, process_index, process_count",
+    [(0, 1, 0, 1), (3, 1, 0, 1), (0, 4, 0, 1), (3, 4, 0, 1), (3, 4, 1, 2)],
+)
+def test_device_train_batches_are_the_train_batches_sharded_across_epochs(
+    start_step, steps_per_gather, process_index, process_count
+):
+    # 2 steps per epoch of 8 per process: the steps below cross four epochs.
+    batch_size = 8 * process_count
+    split = _toy_split(20 * process_count)
+    this_process = {"process_index": process_index, "process_count": process_count}
+    host = data.train_batches(split, batch_size, seed=3, start_step=start_step, **this_process)
+    on_device = data.device_train_batches(
+        split,
+        batch_size,
+        seed=3,
+        start_step=start_step,
+        steps_per_gather=steps_per_gather,
+        **this_process,
+    )
+    for _ in range(7):
+        expected, batch = next(host), next(on_device)
+        assert set(batch) == set(expected)
+        for name, leaf in batch.items():
+            assert leaf.sharding == replication.device_axis_sharding()
+            assert leaf.shape == (NUM_DEVICES, 2) + expected[name].shape[1:]
+            np.testing.assert_array_equal(np.asarray(leaf), expected[name].reshape(leaf.shape))
+    on_device.close()
+
+
+def test_device_train_batches_refuse_what_train_batches_refuse_and_an_uneven_split():
+    with pytest.raises(ValueError, match="between 1 and the 10 examples"):
+        data.device_train_batches(_toy_split(10), 12, seed=0)
+    with pytest.raises(ValueError, match="start_step"):
+        data.device_train_batches(_toy_split(10), 4, seed=0, start_step=-1)
+    with pytest.raises(ValueError, match="not divisible by the 4 local devices"):
+        data.device_train_batches(_toy_split(10), 6, seed=0)
+    with pytest.raises(ValueError, match="steps_per_gather"):
+        data.device_train_batches(_toy_split(10), 4, seed=0, steps_per_gather=0)
+
+
+def test_fits_on_device_counts_images_and_labels():
+    split = _toy_split(10)  # 10 * 4 float32 pixels + 10 int32 labels = 200 bytes.
+    assert data.fits_on_device(split, max_bytes=200)
+    assert not data.fits_on_device(split, max_bytes=199)
 
 
 # Augmentation.
