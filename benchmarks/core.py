@@ -420,7 +420,7 @@ def training_input(
     (`data.device_train_batches`); a larger one is batched on the host and sharded
     by `data.prefetch_to_device`'s thread.
     """
-    if jax.process_count() == 1 and data.fits_on_device(dataset.train):
+    if data.fits_on_device(dataset.train):
         return "device_train_batches", data.device_train_batches(
             dataset.train, batch_size, seed=seed, axis_name=axis_name
         )
