@@ -408,24 +408,19 @@ def _host_batches(dataset: data.Dataset, batch_size: int, count: int) -> list[di
     ]
 
 
-def training_input(
-    dataset: data.Dataset,
-    batch_size: int,
-    seed: int,
-    axis_name: str = replication.DEFAULT_AXIS_NAME,
-) -> tuple[str, Iterator[Any]]:
+def training_input(dataset: data.Dataset, batch_size: int, seed: int) -> tuple[str, Iterator[Any]]:
     """The input pipeline `train.train_and_evaluate` uses for `dataset`, and its name.
 
-    A split that fits on the devices is kept there and batched by a jitted gather
-    (`data.device_train_batches`); a larger one is batched on the host and sharded
-    by `data.prefetch_to_device`'s thread.
+    `data.sharded_train_batches`: a split that fits on the devices is kept there and
+    batched by a jitted gather (`data.device_train_batches`); a larger one is batched
+    on the host and sharded by `data.prefetch_to_device`'s thread.
     """
-    if data.fits_on_device(dataset.train):
-        return "device_train_batches", data.device_train_batches(
-            dataset.train, batch_size, seed=seed, axis_name=axis_name
-        )
-    host = data.train_batches(dataset.train, batch_size, seed=seed)
-    return "train_batches+prefetch_to_device", data.prefetch_to_device(host, axis_name=axis_name)
+    name = (
+        "device_train_batches"
+        if data.fits_on_device(dataset.train)
+        else "train_batches+prefetch_to_device"
+    )
+    return name, data.sharded_train_batches(dataset.train, batch_size, seed=seed)
 
 
 def _flax_variant(
@@ -537,9 +532,7 @@ def _benchmark_experiment(
         )
     # The same Updater fed by the input pipeline `train.train_and_evaluate` picks for this
     # data instead of pre-sharded batches.
-    input_pipeline_name, input_pipeline = training_input(
-        dataset, batch_size, config.seed, updater.axis_name
-    )
+    input_pipeline_name, input_pipeline = training_input(dataset, batch_size, config.seed)
     stack.callback(input_pipeline.close)
     variants.append(
         _Variant(

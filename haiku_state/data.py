@@ -486,6 +486,42 @@ def device_train_batches(
     return _device_train_batches(split, indices, axis_name, steps_per_gather)
 
 
+def sharded_train_batches(
+    split: Split,
+    batch_size: int,
+    *,
+    seed: int,
+    start_step: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[Batch]:
+    """The training batches of `train_batches`, on the devices, by the cheaper pipeline.
+
+    A split that `fits_on_device` is kept there and batched by `device_train_batches`;
+    a larger one is batched on the host by `train_batches` and sharded by
+    `prefetch_to_device`'s thread. Both yield the same batches in the same layout.
+    """
+    if fits_on_device(split):
+        return device_train_batches(
+            split,
+            batch_size,
+            seed=seed,
+            start_step=start_step,
+            process_index=process_index,
+            process_count=process_count,
+        )
+    return prefetch_to_device(
+        train_batches(
+            split,
+            batch_size,
+            seed=seed,
+            start_step=start_step,
+            process_index=process_index,
+            process_count=process_count,
+        )
+    )
+
+
 def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> list[Batch]:
     """The batches of `index` (`[steps, devices, per_device]` example indices), one per step."""
     return [{"image": images[i], "label": labels[i]} for i in index]

@@ -394,16 +394,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         raise FloatingPointError(f"Non-finite params at step {start_step}, before training.")
     learning_rate = jax.jit(experiment.learning_rate)
     learning_rate(start_step)
-    batch_order = {"seed": config.seed, "start_step": start_step, **_this_process()}
-    if data.fits_on_device(dataset.train):
-        # The same batches, drawn on device: no host gather and copy competing with the steps.
-        batches: Iterator[Any] = data.device_train_batches(
-            dataset.train, config.batch_size, **batch_order
-        )
-    else:
-        batches = data.prefetch_to_device(
-            data.train_batches(dataset.train, config.batch_size, **batch_order)
-        )
+    batches: Iterator[Any] = data.sharded_train_batches(
+        dataset.train, config.batch_size, seed=config.seed, start_step=start_step, **_this_process()
+    )
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched.
     window_start, window_step = time.monotonic(), start_step
     step = start_step

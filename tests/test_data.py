@@ -493,3 +493,17 @@ def test_each_device_augments_an_identical_shard_differently_inside_pmap():
     assert augmented.shape == (NUM_DEVICES, *shard.shape)
     per_device = {augmented[d].tobytes() for d in range(NUM_DEVICES)}
     assert len(per_device) == NUM_DEVICES, "two devices augmented their shard identically"
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_sharded_train_batches_are_the_train_batches_by_either_pipeline(monkeypatch, fits):
+    monkeypatch.setattr(data, "fits_on_device", lambda split: fits)
+    split = _toy_split(20)
+    host = data.train_batches(split, 8, seed=3, start_step=1)
+    sharded = data.sharded_train_batches(split, 8, seed=3, start_step=1)
+    for _ in range(5):
+        expected, batch = next(host), next(sharded)
+        for name, leaf in batch.items():
+            assert leaf.sharding == replication.device_axis_sharding()
+            np.testing.assert_array_equal(np.asarray(leaf), expected[name].reshape(leaf.shape))
+    sharded.close()
