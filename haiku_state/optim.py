@@ -13,8 +13,18 @@ SCHEDULES = ("constant", "warmup_cosine")
 
 
 def _decay_mask(params: Any) -> Any:
-    """Weight decay on weight matrices and kernels; not on biases or BatchNorm."""
-    return jax.tree.map(lambda p: p.ndim > 1, params)
+    """Weight decay on the weights of linear and convolution layers; not on biases or BatchNorm.
+
+    Chosen by Haiku's parameter names (`w` for `hk.Linear` and `hk.Conv2D`
+    weights; `b` for biases, `scale` and `offset` for BatchNorm), not by rank:
+    Haiku keeps BatchNorm's scale and offset as `[1, ..., 1, C]`, which a rank test
+    would decay.
+    """
+
+    def is_weight(path, _) -> bool:
+        return getattr(path[-1], "key", None) == "w"
+
+    return jax.tree_util.tree_map_with_path(is_weight, params)
 
 
 def learning_rate_schedule(config: Mapping[str, Any], total_steps: int) -> optax.Schedule:

@@ -1,0 +1,72 @@
+"""Tests of haiku_state.optim: which parameters are decayed, and the schedules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from haiku_state import models, optim
+
+
+def _config(**overrides):
+    config = {
+        "name": "sgd",
+        "learning_rate": 0.1,
+        "schedule": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.5,
+        "momentum": 0.0,
+        "nesterov": False,
+    }
+    config.update(overrides)
+    return config
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("mlp", {"hidden_sizes": (8,)}), ("resnet", {"width": 4, "blocks_per_stage": (1, 1)})],
+)
+def test_weight_decay_reaches_weights_only_not_biases_or_batchnorm(name, options):
+    network = models.make_network(name, 10, **options)
+    batch = {"image": jnp.zeros((2, 8, 8, 1)), "label": jnp.zeros((2,), jnp.int32)}
+    params, _ = network.init(jax.random.key(0), batch, is_training=True)
+    ones = jax.tree.map(jnp.ones_like, params)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    optimizer = optim.make_optimizer(_config(), total_steps=10)
+    updates, _ = optimizer.update(zero_grads, optimizer.init(ones), ones)
+    decayed = {
+        (module, param): bool(np.any(np.asarray(update) != 0))
+        for module, module_updates in updates.items()
+        for param, update in module_updates.items()
+    }
+    assert any(param == "w" for (_, param) in decayed)
+    for (module, param), is_decayed in decayed.items():
+        assert is_decayed == (param == "w"), f"{module}/{param}"
+    batch_norm_shapes = {
+        params[module][param].shape for (module, param) in decayed if param in ("scale", "offset")
+    }
+    assert batch_norm_shapes  # BatchNorm parameters exist, shaped [1, ..., 1, C].
+
+
+def test_adamw_masks_the_same_parameters():
+    params = {
+        "linear": {"w": jnp.ones((3, 2)), "b": jnp.ones((2,))},
+        "batch_norm": {"scale": jnp.ones((1, 2)), "offset": jnp.ones((1, 2))},
+    }
+    optimizer = optim.make_optimizer(_config(name="adamw"), total_steps=10)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+    assert np.all(np.asarray(updates["linear"]["w"]) != 0)
+    for module, param in (("linear", "b"), ("batch_norm", "scale"), ("batch_norm", "offset")):
+        np.testing.assert_array_equal(updates[module][param], 0)
+
+
+def test_warmup_cosine_rises_then_decays_to_zero():
+    schedule = optim.learning_rate_schedule(
+        _config(schedule="warmup_cosine", warmup_steps=5), total_steps=20
+    )
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(5)) == pytest.approx(0.1)
+    assert float(schedule(20)) == pytest.approx(0.0, abs=1e-7)
+    assert isinstance(optim.make_optimizer(_config(), 10), optax.GradientTransformation)
