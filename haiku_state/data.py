@@ -501,25 +501,15 @@ def sharded_train_batches(
     a larger one is batched on the host by `train_batches` and sharded by
     `prefetch_to_device`'s thread. Both yield the same batches in the same layout.
     """
+    batch_order = {
+        "seed": seed,
+        "start_step": start_step,
+        "process_index": process_index,
+        "process_count": process_count,
+    }
     if fits_on_device(split):
-        return device_train_batches(
-            split,
-            batch_size,
-            seed=seed,
-            start_step=start_step,
-            process_index=process_index,
-            process_count=process_count,
-        )
-    return prefetch_to_device(
-        train_batches(
-            split,
-            batch_size,
-            seed=seed,
-            start_step=start_step,
-            process_index=process_index,
-            process_count=process_count,
-        )
-    )
+        return device_train_batches(split, batch_size, **batch_order)
+    return prefetch_to_device(train_batches(split, batch_size, **batch_order))
 
 
 def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> list[Batch]:
