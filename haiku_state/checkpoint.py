@@ -4,17 +4,24 @@ Layout: `directory` (conventionally `WORKDIR/checkpoints`) holds one Orbax
 `CheckpointManager` step directory per saved step, `<directory>/<step>/`, with
 the items
 
-* `params`, `state`, `opt_state`: standard Orbax pytree checkpoints of the
-  UNREPLICATED trees (device axis dropped: every replica is identical), so a
-  checkpoint does not depend on the number of devices that wrote it;
-* `rng`: `{"key_data": uint32 [devices, ...]}`, the per-device PRNG keys of
-  every device of every process, in global device order, as
-  `jax.random.key_data` (raw key data is the portable form of typed keys);
-* `step`: JSON `{"step": int, "key_impl": str, "empty_items": [...]}`, what a
-  restore needs besides the arrays (Orbax refuses to write a tree without
-  arrays, e.g. plain SGD's opt_state; such an item is listed, not written);
+* `train_state`: one standard Orbax pytree checkpoint of
+  `{"params", "state", "opt_state", "rng": {"key_data"}}`. The first three are
+  the UNREPLICATED trees (device axis dropped: every replica is identical), so
+  a checkpoint does not depend on the number of devices that wrote it; `rng`
+  holds the per-device PRNG keys of every device of every process, in global
+  device order, as `jax.random.key_data` (uint32 [devices, ...]; raw key data
+  is the portable form of typed keys). One item rather than one per tree: every
+  Orbax item is written and finalised by its own handler, threads and event
+  loops, and on a small model that overhead, not the bytes, is the cost of a
+  save (4 array items cost about twice the CPU time of 1);
+* `step`: JSON `{"step": int, "key_impl": str}`, what a restore needs besides
+  the arrays;
 * `metadata`: JSON with `package_versions`, `device_count` and whatever the
   caller adds (the experiment config); informational, restore never needs it.
+
+Checkpoints of haiku_state 0.1.0 before this layout kept each tree in an item
+of its own (`params`, `state`, `opt_state`, `rng`; their `step` JSON lists
+`empty_items`); `restore` reads them too.
 
 Multi-process runs (`jax.distributed`). Every process calls `save` and
 `restore` at the same steps. The trees are host copies that are identical on
@@ -70,8 +77,9 @@ from haiku_state.updater import TrainState, per_device_keys
 
 PyTree = Any
 
-_TREE_ITEMS = ("params", "state", "opt_state")
-_ARRAY_ITEMS = _TREE_ITEMS + ("rng",)
+_TREE_ITEMS = ("params", "state", "opt_state")  # Saved unreplicated.
+_SUBTREES = _TREE_ITEMS + ("rng",)  # The keys of the `train_state` item.
+_TRAIN_STATE_ITEM = "train_state"
 _JSON_ITEMS = ("step", "metadata")
 _VERSIONED_PACKAGES = (
     "jax",
@@ -166,7 +174,9 @@ class Checkpointer:
             else None
         )
         self._write_in_flight: concurrent.futures.Future | None = None
-        handlers = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
+        # The per-tree items are registered only to read checkpoints of the earlier layout.
+        array_items = (_TRAIN_STATE_ITEM,) + _SUBTREES
+        handlers = {name: ocp.StandardCheckpointHandler() for name in array_items}
         handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_KeepNewestIntact(max_to_keep, self._counts_towards_retention),
@@ -176,7 +186,7 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(
             self._directory,
-            item_names=_ARRAY_ITEMS + _JSON_ITEMS,
+            item_names=array_items + _JSON_ITEMS,
             item_handlers=handlers,
             options=options,
         )
@@ -275,19 +285,12 @@ class Checkpointer:
             "opt_state": unreplicated.opt_state,
             "rng": {"key_data": key_data},
         }
-        empty_items = sorted(name for name, tree in trees.items() if not jax.tree.leaves(tree))
         item_args = {
-            name: ocp.args.StandardSave(tree)
-            for name, tree in trees.items()
-            if name not in empty_items
+            _TRAIN_STATE_ITEM: ocp.args.StandardSave(trees),
+            "step": ocp.args.JsonSave(
+                {"step": step, "key_impl": str(jax.random.key_impl(train_state.rng))}
+            ),
         }
-        item_args["step"] = ocp.args.JsonSave(
-            {
-                "step": step,
-                "key_impl": str(jax.random.key_impl(train_state.rng)),
-                "empty_items": empty_items,
-            }
-        )
         item_args["metadata"] = ocp.args.JsonSave(full_metadata)
         if not force and not self._manager.should_save(step):
             return False
@@ -440,16 +443,18 @@ class Checkpointer:
             )["step"]
             saved_step = int(info["step"])
             saved_key_impl = str(info["key_impl"])
-            empty_items = set(info["empty_items"])
+            # The earlier layout (one item per tree) is the one whose step item lists
+            # `empty_items`: Orbax refused to write a separate tree without arrays.
+            per_tree_items = "empty_items" in info
+            empty_items = set(info["empty_items"]) if per_tree_items else set()
             item_metadata = self._manager.item_metadata(step)
-            saved_trees = {}
-            for name in _ARRAY_ITEMS:
-                if name in empty_items:
-                    saved_trees[name] = None
-                elif item_metadata[name] is None:
-                    raise FileNotFoundError(f"item {name!r} has no readable tree metadata")
-                else:
-                    saved_trees[name] = getattr(item_metadata[name], "tree", item_metadata[name])
+            if per_tree_items:
+                saved_trees = {
+                    name: None if name in empty_items else _tree_metadata(item_metadata, name)
+                    for name in _SUBTREES
+                }
+            else:
+                saved_trees = dict(_tree_metadata(item_metadata, _TRAIN_STATE_ITEM))
             # The device axis of the keys may differ; the rest of their shape must fit.
             saved_keys = saved_trees["rng"]["key_data"]
             saved_key_count, *key_shape = saved_keys.shape
@@ -494,24 +499,30 @@ class Checkpointer:
                 sharding=SingleDeviceSharding(jax.local_devices()[0]),
             )
         }
-        item_args = {
-            name: ocp.args.StandardRestore(target)
-            for name, target in targets.items()
-            if name not in empty_items
-        }
+        if per_tree_items:
+            item_args = {
+                name: ocp.args.StandardRestore(target)
+                for name, target in targets.items()
+                if name not in empty_items
+            }
+        else:
+            item_args = {_TRAIN_STATE_ITEM: ocp.args.StandardRestore(targets)}
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**item_args))
         except Exception as e:  # The metadata fits, so a failed read is damage.
             raise _DamagedCheckpointError(_reason(e)) from e
+        if per_tree_items:
+            trees = {
+                name: targets[name] if name in empty_items else restored[name] for name in _SUBTREES
+            }
+        else:
+            trees = restored[_TRAIN_STATE_ITEM]
 
-        trees = {
-            name: targets[name] if name in empty_items else restored[name] for name in _TREE_ITEMS
-        }
         train_state = TrainState(
             params=replication.replicate(trees["params"], self._axis_name),
             state=replication.replicate(trees["state"], self._axis_name),
             opt_state=replication.replicate(trees["opt_state"], self._axis_name),
-            rng=self._device_keys(restored["rng"]["key_data"], model_key_impl, step),
+            rng=self._device_keys(trees["rng"]["key_data"], model_key_impl, step),
             step=jax.device_put(
                 np.full((jax.local_device_count(),), saved_step, like.step.dtype),
                 replication.device_axis_sharding(self._axis_name),
@@ -566,6 +577,14 @@ def _use_client_barriers() -> bool:
         return False
 
 
+def _tree_metadata(item_metadata: Mapping[str, Any], item: str) -> PyTree:
+    """The saved tree of `item` (leaves with shape and dtype), from Orbax's item metadata."""
+    metadata = item_metadata[item]
+    if metadata is None:
+        raise FileNotFoundError(f"item {item!r} has no readable tree metadata")
+    return getattr(metadata, "tree", metadata)
+
+
 def _path_names(path: tuple) -> tuple[str, ...]:
     """A key path as plain names, so a NamedTuple field matches a saved dict key."""
     names = []
@@ -589,9 +608,9 @@ def _leaf_signatures(tree: PyTree) -> dict[tuple[str, ...], tuple[str, Any, np.d
 
 def _first_mismatch(model: Mapping[str, PyTree], saved: Mapping[str, PyTree]) -> str | None:
     """Describes the first leaf where `saved` (checkpoint metadata) does not fit `model`."""
-    for name in _ARRAY_ITEMS:
+    for name in _SUBTREES:
         model_leaves = _leaf_signatures(model[name])
-        saved_leaves = _leaf_signatures(saved[name]) if saved[name] is not None else {}
+        saved_leaves = _leaf_signatures(saved[name]) if saved.get(name) is not None else {}
         for names, (where, shape, dtype) in model_leaves.items():
             if names not in saved_leaves:
                 return f"{name}{where}: missing from the checkpoint (model {shape} {dtype})"

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import haiku_state as hs
@@ -141,8 +142,11 @@ def test_round_trip_is_bit_identical_and_layout_matches_the_contract(setup, tmp_
         assert leaf.sharding == like_leaf.sharding  # Ready for the pmapped step as it is.
 
     step_dir = directory / "2"
-    for item in ("params", "state", "opt_state", "rng", "step", "metadata"):
-        assert (step_dir / item).is_dir(), item
+    assert {p.name for p in step_dir.iterdir() if p.is_dir()} == {
+        "train_state",
+        "step",
+        "metadata",
+    }
     assert (step_dir / "commit_success.txt").is_file()
     with open(step_dir / "metadata" / "metadata") as f:
         on_disk = json.load(f)
@@ -152,11 +156,15 @@ def test_round_trip_is_bit_identical_and_layout_matches_the_contract(setup, tmp_
     assert on_disk["package_versions"] == package_versions()
     assert set(on_disk["package_versions"]) >= {"jax", "jaxlib", "dm-haiku", "orbax-checkpoint"}
     with open(step_dir / "step" / "metadata") as f:
-        assert json.load(f) == {"step": 2, "key_impl": "threefry2x32", "empty_items": []}
+        assert json.load(f) == {"step": 2, "key_impl": "threefry2x32"}
+    saved = ocp.StandardCheckpointer().restore(step_dir / "train_state")
+    assert set(saved) == {"params", "state", "opt_state", "rng"}
+    np.testing.assert_array_equal(saved["rng"]["key_data"], expected.rng)  # Every device's.
+    _assert_bit_identical(saved["params"], jax.tree.map(lambda x: x[0], expected.params))
 
 
 def test_empty_opt_state_round_trips(setup, tmp_path):
-    # Plain SGD has no optimizer state; Orbax refuses to write a tree without arrays.
+    # Plain SGD has no optimizer state: a subtree without arrays.
     train_state = setup.init()
     sgd_state = optax.sgd(0.1).init(hs.unreplicate(train_state.params))
     train_state = train_state._replace(opt_state=hs.replicate(sgd_state))
@@ -166,8 +174,6 @@ def test_empty_opt_state_round_trips(setup, tmp_path):
         checkpointer.wait_until_finished()
         restored = checkpointer.restore(train_state)
     _assert_bit_identical(restored, train_state)
-    with open(tmp_path / "0" / "step" / "metadata") as f:
-        assert json.load(f)["empty_items"] == ["opt_state"]
 
 
 def test_no_checkpoint_and_existing_steps_and_bad_metadata(setup, tmp_path):
@@ -205,6 +211,62 @@ def test_resume_continues_bit_identically(setup, tmp_path):
     resumed = setup.train(restored, setup.batches[3:])
 
     _assert_bit_identical(resumed, uninterrupted)
+
+
+def _save_in_per_tree_layout(directory, train_state: hs.TrainState) -> None:
+    """Writes `train_state` the way haiku_state 0.1.0 did before the `train_state` item.
+
+    One Orbax item per tree; trees without arrays were left out and listed in the
+    `step` item's `empty_items`.
+    """
+    host = _host_copy(train_state)
+    trees = {
+        "params": jax.tree.map(lambda x: x[0], host.params),
+        "state": jax.tree.map(lambda x: x[0], host.state),
+        "opt_state": jax.tree.map(lambda x: x[0], host.opt_state),
+        "rng": {"key_data": host.rng},
+    }
+    empty_items = sorted(name for name, tree in trees.items() if not jax.tree.leaves(tree))
+    args = {
+        name: ocp.args.StandardSave(tree) for name, tree in trees.items() if name not in empty_items
+    }
+    step = int(host.step[0])
+    args["step"] = ocp.args.JsonSave(
+        {"step": step, "key_impl": "threefry2x32", "empty_items": empty_items}
+    )
+    args["metadata"] = ocp.args.JsonSave({"device_count": NUM_DEVICES})
+    with ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    ) as manager:
+        manager.save(step, args=ocp.args.Composite(**args))
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "plain_sgd"])
+def test_checkpoints_of_the_per_tree_layout_still_resume(setup, tmp_path, optimizer):
+    train_state = setup.train(setup.init(), setup.batches[:2])
+    if optimizer == "plain_sgd":  # Its empty opt_state was an item left out.
+        sgd_state = optax.sgd(0.1).init(hs.unreplicate(train_state.params))
+        train_state = train_state._replace(opt_state=hs.replicate(sgd_state))
+    expected = _host_copy(train_state)
+    _save_in_per_tree_layout(tmp_path, train_state)
+    assert (tmp_path / "2" / "params").is_dir()
+    with Checkpointer(tmp_path, max_to_keep=1) as checkpointer:
+        restored = checkpointer.restore(
+            setup.init(seed=7)._replace(opt_state=train_state.opt_state)
+        )
+        _assert_bit_identical(restored, expected)
+        if optimizer == "momentum":
+            with pytest.raises(ValueError, match=re.escape("opt_state[0]['trace']")):
+                checkpointer.restore(
+                    restored._replace(
+                        opt_state=hs.replicate(optax.sgd(0.1).init(hs.unreplicate(restored.params)))
+                    )
+                )
+        # Later saves use the current layout; retention treats both alike.
+        assert checkpointer.save(_at_step(restored, 3))
+        checkpointer.wait_until_finished()
+        assert _step_dirs(tmp_path) == {"3"}
+        _assert_bit_identical(checkpointer.restore(restored).params, expected.params)
 
 
 def test_float16_run_with_dynamic_loss_scale_resumes_bit_identically(tmp_path):
@@ -282,7 +344,7 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(setup, tmp_path, ca
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(one_step)
         checkpointer.save(setup.train(one_step, setup.batches[1:2]))
-    data_file = _largest_file(tmp_path / "2" / "params" / "d")
+    data_file = _largest_file(tmp_path / "2" / "train_state" / "d")
     if damage == "truncate":
         with open(data_file, "r+b") as f:
             f.truncate(os.path.getsize(data_file) // 2)
@@ -303,7 +365,7 @@ def test_damaged_checkpoints_are_kept_and_not_counted_by_max_to_keep(setup, tmp_
     _save_steps(tmp_path, [_at_step(train_state, step) for step in (1, 2, 3)], max_to_keep=2)
     assert _step_dirs(tmp_path) == {"2", "3"}
     os.remove(tmp_path / "3" / "_CHECKPOINT_METADATA")  # Harmless: Orbax does not need it.
-    manifest = tmp_path / "3" / "state" / "manifest.ocdbt"
+    manifest = tmp_path / "3" / "train_state" / "manifest.ocdbt"
     with open(manifest, "r+b") as f:
         f.truncate(10)
 
@@ -325,7 +387,7 @@ def test_damaged_checkpoints_are_kept_and_not_counted_by_max_to_keep(setup, tmp_
 def test_only_damaged_checkpoints_raise(setup, tmp_path):
     train_state = setup.init()
     _save_steps(tmp_path, [train_state])
-    os.remove(_largest_file(tmp_path / "0" / "opt_state" / "d"))
+    os.remove(_largest_file(tmp_path / "0" / "train_state" / "d"))
     with Checkpointer(tmp_path) as checkpointer:
         with pytest.raises(RuntimeError, match="Every complete checkpoint .* is damaged"):
             checkpointer.restore(train_state)

@@ -116,10 +116,7 @@ def train(workdir, *, num_processes: int, devices_per_process: int, extra=()):
 def load_checkpoint(workdir, step: int) -> dict:
     """The saved trees of one step, as host numpy arrays, and its JSON items."""
     directory = os.path.join(workdir, "checkpoints", str(step))
-    trees = {
-        item: ocp.StandardCheckpointer().restore(os.path.join(directory, item))
-        for item in ("params", "state", "opt_state", "rng")
-    }
+    trees = dict(ocp.StandardCheckpointer().restore(os.path.join(directory, "train_state")))
     for item in ("step", "metadata"):
         with open(os.path.join(directory, item, "metadata")) as f:
             trees[item] = json.load(f)
