@@ -428,11 +428,14 @@ def _flax_variant(
     dataset: data.Dataset,
     host_batches: list[dict[str, Any]],
     loss_fn: Any,
-    optimizer: Any,
     augment_fn: Any,
 ) -> _Variant:
     from benchmarks import flax_models
 
+    # The experiment's optimizer, its weight decay on the linen names of the same weights.
+    optimizer = optim.make_optimizer(
+        config.optimizer, config.steps, weight_decay_mask=flax_models.kernels
+    )
     precision = config.get("precision", "float32")
     model = flax_models.make_model(config, dataset.num_classes, dtype=HALF_DTYPES[precision])
     dynamic_scale = None
@@ -569,9 +572,7 @@ def _benchmark_experiment(
             )
         )
     if settings.flax and name in FLAX_PEERS:
-        variants.append(
-            _flax_variant(config, dataset, host_batches, loss_fn, optimizer, augment_fn)
-        )
+        variants.append(_flax_variant(config, dataset, host_batches, loss_fn, augment_fn))
     by_name = {v.name: v for v in variants}
 
     log(f"[{num_devices} dev] {name}: built in {time.perf_counter() - built_at:.1f} s")

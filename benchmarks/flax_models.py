@@ -18,7 +18,8 @@ the `Updater` step does, so that the ratio compares frameworks, not recipes:
   them only before evaluation and checkpointing);
 * the loss is `haiku_state.losses.classification_loss` and the optimizer the
   experiment's `haiku_state.optim.make_optimizer` (coupled weight decay on
-  kernels), instead of the example's weight penalty added to the loss;
+  kernels, picked by `kernels`, as the Haiku networks' `w`), instead of the
+  example's weight penalty added to the loss;
 * the experiment's on-device augmentation runs at the start of the step, with a
   key folded from the device index and the step (the Flax examples' idiom for
   per-step randomness);
@@ -43,6 +44,17 @@ from flax.training import train_state
 
 ModuleDef = Any
 AXIS_NAME = "batch"
+
+
+def kernels(params: Any) -> Any:
+    """The weight-decay mask of a linen network: the `kernel` of every `Dense` and `Conv`.
+
+    The counterpart of `haiku_state.optim.haiku_weights` (Haiku's `w`): no
+    biases, no BatchNorm scales or offsets.
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) == "kernel", params
+    )
 
 
 class ResNetBlock(nn.Module):

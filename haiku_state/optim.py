@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -12,8 +12,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "warmup_cosine")
 
 
-def _decay_mask(params: Any) -> Any:
-    """Weight decay on the weights of linear and convolution layers; not on biases or BatchNorm.
+def haiku_weights(params: Any) -> Any:
+    """The weight-decay mask: the weights of linear and convolution layers, not biases or BatchNorm.
 
     Chosen by Haiku's parameter names (`w` for `hk.Linear` and `hk.Conv2D`
     weights; `b` for biases, `scale` and `offset` for BatchNorm), not by rank:
@@ -49,13 +49,20 @@ def learning_rate_schedule(config: Mapping[str, Any], total_steps: int) -> optax
     raise ValueError(f"Unknown optimizer.schedule {schedule!r}; expected one of {SCHEDULES}.")
 
 
-def make_optimizer(config: Mapping[str, Any], total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+    config: Mapping[str, Any],
+    total_steps: int,
+    *,
+    weight_decay_mask: Callable[[Any], Any] = haiku_weights,
+) -> optax.GradientTransformation:
     """The optax transformation described by an experiment's `optimizer` config.
 
     Args:
       config: `name` (one of `OPTIMIZERS`), `learning_rate`, `schedule`,
         `warmup_steps`, `weight_decay`, `momentum` (sgd), `nesterov` (sgd).
       total_steps: the run's length, for the schedule.
+      weight_decay_mask: `params -> tree of bools`, the parameters to decay. The
+        default picks them by Haiku's names; other naming schemes need their own.
     """
     name = config["name"]
     if name not in OPTIMIZERS:
@@ -63,7 +70,7 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int) -> optax.Gradien
     learning_rate = learning_rate_schedule(config, total_steps)
     weight_decay = config["weight_decay"]
     if name == "adamw":
-        return optax.adamw(learning_rate, weight_decay=weight_decay, mask=_decay_mask)
+        return optax.adamw(learning_rate, weight_decay=weight_decay, mask=weight_decay_mask)
     if name == "adam":
         optimizer = optax.adam(learning_rate)
     else:
@@ -73,6 +80,6 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int) -> optax.Gradien
     if weight_decay:
         # Coupled (L2) decay, as in the ResNet papers: added to the gradient.
         optimizer = optax.chain(
-            optax.add_decayed_weights(weight_decay, mask=_decay_mask), optimizer
+            optax.add_decayed_weights(weight_decay, mask=weight_decay_mask), optimizer
         )
     return optimizer

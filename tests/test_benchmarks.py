@@ -20,7 +20,7 @@ if REPO not in sys.path:  # `benchmarks` is a top-level package of the repositor
     sys.path.insert(0, REPO)
 
 from benchmarks import core, flax_models, plot, run  # noqa: E402
-from haiku_state import models  # noqa: E402
+from haiku_state import models, optim  # noqa: E402
 
 TINY = core.Settings(
     batch_size=32,
@@ -201,7 +201,7 @@ def test_subprocess_env_gives_the_device_count_on_cpu_and_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("name", core.FLAX_PEERS)
-def test_flax_peer_has_the_haiku_networks_parameter_count(name):
+def test_flax_peer_has_the_haiku_networks_parameters_and_weight_decay(name):
     config = core.load_experiment_config(name)
     image_shape, num_classes = core.SYNTHETIC_SHAPES[name]
     options = {k: v for k, v in config.model.items() if k != "name"}
@@ -220,3 +220,12 @@ def test_flax_peer_has_the_haiku_networks_parameter_count(name):
 
     assert count(variables["params"]) == count(params)
     assert len(jax.tree.leaves(variables["params"])) == len(jax.tree.leaves(params))
+
+    # The same optimizer work: weight decay on the same weights, under each one's names.
+    def decayed(tree, mask):
+        leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(mask(tree)), strict=True)
+        return count([x for x, is_decayed in leaves if is_decayed])
+
+    haiku_decayed = decayed(params, optim.haiku_weights)
+    assert haiku_decayed == decayed(variables["params"], flax_models.kernels)
+    assert 0 < haiku_decayed < count(params)
