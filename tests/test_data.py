@@ -374,7 +374,7 @@ def test_prefetch_to_device_thread_stops_when_the_consumer_closes_early():
 
 @pytest.mark.parametrize(
     "start_step, steps_per_gather, process_index, process_count",
-    [(0, 1, 0, 1), (3, 1, 0, 1), (0, 4, 0, 1), (3, 4, 0, 1), (3, 4, 1, 2)],
+    [(0, 1, 0, 1), (3, 1, 0, 1), (0, 4, 0, 1), (3, 4, 0, 1), (3, 4, 1, 2), (3, None, 1, 2)],
 )
 def test_device_train_batches_are_the_train_batches_sharded_across_epochs(
     start_step, steps_per_gather, process_index, process_count
