@@ -2,7 +2,14 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# The JAX plugin for the accelerator, installed beside jaxlib at jax's pinned version:
+# none for CPU, cuda12 (or cuda13) for NVIDIA GPUs, tpu for Cloud TPUs. It follows
+# JAX_PLATFORMS, so `JAX_PLATFORMS=cuda make bench` installs what it runs on; set
+# ACCELERATOR to choose another.
+ACCELERATOR ?= $(if $(findstring cuda,$(JAX_PLATFORMS)),cuda12,$(if $(findstring tpu,$(JAX_PLATFORMS)),tpu,cpu))
+JAX_VERSION := $(shell sed -n 's/^jax==//p' constraints.txt)
+JAX_PLUGIN := $(if $(filter cpu,$(ACCELERATOR)),,'jax[$(ACCELERATOR)]==$(JAX_VERSION)')
+STAMP := $(VENV)/.installed-$(ACCELERATOR)
 EXP ?= resnet
 WORKDIR ?= runs/$(EXP)
 DEVICES ?= 2
@@ -20,7 +27,7 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]' $(JAX_PLUGIN)
 	touch $(STAMP)
 
 test: install
