@@ -725,7 +725,14 @@ def _benchmark_experiment(
             result["loop"] = benchmark_training_loop(
                 name, settings, bare_update_around_loop, workdir / "loop"
             )
-            log(f"[{num_devices} dev] {name}: loop/update {result['loop']['ratio_vs_update']:.3f}")
+            loop, saves = result["loop"], result["loop"]["checkpoint_windows"]
+            without = loop["ratio_vs_update_without_checkpoints"]
+            cost = saves["cost_per_save_s"]
+            log(
+                f"[{num_devices} dev] {name}: loop/update {loop['ratio_vs_update']:.3f}"
+                + ("" if without is None else f", {without:.3f} in the windows without a save")
+                + ("" if cost is None else f", {1e3 * cost:.0f} ms per save")
+            )
         except Exception as e:  # Recorded; the figures above stand.
             result["loop"] = {"skipped": f"failed: {type(e).__name__}: {e}"[:500]}
             log(f"[{num_devices} dev] {name}: loop failed: {result['loop']['skipped']}")
@@ -921,14 +928,14 @@ def benchmark_training_loop(
     bare_examples_per_s = bare_update()
     records = [r for r in summaries.read_metrics(str(workdir)) if r["split"] == "train"]
     records.sort(key=lambda r: r["step"])
-    steady_examples = steady_seconds = 0.0
-    window_rates = []
-    for previous, record in zip(records, records[1:], strict=False):
-        examples = (record["step"] - previous["step"]) * config.batch_size
-        steady_examples += examples
-        steady_seconds += examples / record["examples_per_s"]
-        window_rates.append(record["examples_per_s"])
-    steady = steady_examples / steady_seconds if steady_seconds else math.nan
+    windows = [
+        (previous["step"], record["step"], record["examples_per_s"])
+        for previous, record in zip(records, records[1:], strict=False)
+    ]
+    window_rates = [rate for _, _, rate in windows]
+    steady = _time_weighted_examples_per_s(windows, config.batch_size)
+    save_steps = range(config.checkpoint_every, config.steps, config.checkpoint_every)
+    saves = checkpoint_windows(windows, config.batch_size, save_steps)
     return {
         "data": config.data.name,
         "steps": config.steps,
@@ -945,8 +952,67 @@ def benchmark_training_loop(
         "median_window_ratio_vs_update": (
             statistics.median(window_rates) / bare_examples_per_s if window_rates else None
         ),
+        "checkpoint_windows": saves,
+        "ratio_vs_update_without_checkpoints": (
+            saves["examples_per_s_without"] / bare_examples_per_s
+            if saves["examples_per_s_without"] is not None
+            else None
+        ),
         "wall_s": wall_s,
         "final_eval": {k: float(v) for k, v in final.items()},
+    }
+
+
+def _time_weighted_examples_per_s(
+    windows: Sequence[tuple[int, int, float]], batch_size: int
+) -> float:
+    """Total examples over total time of `(first_step, last_step, examples_per_s)` windows."""
+    examples = sum((end - start) * batch_size for start, end, _ in windows)
+    seconds = sum((end - start) * batch_size / rate for start, end, rate in windows)
+    return examples / seconds if seconds else math.nan
+
+
+def checkpoint_windows(
+    windows: Sequence[tuple[int, int, float]], batch_size: int, save_steps: Sequence[int]
+) -> dict[str, Any]:
+    """Splits a loop's logged windows into those that hold a checkpoint save and the rest.
+
+    `train_and_evaluate` saves step `s` after it has logged step `s`, so the save
+    (the replica and finite checks before it, its blocking part, and its writer
+    thread competing for the host) lands in the window `(start, end]` with
+    `start <= s < end`. Comparing those windows
+    with the others gives the loop's own per-step overhead (`examples_per_s_without`)
+    apart from what each save costs the training (`cost_per_save_s`: the time of
+    the save windows beyond their steps at the rate without saves, per save).
+
+    Args:
+      windows: `(first_step, last_step, examples_per_s)` of each steady window.
+      batch_size: the global batch size of a step.
+      save_steps: the steps saved inside the loop (not the final one, saved after
+        the last window).
+
+    Returns:
+      `window_ends` (the last step of each window holding a save), `saves` (how
+      many saves they hold), `examples_per_s_without` (time-weighted over the
+      other windows) and `cost_per_save_s`; None where there is nothing to compare.
+    """
+    held = [[s for s in save_steps if start <= s < end] for start, end, _ in windows]
+    with_saves = [w for w, h in zip(windows, held, strict=True) if h]
+    without = [w for w, h in zip(windows, held, strict=True) if not h]
+    saves = sum(len(h) for h in held)
+    rate_without = _time_weighted_examples_per_s(without, batch_size) if without else None
+    cost = None
+    if with_saves and rate_without is not None:
+        extra = sum(
+            (end - start) * batch_size * (1 / rate - 1 / rate_without)
+            for start, end, rate in with_saves
+        )
+        cost = extra / saves
+    return {
+        "window_ends": [end for _, end, _ in with_saves],
+        "saves": saves,
+        "examples_per_s_without": rate_without,
+        "cost_per_save_s": cost,
     }
 
 

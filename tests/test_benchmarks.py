@@ -157,6 +157,38 @@ def test_quick_loop_config_runs_on_synthetic_data_of_the_timed_shape():
     assert config.checkpoint_every == 20 and config.eval_every == 30
 
 
+def test_checkpoint_windows_separate_the_cost_of_each_save():
+    # Batch 10, windows of 50 steps: 500 examples each. Steps 100 and 200 are saved
+    # after their logs, so their cost lands in the windows (100, 150] and (200, 250].
+    windows = [(50, 100, 1000.0), (100, 150, 500.0), (150, 200, 1000.0), (200, 250, 250.0)]
+    saves = core.checkpoint_windows(windows, batch_size=10, save_steps=range(100, 300, 100))
+    assert saves["window_ends"] == [150, 250]
+    assert saves["saves"] == 2
+    assert saves["examples_per_s_without"] == pytest.approx(1000.0)
+    # 0.5 s beyond the 0.5 s at 1,000/s in one save window, 1.5 s in the other.
+    assert saves["cost_per_save_s"] == pytest.approx(1.0)
+
+
+def test_checkpoint_windows_of_a_window_that_is_not_a_log_step():
+    # A save between two logs lands in the window around it; two saves in one window
+    # share its cost.
+    windows = [(0, 40, 100.0), (40, 80, 50.0)]
+    saves = core.checkpoint_windows(windows, batch_size=1, save_steps=[50, 70])
+    assert saves["window_ends"] == [80]
+    assert saves["saves"] == 2
+    assert saves["cost_per_save_s"] == pytest.approx((0.8 - 0.4) / 2)
+
+
+def test_checkpoint_windows_without_a_window_to_compare_give_none():
+    every_window_saves = core.checkpoint_windows([(0, 10, 5.0)], batch_size=1, save_steps=[0])
+    assert every_window_saves["examples_per_s_without"] is None
+    assert every_window_saves["cost_per_save_s"] is None
+    no_save = core.checkpoint_windows([(0, 10, 5.0)], batch_size=1, save_steps=[])
+    assert no_save["window_ends"] == [] and no_save["saves"] == 0
+    assert no_save["examples_per_s_without"] == pytest.approx(5.0)
+    assert no_save["cost_per_save_s"] is None
+
+
 def test_plot_draws_scaling_throughput_and_ratio_charts(tmp_path):
     record = {
         "created_utc": "2026-01-01T00:00:00+00:00",
