@@ -54,6 +54,10 @@ QUICK_COMPARED_EXPERIMENTS = ("mlp",)
 # take minutes per device count on a CPU; 200 keep its cadence (log every 50, an
 # asynchronous checkpoint and a replica check at step 100) with three steady windows.
 FULL_LOOP_STEPS = {"resnet": 200}
+# Training-loop runs per device count, the median reported: the loop cannot be interleaved
+# with the bare update, so each run is compared with the update timed around it. The MLP's
+# run takes about 4 s, the ResNet's 20-25 s (one run keeps `make bench` within 10 minutes).
+FULL_LOOP_RUNS = {"mlp": 3}
 # Timed windows of about 0.6 s (5 per variant, interleaved): with five variants per
 # experiment and three device counts, `make bench` stays within 8 minutes on 2 cores.
 WINDOW_S = 0.6
@@ -91,6 +95,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=None,
         help="Training-loop run length (default: the experiment's steps; 0 skips).",
+    )
+    parser.add_argument(
+        "--loop_runs",
+        type=int,
+        default=None,
+        help="Training-loop runs, the median reported (default: 3 for mlp, else 1; --quick 1).",
     )
     parser.add_argument(
         "--checkpoint_saves", type=int, default=None, help="Timed saves per mode (0 skips)."
@@ -132,6 +142,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         args.devices = list(QUICK_DEVICES if args.quick else DEFAULT_DEVICES)
     if not args.devices or min(args.devices) < 1:
         parser.error(f"--devices must be positive integers, got {args.devices}")
+    if args.loop_runs is not None and args.loop_runs < 1:
+        parser.error(f"--loop_runs must be at least 1, got {args.loop_runs} (--loop_steps=0 skips)")
     for precision in args.precisions:
         try:
             core.check_precision(precision)
@@ -154,6 +166,7 @@ def settings_for(name: str, args: argparse.Namespace, platform: str, num_devices
             num_batches=2,
             loop_steps=30 if args.loop_steps is None else args.loop_steps,
             loop_log_every=10,
+            loop_runs=args.loop_runs or 1,
             loop_synthetic_data=True,
             checkpoint_saves=1 if args.checkpoint_saves is None else args.checkpoint_saves,
             hand_written=name in QUICK_COMPARED_EXPERIMENTS,
@@ -171,6 +184,7 @@ def settings_for(name: str, args: argparse.Namespace, platform: str, num_devices
             target_window_s=WINDOW_S,
             windows=args.windows or 5,
             loop_steps=FULL_LOOP_STEPS.get(name) if args.loop_steps is None else args.loop_steps,
+            loop_runs=args.loop_runs or FULL_LOOP_RUNS.get(name, 1),
             checkpoint_saves=2 if args.checkpoint_saves is None else args.checkpoint_saves,
             flax=not args.no_flax,
             shard_map=args.shard_map,

@@ -28,7 +28,11 @@ TINY = core.Settings(
     windows=2,
     warmup_steps=1,
     num_batches=2,
-    loop_steps=0,
+    # Two short loop runs: a save at step 20 lands in the window (20, 30], (10, 20] has none.
+    loop_steps=30,
+    loop_log_every=10,
+    loop_runs=2,
+    loop_synthetic_data=True,
     checkpoint_saves=1,
 )
 
@@ -82,7 +86,48 @@ def test_benchmark_experiment_reports_positive_finite_throughputs_and_ratios(mlp
     for mode in ("async", "sync"):
         assert _is_positive_finite(checkpoint[mode]["blocked_s"])
         assert _is_positive_finite(checkpoint[mode]["write_mb_per_s"])
-    assert "skipped" in result["loop"]
+    loop = result["loop"]
+    assert len(loop["runs"]) == TINY.loop_runs
+    assert loop["ratio_vs_update"] == min(run["ratio_vs_update"] for run in loop["runs"])
+    for run_figures in loop["runs"]:
+        assert _is_positive_finite(run_figures["ratio_vs_update"])
+        assert _is_positive_finite(run_figures["ratio_vs_update_without_checkpoints"])
+        assert math.isfinite(run_figures["cost_per_save_s"])  # Noise can make it negative.
+    assert loop["checkpoint_windows"]["window_ends"] == [30]
+    assert loop["checkpoint_windows"]["saves"] == 1
+    after_loops = result["throughput"]["updater"]["window_steps_per_s_after_loop"]
+    assert [len(windows) for windows in after_loops] == [TINY.windows] * TINY.loop_runs
+
+
+def test_median_loop_run_reports_the_middle_run_and_records_every_run():
+    def loop_run(ratio):
+        return {
+            "ratio_vs_update": ratio,
+            "ratio_vs_update_without_checkpoints": ratio + 0.05,
+            "checkpoint_windows": {"cost_per_save_s": 0.07},
+            "examples_per_s": 900.0 * ratio,
+            "update_examples_per_s": 900.0,
+        }
+
+    runs = [loop_run(0.95), loop_run(0.80), loop_run(0.90)]
+    median = core._median_loop_run(runs)
+    assert median["ratio_vs_update"] == 0.90
+    assert [r["ratio_vs_update"] for r in median["runs"]] == [0.95, 0.80, 0.90]
+    assert median["runs"][0]["cost_per_save_s"] == 0.07
+    assert "runs" not in runs[2]  # The runs themselves are left as they were.
+    # An even count reports the lower middle run: the figure is never flattered.
+    assert core._median_loop_run(runs[:2])["ratio_vs_update"] == 0.80
+
+
+def test_loop_runs_default_to_three_for_the_mlp_and_zero_is_refused():
+    args = run._parse_args([])
+    assert run.settings_for("mlp", args, "cpu", 1)[0].loop_runs == 3
+    assert run.settings_for("resnet", args, "cpu", 1)[0].loop_runs == 1
+    quick = run._parse_args(["--quick"])
+    assert run.settings_for("mlp", quick, "cpu", 2)[0].loop_runs == 1
+    assert run.settings_for("mlp", run._parse_args(["--loop_runs=2"]), "cpu", 1)[0].loop_runs == 2
+    with pytest.raises(SystemExit):
+        run._parse_args(["--loop_runs=0"])
 
 
 def test_run_record_is_written_as_json_with_machine_versions_and_figures(mlp_run, tmp_path):
