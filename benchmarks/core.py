@@ -1016,10 +1016,10 @@ def checkpoint_windows(
     `train_and_evaluate` saves step `s` after it has logged step `s`, so the save
     (the replica and finite checks before it, its blocking part, and its writer
     thread competing for the host) lands in the window `(start, end]` with
-    `start <= s < end`. Comparing those windows
-    with the others gives the loop's own per-step overhead (`examples_per_s_without`)
-    apart from what each save costs the training (`cost_per_save_s`: the time of
-    the save windows beyond their steps at the rate without saves, per save).
+    `start <= s < end`. Comparing those windows with the others gives the loop's
+    own per-step overhead (`examples_per_s_without`) apart from what each save
+    costs the training (`cost_per_save_s`: the time of the save windows beyond
+    their steps at the rate without saves, per save).
 
     Args:
       windows: `(first_step, last_step, examples_per_s)` of each steady window.
