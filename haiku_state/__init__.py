@@ -1,12 +1,7 @@
 """haiku_state: a reference for parameter and state handling in Haiku + JAX."""
 
-from haiku_state.replication import (
-    assert_keys_distinct,
-    assert_replicas_identical,
-    replicate,
-    shard,
-    unreplicate,
-)
+from haiku_state.asserts import assert_keys_distinct, assert_replicas_identical
+from haiku_state.replication import replicate, shard, unreplicate
 from haiku_state.updater import TrainState, Updater
 
 __all__ = [

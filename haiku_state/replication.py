@@ -1,25 +1,22 @@
-"""Moving pytrees between the host and a leading per-device axis.
+"""The per-device layout: trees on a leading device axis, and per-device functions mapped over it.
 
-JAX 0.10 removed `jax.device_put_replicated` and `jax.device_put_sharded`, and
-its `jax.pmap` (implemented on `shard_map`) only accepts arguments that already
-live on devices when they carry the sharding pmap itself would produce:
+JAX removed `jax.device_put_replicated` and `jax.device_put_sharded`, and its
+`jax.pmap` (implemented on `shard_map`) only accepts arguments that already live
+on devices when they carry the sharding pmap itself would produce:
 `NamedSharding(Mesh(local_devices, (axis_name,)), P(axis_name))`. Everything in
 this module produces exactly that layout, so the arrays it returns can be fed
 to a pmapped function every step without being copied again.
 
-The assertions at the bottom verify the invariants a data-parallel run relies
-on: every replica of params, state and opt_state is bit-identical, and every
-device draws from a different PRNG key. In a multi-process run
-(`jax.distributed`) they compare the devices of every process, not only the
-local ones; they are then collectives, which every process must call alike.
+`parallelize` maps a per-device function over that layout with either backend,
+`jax.pmap` or `jax.jit(jax.shard_map(...))`, so the Updater is written once.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 PyTree = Any
 DEFAULT_AXIS_NAME = "i"
+BACKENDS = ("pmap", "shard_map")
 
 
 @functools.cache
@@ -52,6 +50,53 @@ def device_axis_sharding(axis_name: str = DEFAULT_AXIS_NAME) -> NamedSharding:
     return NamedSharding(local_mesh(axis_name), PartitionSpec(axis_name))
 
 
+def check_device_axis(tree: PyTree, where: str, name: str = "train_state") -> None:
+    """Raises ValueError naming the first leaf without a leading axis of local devices.
+
+    Args:
+      tree: a tree that must be laid out per device, e.g. a `TrainState`.
+      where: the caller, for the message (`"update"`, `"save"`, ...).
+      name: what `tree` is called in the message.
+    """
+    num_devices = jax.local_device_count()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if np.shape(leaf)[:1] != (num_devices,):
+            raise ValueError(
+                f"{where}: {name}{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}; "
+                f"every leaf needs a leading axis of local_devices={num_devices}: use a "
+                "replicated TrainState (from Updater.init, Updater.update or "
+                "Checkpointer.restore), or hs.replicate() unreplicated values."
+            )
+
+
+def check_batch(batch: PyTree, where: str) -> None:
+    """Raises ValueError unless every leaf is `[local_devices, per_device_batch, ...]` alike.
+
+    Args:
+      batch: a device-sharded batch, as `shard` makes it.
+      where: the caller, for the message.
+    """
+    num_devices = jax.local_device_count()
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError(f"{where}: the batch has no arrays.")
+    per_device_sizes = {}
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        shape = np.shape(leaf)
+        if len(shape) < 2 or shape[0] != num_devices:
+            raise ValueError(
+                f"{where}: batch leaf {name} has shape {shape}; expected "
+                f"[local_devices={num_devices}, per_device_batch, ...]. Use hs.shard() "
+                "to split a host batch over the devices."
+            )
+        per_device_sizes[name] = shape[1]
+    if len(set(per_device_sizes.values())) > 1:
+        raise ValueError(
+            f"{where}: batch leaves disagree on the per-device batch size: {per_device_sizes}."
+        )
+
+
 def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
     """Splits a host batch `[B, ...]` into `[local_devices, B // local_devices, ...]`.
 
@@ -63,8 +108,7 @@ def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
         local device count.
     """
     num_devices = jax.local_device_count()
-    leaves_with_paths = jax.tree_util.tree_leaves_with_path(host_batch)
-    for path, leaf in leaves_with_paths:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(host_batch):
         shape = np.shape(leaf)
         name = jax.tree_util.keystr(path) or "batch"
         if not shape:
@@ -77,7 +121,7 @@ def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
             )
 
     def split(leaf):
-        leaf = np.asarray(leaf) if not isinstance(leaf, jax.Array) else leaf
+        leaf = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
         return leaf.reshape((num_devices, leaf.shape[0] // num_devices) + leaf.shape[1:])
 
     return jax.device_put(jax.tree.map(split, host_batch), device_axis_sharding(axis_name))
@@ -114,114 +158,9 @@ def unreplicate(tree: PyTree) -> PyTree:
     return jax.tree.map(first, tree)
 
 
-def _leaf_bits(x: jax.Array) -> jax.Array:
-    """A view of `x` whose equality is bit equality (NaN == NaN, -0 != +0)."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-        if jnp.issubdtype(x.dtype, jnp.complexfloating):
-            x = jnp.stack([x.real, x.imag], axis=-1)
-        x = jax.lax.bitcast_convert_type(x, unsigned[x.dtype.itemsize])
-    return x
-
-
-@jax.jit
-def _replica_mismatch(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Per leaf, per device: does this replica differ bitwise from replica 0?"""
-
-    def differs(x):
-        bits = _leaf_bits(x)
-        return jnp.any((bits != bits[:1]).reshape(bits.shape[0], -1), axis=1)
-
-    # A flat list: rebuilding custom pytree nodes (jmp loss scales) from booleans
-    # would trip their own checks.
-    return [differs(x) for x in leaves]
-
-
-def _device_axis_size(tree: PyTree, what: str) -> int:
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return 0
-    first = leaves[0]
-    if not np.ndim(first):
-        raise ValueError(f"{what}: leaves have no leading device axis.")
-    num_devices = np.shape(first)[0]
-    chex.assert_tree_shape_prefix(tree, (num_devices,))
-    return num_devices
-
-
-def assert_replicas_identical(tree: PyTree) -> None:
-    """Asserts that all replicas (slices along the leading axis) are bit-identical.
-
-    The comparison runs on device and only a boolean per leaf and device comes
-    back to the host, so it is cheap enough to run every few hundred steps. In a
-    multi-process run every leaf must have the local device axis (a `TrainState`
-    does), and each device is compared with device 0 of process 0 across all
-    processes; every process must call it, and every process raises alike.
-
-    Raises:
-      AssertionError: naming the first leaf path whose replicas differ, the
-        devices that differ from device 0, and (single process) chex's
-        element-wise report.
-    """
-    if not _device_axis_size(tree, "assert_replicas_identical"):
-        return  # An empty tree (a stateless model's state) has nothing to differ.
-    leaves_with_paths = jax.tree_util.tree_leaves_with_path(tree)
-    leaves = [leaf for _, leaf in leaves_with_paths]
-    if jax.process_count() > 1:
-        mismatch = jax.device_get(_global_replica_mismatch(leaves))
-        for (path, _), differs in zip(leaves_with_paths, mismatch, strict=True):
-            if np.any(differs):
-                raise AssertionError(
-                    f"Replicas differ at leaf {jax.tree_util.keystr(path) or '<root>'}: global "
-                    f"devices {np.flatnonzero(differs).tolist()} differ from global device 0 "
-                    f"(process 0) across the {jax.process_count()} processes."
-                )
-        return
-    mismatch = jax.device_get(_replica_mismatch(leaves))
-    for (path, leaf), differs in zip(leaves_with_paths, mismatch, strict=True):
-        if not np.any(differs):
-            continue
-        bad_devices = np.flatnonzero(differs).tolist()
-        replicas = np.asarray(jax.device_get(_leaf_bits(leaf) if _is_key(leaf) else leaf))
-        detail = ""
-        try:
-            chex.assert_trees_all_equal(replicas[0], replicas[bad_devices[0]])
-        except AssertionError as e:
-            detail = f"\n{e}"
-        raise AssertionError(
-            f"Replicas differ at leaf {jax.tree_util.keystr(path) or '<root>'}: devices "
-            f"{bad_devices} differ from device 0.{detail}"
-        )
-
-
-_CHECK_AXIS = "replicas"
-
-
-def _differs_from_global_device_0(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Per leaf: `[global_devices]` booleans, does this device's copy differ from device 0's?
-
-    Runs per device under pmap, whose axis spans every process: device 0's bits
-    reach every device through a psum in which only device 0 contributes (exact
-    for integers), so nothing but one boolean per leaf and device is gathered.
-    """
-
-    def differs(x):
-        bits = _leaf_bits(x)
-        if bits.dtype.itemsize < 4:  # bool, 8- and 16-bit: widen losslessly for the psum.
-            signed = jnp.issubdtype(bits.dtype, jnp.signedinteger)
-            bits = bits.astype(jnp.int32 if signed else jnp.uint32)
-        is_first = jax.lax.axis_index(_CHECK_AXIS) == 0
-        first = jax.lax.psum(jnp.where(is_first, bits, jnp.zeros_like(bits)), _CHECK_AXIS)
-        return jax.lax.all_gather(jnp.any(bits != first), _CHECK_AXIS)
-
-    return [differs(x) for x in leaves]
-
-
-_global_replica_mismatch = jax.pmap(
-    _differs_from_global_device_0, axis_name=_CHECK_AXIS, out_axes=None
-)
+def is_key(x: Any) -> bool:
+    """Whether `x` is an array of typed PRNG keys."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def global_key_data(keys: jax.Array) -> np.ndarray:
@@ -234,44 +173,84 @@ def global_key_data(keys: jax.Array) -> np.ndarray:
     Args:
       keys: typed keys `[local_devices]`, or raw key data `[local_devices, ...]`.
     """
-    data = jax.random.key_data(keys) if _is_key(keys) else keys
+    data = jax.random.key_data(keys) if is_key(keys) else keys
     if jax.process_count() == 1:
         return np.asarray(jax.device_get(data))
     return np.asarray(multihost_utils.process_allgather(data, tiled=True))
 
 
-def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+OutAxes = Any  # A tree (prefix) of 0 (keeps the device axis) or None (identical everywhere).
 
 
-def assert_keys_distinct(keys: jax.Array) -> None:
-    """Asserts that every device holds a different PRNG key.
+def parallelize(
+    per_device_fn: Callable[..., Any],
+    *,
+    backend: str = "pmap",
+    axis_name: str = DEFAULT_AXIS_NAME,
+    out_axes: OutAxes = 0,
+    donate_argnums: tuple[int, ...] = (),
+) -> Callable[..., Any]:
+    """Runs `per_device_fn` on every device's slice of its arguments' leading axis.
 
-    In a multi-process run the keys of every process are gathered first
-    (`global_key_data`), so keys must differ across all devices of all processes;
-    every process must call it.
+    Every argument has this process's devices on its leading axis, as `shard` and
+    `replicate` lay them out. Outputs with `out_axes` 0 keep that axis; those with
+    None are identical on every device (e.g. metrics averaged with `pmean`) and
+    come back once.
 
     Args:
-      keys: typed keys of shape `[devices]`, or raw uint32 key data of shape
-        `[devices, ...]`.
+      per_device_fn: the function of one device's slices; collectives over
+        `axis_name` reduce across every device of every process.
+      backend: `"pmap"`, or `"shard_map"` for `jax.jit(jax.shard_map(...))` over a
+        one-axis mesh of every process's devices (what JAX implements pmap with).
+        Both take and return the same layout, also in a multi-process run.
+      axis_name: the name collectives in `per_device_fn` use.
+      out_axes: a tree prefix of the outputs, of 0 and None.
+      donate_argnums: arguments whose buffers the call may reuse.
 
-    Raises:
-      AssertionError: naming the first pair of (global) devices whose keys are equal.
+    Returns:
+      The mapped function; it has `.lower(*args)` for cost and memory analysis.
     """
-    key_ndim = np.ndim(keys) if _is_key(keys) else np.ndim(keys) - 1
-    if key_ndim < 1:
-        raise ValueError(
-            f"assert_keys_distinct: expected keys with a leading device axis, got shape "
-            f"{np.shape(jax.random.key_data(keys) if _is_key(keys) else keys)}."
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown backend {backend!r}; expected one of {BACKENDS}.")
+    if backend == "pmap":
+        return jax.pmap(
+            per_device_fn, axis_name=axis_name, out_axes=out_axes, donate_argnums=donate_argnums
         )
-    data = global_key_data(keys)
-    flat = data.reshape(data.shape[0], -1)
-    first_seen: dict[bytes, int] = {}
-    for device, row in enumerate(flat):
-        signature = row.tobytes()
-        if signature in first_seen:
-            raise AssertionError(
-                f"PRNG keys of devices {first_seen[signature]} and {device} are equal "
-                f"({row.tolist()}); every device must draw from its own key."
-            )
-        first_seen[signature] = device
+    return _shard_map(per_device_fn, axis_name, out_axes, donate_argnums)
+
+
+def _shard_map(per_device_fn, axis_name, out_axes, donate_argnums):
+    """`parallelize` with `jax.shard_map`: each device sees a block of one slice."""
+    device_axis = PartitionSpec(axis_name)
+    is_axis = lambda x: x is None or isinstance(x, int)  # noqa: E731
+    out_specs = jax.tree.map(
+        lambda a: device_axis if a == 0 else PartitionSpec(), out_axes, is_leaf=is_axis
+    )
+
+    def restore_axis(out_axis, tree):
+        return jax.tree.map(lambda x: x[None], tree) if out_axis == 0 else tree
+
+    def per_block(*blocks):  # [1, ...] -> [...] -> [1, ...]
+        outputs = per_device_fn(*jax.tree.map(lambda x: x[0], blocks))
+        return jax.tree.map(restore_axis, out_axes, outputs, is_leaf=is_axis)
+
+    mesh = global_mesh(axis_name)
+    mapped = jax.jit(
+        jax.shard_map(per_block, mesh=mesh, in_specs=device_axis, out_specs=out_specs),
+        donate_argnums=donate_argnums,
+    )
+    if jax.process_count() == 1:
+        return mapped
+
+    # Each process holds its own devices' slices, as pmap's layout has them: view those
+    # buffers as one global array for the jit over every process's devices, and its
+    # results as local ones again. No data moves.
+    def to_global(args):
+        return multihost_utils.host_local_array_to_global_array(args, mesh, device_axis)
+
+    def across_processes(*args):
+        outputs = mapped(*to_global(args))
+        return multihost_utils.global_array_to_host_local_array(outputs, mesh, out_specs)
+
+    across_processes.lower = lambda *args: mapped.lower(*to_global(args))
+    return across_processes

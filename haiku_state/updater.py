@@ -6,7 +6,8 @@ are identical across that axis, `rng` holds one distinct PRNG key per device and
 `step` the (identical) step count.
 
 The step is a pure function `(train_state, batch) -> (train_state, metrics)`
-wrapped once in `jax.pmap` with the train state's buffers donated:
+mapped once over the devices (`replication.parallelize`) with the train state's
+buffers donated:
 
 * each device splits its own key, so dropout masks and augmentations differ
   across devices and are fresh every step;
@@ -24,7 +25,6 @@ wrapped once in `jax.pmap` with the train state's buffers donated:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -34,12 +34,10 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec
 
-from haiku_state import replication
+from haiku_state import asserts, replication
 
-BACKENDS = ("pmap", "shard_map")
+BACKENDS = replication.BACKENDS
 
 Batch = Mapping[str, Any]
 Metrics = dict[str, jax.Array]
@@ -60,16 +58,41 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 [devices]
 
 
+def step_of(train_state: TrainState) -> int:
+    """The step a replicated `TrainState` is at, on the host (waits for it)."""
+    return int(jax.device_get(train_state.step.addressable_data(0))[0])
+
+
 class LossScaledOptState(NamedTuple):
     """`opt_state` of an Updater with loss scaling: the optimizer's, and the scale as arrays.
 
     Plain arrays (not a `jmp` object) so that Orbax and `jit` lowering can rebuild
-    the tree with placeholders; the Updater turns them back into its `jmp` scale.
+    the tree with placeholders; `unpack_loss_scale` turns them back into a scale.
     """
 
     optimizer: optax.OptState
     loss_scale: jax.Array  # float32 scalar
     good_steps: jax.Array  # int32 scalar: finite steps since the last change (dynamic scale)
+
+
+def pack_loss_scale(
+    optimizer_state: optax.OptState, loss_scale: jmp.LossScale
+) -> LossScaledOptState:
+    """The optimizer state with `loss_scale` stored beside it as plain arrays."""
+    return LossScaledOptState(
+        optimizer_state,
+        jnp.asarray(loss_scale.loss_scale, jnp.float32),
+        jnp.asarray(getattr(loss_scale, "counter", 0), jnp.int32),
+    )
+
+
+def unpack_loss_scale(opt_state: LossScaledOptState, like: jmp.LossScale) -> jmp.LossScale:
+    """The `jmp` scale stored in `opt_state`, with the other settings of `like`."""
+    if isinstance(like, jmp.DynamicLossScale):
+        return dataclasses.replace(
+            like, loss_scale=opt_state.loss_scale, counter=opt_state.good_steps
+        )
+    return jmp.StaticLossScale(opt_state.loss_scale)
 
 
 def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0) -> jax.Array:
@@ -83,31 +106,43 @@ def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0)
 
 
 def _as_typed_key(key: jax.Array) -> jax.Array:
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    return jax.random.wrap_key_data(key)
+    return key if replication.is_key(key) else jax.random.wrap_key_data(key)
 
 
 def _pmean_floating(tree: Any, axis_name: str) -> Any:
-    """Averages floating leaves across devices; integer leaves pass through."""
+    """Averages floating leaves across devices; integer leaves (counters) pass through."""
 
     def mean_if_floating(x):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jax.lax.pmean(x, axis_name)
-        return x
+        return jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
     return jax.tree.map(mean_if_floating, tree)
 
 
+def _checked_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Array, Metrics]:
+    """`loss_fn(outputs, batch)`, refused at trace time unless loss and metrics are scalars."""
+    loss, metrics = loss_fn(outputs, batch)
+    if jnp.shape(loss) != ():
+        raise ValueError(
+            f"loss_fn must return a scalar loss; got shape {jnp.shape(loss)}. Reduce it "
+            "over the per-device batch (e.g. with jnp.mean)."
+        )
+    for name, value in metrics.items():
+        if jnp.shape(value) != ():
+            raise ValueError(
+                f"loss_fn metric {name!r} must be a scalar; got shape {jnp.shape(value)}."
+            )
+    return loss, metrics
+
+
 class Updater:
-    """Initialises and updates a `TrainState` with a pmapped step.
+    """Initialises and updates a `TrainState` with a data-parallel step.
 
     Args:
       forward: `hk.transform_with_state` of `f(batch, is_training) -> outputs`.
       optimizer: the optax transformation applied to the averaged gradients.
       loss_fn: `loss_fn(outputs, batch) -> (scalar loss, dict of scalar metrics)`,
         evaluated on each device's shard of the batch.
-      axis_name: the pmap axis; BatchNorm's `cross_replica_axis` must match it.
+      axis_name: the device axis; BatchNorm's `cross_replica_axis` must match it.
       augment_fn: optional `(key, batch) -> batch`, run on device at the start of
         every training step with a per-device key (not during evaluation).
       check_finite: if True, `update` waits for every step's loss and raises
@@ -115,15 +150,11 @@ class Updater:
         host sync per step: a debugging aid, off by default.
       loss_scale: optional `jmp` loss scale for float16 training: the loss is
         multiplied by it before differentiation and the gradients divided by it
-        after. With `jmp.DynamicLossScale` the scale is part of `opt_state`
-        (a `LossScaledOptState`), halves on non-finite gradients, whose step is
-        then skipped on every device alike, and grows after a run of good steps.
-      backend: `"pmap"`, or `"shard_map"` for the same per-device step written
-        with `jax.shard_map` under `jax.jit` over a one-axis `Mesh` of every
-        process's devices: the modern API that JAX itself now implements pmap
-        with. Both take and return the same `TrainState` layout (this process's
-        devices on the leading axis, also in a multi-process run), so
-        checkpoints move freely between them.
+        after. The scale is part of `opt_state` (a `LossScaledOptState`); a
+        `jmp.DynamicLossScale` halves on non-finite gradients, whose step is then
+        skipped on every device alike, and grows after a run of good steps.
+      backend: `"pmap"` or `"shard_map"` (see `replication.parallelize`); both
+        use the same `TrainState` layout, so checkpoints move freely between them.
     """
 
     def __init__(
@@ -138,8 +169,6 @@ class Updater:
         loss_scale: jmp.LossScale | None = None,
         backend: str = "pmap",
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"Unknown backend {backend!r}; expected one of {BACKENDS}.")
         self._forward = forward
         self._optimizer = optimizer
         self._loss_fn = loss_fn
@@ -148,11 +177,14 @@ class Updater:
         self._check_finite = check_finite
         self._loss_scale = loss_scale
         self._backend = backend
-        self._init_pmap = self._parallel(self._init_per_device, out_axes=0)
-        self._update_pmap = self._parallel(
-            self._update_per_device, out_axes=(0, None), donate_argnums=(0,)
+        parallel = dict(backend=backend, axis_name=axis_name)
+        self._init_parallel = replication.parallelize(self._init_per_device, **parallel)
+        self._update_parallel = replication.parallelize(
+            self._update_per_device, out_axes=(0, None), donate_argnums=(0,), **parallel
         )
-        self._evaluate_pmap = self._parallel(self._evaluate_per_device, out_axes=None)
+        self._evaluate_parallel = replication.parallelize(
+            self._evaluate_per_device, out_axes=None, **parallel
+        )
 
     @property
     def axis_name(self) -> str:
@@ -161,51 +193,6 @@ class Updater:
     @property
     def backend(self) -> str:
         return self._backend
-
-    def _parallel(self, per_device_fn, *, out_axes, donate_argnums=()):
-        """Runs `per_device_fn` on every device's slice of the leading axis.
-
-        `out_axes` is 0 for outputs that keep the device axis and None for
-        outputs that are identical on every device (averaged metrics).
-        """
-        if self._backend == "pmap":
-            return jax.pmap(
-                per_device_fn,
-                axis_name=self._axis_name,
-                out_axes=out_axes,
-                donate_argnums=donate_argnums,
-            )
-        device_axis = PartitionSpec(self._axis_name)
-        is_axis = lambda x: x is None or isinstance(x, int)  # noqa: E731
-        out_specs = jax.tree.map(
-            lambda a: device_axis if a == 0 else PartitionSpec(), out_axes, is_leaf=is_axis
-        )
-
-        def add_device_axis(out_axis, tree):
-            return jax.tree.map(lambda x: x[None], tree) if out_axis == 0 else tree
-
-        def per_block(*blocks):
-            # Each device sees a block of one slice: [1, ...] -> [...] -> [1, ...].
-            outputs = per_device_fn(*jax.tree.map(lambda x: x[0], blocks))
-            return jax.tree.map(add_device_axis, out_axes, outputs, is_leaf=is_axis)
-
-        mesh = replication.global_mesh(self._axis_name)
-        mapped = jax.jit(
-            jax.shard_map(per_block, mesh=mesh, in_specs=device_axis, out_specs=out_specs),
-            donate_argnums=donate_argnums,
-        )
-        if jax.process_count() == 1:
-            return mapped
-
-        def across_processes(*args):
-            # The TrainState holds this process's devices only, as pmap's does: view those
-            # buffers as one global array for the jit over every process's devices, and
-            # its results as local ones again. No data moves.
-            global_args = multihost_utils.host_local_array_to_global_array(args, mesh, device_axis)
-            outputs = mapped(*global_args)
-            return multihost_utils.global_array_to_host_local_array(outputs, mesh, out_specs)
-
-        return across_processes
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
         """Builds the initial, replicated `TrainState`.
@@ -217,18 +204,16 @@ class Updater:
           batch: a device-sharded batch (leaves `[local_devices, per_device, ...]`);
             only its shapes and dtypes matter.
         """
-        self._check_batch(batch, "init")
+        replication.check_batch(batch, "init")
         sequence = hk.PRNGSequence(seed)
         init_key = _as_typed_key(next(sequence))
         device_seed_key = _as_typed_key(next(sequence))
         num_devices = jax.local_device_count()
+        device_axis = replication.device_axis_sharding(self._axis_name)
         rng = per_device_keys(device_seed_key, num_devices, jax.process_index() * num_devices)
-        rng = jax.device_put(rng, replication.device_axis_sharding(self._axis_name))
         init_keys = replication.replicate(init_key, self._axis_name)
-        params, state, opt_state = self._init_pmap(init_keys, batch)
-        step = jax.device_put(
-            np.zeros((num_devices,), np.int32), replication.device_axis_sharding(self._axis_name)
-        )
+        params, state, opt_state = self._init_parallel(init_keys, batch)
+        rng, step = jax.device_put((rng, np.zeros((num_devices,), np.int32)), device_axis)
         return TrainState(params, state, opt_state, rng, step)
 
     def update(self, train_state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -238,22 +223,28 @@ class Updater:
           The new train state, and `metrics` (`loss` plus the loss_fn metrics,
           averaged over devices) as scalars without a device axis.
         """
-        self._check_train_state(train_state, "update")
-        self._check_batch(batch, "update")
+        self._check_arguments(train_state, batch, "update")
         if not self._check_finite:
-            return self._call_checked(self._update_pmap, train_state, batch, "update")
-        step = int(jax.device_get(train_state.step.addressable_data(0))[0])
-        new_state, metrics = self._call_checked(self._update_pmap, train_state, batch, "update")
-        loss = float(metrics["loss"])
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"Non-finite loss {loss} at step {step}.")
-        return new_state, metrics
+            return self._call(self._update_parallel, train_state, batch, "update")
+        step = step_of(train_state)
+        new_train_state, metrics = self._call(self._update_parallel, train_state, batch, "update")
+        asserts.check_finite_losses([(step, jax.device_get(metrics))])
+        return new_train_state, metrics
 
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
         """The loss and metrics with `is_training=False`; the state is untouched."""
-        self._check_train_state(train_state, "evaluate")
-        self._check_batch(batch, "evaluate")
-        return self._call_checked(self._evaluate_pmap, train_state, batch, "evaluate")
+        self._check_arguments(train_state, batch, "evaluate")
+        return self._call(self._evaluate_parallel, train_state, batch, "evaluate")
+
+    def lower_update(self, train_state: TrainState, batch: Batch) -> jax.stages.Lowered:
+        """The training step lowered for these arguments, for XLA's cost and memory analysis.
+
+        Lowering neither runs the step nor consumes the donated `train_state`.
+        """
+        self._check_arguments(train_state, batch, "lower_update")
+        return self._update_parallel.lower(train_state, batch)
+
+    # The per-device functions.
 
     def _init_per_device(self, init_key, batch):
         params, state = self._forward.init(init_key, batch, is_training=True)
@@ -261,31 +252,13 @@ class Updater:
         state = _pmean_floating(state, self._axis_name)
         opt_state = self._optimizer.init(params)
         if self._loss_scale is not None:
-            opt_state = LossScaledOptState(
-                opt_state,
-                jnp.asarray(self._loss_scale.loss_scale, jnp.float32),
-                jnp.zeros((), jnp.int32),
-            )
+            opt_state = pack_loss_scale(opt_state, self._loss_scale)
         return params, state, opt_state
 
     def _loss(self, params, state, key, batch, loss_scale):
         outputs, new_state = self._forward.apply(params, state, key, batch, is_training=True)
-        loss, metrics = self._checked_loss(outputs, batch)
+        loss, metrics = _checked_loss(self._loss_fn, outputs, batch)
         return loss_scale.scale(loss), (loss, new_state, metrics)
-
-    def _checked_loss(self, outputs, batch):
-        loss, metrics = self._loss_fn(outputs, batch)
-        if jnp.shape(loss) != ():
-            raise ValueError(
-                f"loss_fn must return a scalar loss; got shape {jnp.shape(loss)}. Reduce it "
-                "over the per-device batch (e.g. with jnp.mean)."
-            )
-        for name, value in metrics.items():
-            if jnp.shape(value) != ():
-                raise ValueError(
-                    f"loss_fn metric {name!r} must be a scalar; got shape {jnp.shape(value)}."
-                )
-        return loss, metrics
 
     def _update_per_device(self, train_state: TrainState, batch):
         params, state, opt_state, rng, step = train_state
@@ -293,8 +266,10 @@ class Updater:
         augment_key, apply_key = jax.random.split(step_key)
         if self._augment_fn is not None:
             batch = self._augment_fn(augment_key, batch)
-        scaled = isinstance(opt_state, LossScaledOptState)
-        loss_scale = self._rebuild_loss_scale(opt_state) if scaled else jmp.NoOpLossScale()
+        scaled = self._loss_scale is not None
+        loss_scale = (
+            unpack_loss_scale(opt_state, self._loss_scale) if scaled else jmp.NoOpLossScale()
+        )
         optimizer_state = opt_state.optimizer if scaled else opt_state
 
         grad_fn = jax.grad(self._loss, has_aux=True)
@@ -303,8 +278,8 @@ class Updater:
         new_state = _pmean_floating(new_state, self._axis_name)
         updates, new_optimizer_state = self._optimizer.update(grads, optimizer_state, params)
         new_params = optax.apply_updates(params, updates)
+        new_opt_state = new_optimizer_state
         metrics = {"loss": loss, **metrics}
-
         if scaled:
             # Gradients are averaged already, so every device takes the same decision.
             grads_finite = jmp.all_finite(grads)
@@ -313,98 +288,46 @@ class Updater:
                 (new_params, new_state, new_optimizer_state),
                 (params, state, optimizer_state),
             )
-            adjusted = loss_scale.adjust(grads_finite)
-            good_steps = getattr(adjusted, "counter", opt_state.good_steps)
-            new_opt_state = LossScaledOptState(
-                new_optimizer_state,
-                jnp.asarray(adjusted.loss_scale, jnp.float32),
-                jnp.asarray(good_steps, jnp.int32),
-            )
+            new_opt_state = pack_loss_scale(new_optimizer_state, loss_scale.adjust(grads_finite))
             metrics["loss_scale"] = loss_scale.loss_scale
-        else:
-            new_opt_state = new_optimizer_state
         metrics = jax.lax.pmean(metrics, self._axis_name)
         return TrainState(new_params, new_state, new_opt_state, rng, step + 1), metrics
-
-    def _rebuild_loss_scale(self, opt_state: LossScaledOptState) -> jmp.LossScale:
-        if isinstance(self._loss_scale, jmp.DynamicLossScale):
-            return dataclasses.replace(
-                self._loss_scale, loss_scale=opt_state.loss_scale, counter=opt_state.good_steps
-            )
-        return jmp.StaticLossScale(opt_state.loss_scale)
 
     def _evaluate_per_device(self, train_state: TrainState, batch):
         outputs, _ = self._forward.apply(
             train_state.params, train_state.state, train_state.rng, batch, is_training=False
         )
-        loss, metrics = self._checked_loss(outputs, batch)
+        loss, metrics = _checked_loss(self._loss_fn, outputs, batch)
         return jax.lax.pmean({"loss": loss, **metrics}, self._axis_name)
 
-    def _call_checked(self, parallel_fn: Callable, train_state: Any, batch: Batch, where: str):
+    # Argument checks: clear errors before anything runs or is donated.
+
+    def _call(self, parallel_fn: Callable, train_state: TrainState, batch: Batch, where: str):
         """Calls a parallel step; if it rejects its arguments, names the train-state leaf at fault.
 
-        The per-leaf shape check runs only when the call fails: looping over every
-        leaf in Python costs about 1 ms per call for ResNet-50's 643 leaves, while
-        the call itself already refuses a misshapen train state before it runs
-        anything (and so before it donates anything). pmap does, because the batch
-        (checked first) fixes the mapped size at the local device count and every
-        argument must agree with it.
+        pmap refuses a misshapen train state itself, before it runs or donates
+        anything (the batch, checked first, fixes the mapped size), so the
+        per-leaf check in Python runs only when the call fails.
         """
         try:
             return parallel_fn(train_state, batch)
         except (ValueError, TypeError):
-            self._check_leaf_shapes(train_state, where)  # Raises the clear message, if it is that.
+            replication.check_device_axis(train_state, where)  # The clear message, if it is that.
             raise
 
-    def _check_train_state(self, train_state: Any, where: str) -> None:
-        """Rejects what is not a `TrainState`; under shard_map also misshapen leaves.
+    def _check_arguments(self, train_state: Any, batch: Batch, where: str) -> None:
+        """Rejects what is not a `TrainState` and batches that are not laid out per device.
 
-        The leaf shapes of a pmap call are checked by pmap itself (see
-        `_call_checked`). `shard_map` would not refuse a leaf whose leading axis is
-        a multiple of the device count (the keys of a run on more devices): it would quietly
-        hand each device a slice of it. So that backend checks every leaf first,
-        with the cheapest test that catches it.
+        `shard_map` would not refuse a leaf whose leading axis is a multiple of the
+        device count (the keys of a run on more devices): it would quietly hand each
+        device a slice of it. So that backend checks every leaf first, with the
+        cheapest test that catches it.
         """
         if not isinstance(train_state, TrainState):
             raise TypeError(f"{where}: expected a TrainState, got {type(train_state).__name__}.")
-        if self._backend == "shard_map":
-            num_devices = jax.local_device_count()
-            if not all(
-                getattr(leaf, "ndim", 0) and leaf.shape[0] == num_devices
-                for leaf in jax.tree.leaves(train_state)
-            ):
-                self._check_leaf_shapes(train_state, where)
-
-    def _check_leaf_shapes(self, train_state: TrainState, where: str) -> None:
-        """Raises ValueError naming the first leaf without a leading axis of local_devices."""
+        replication.check_batch(batch, where)
         num_devices = jax.local_device_count()
-        for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
-            if np.shape(leaf)[:1] != (num_devices,):
-                raise ValueError(
-                    f"{where}: train_state{jax.tree_util.keystr(path)} has shape "
-                    f"{np.shape(leaf)}; every leaf needs a leading axis of local_devices="
-                    f"{num_devices}: use a TrainState from Updater.init (or a restored one), "
-                    "or hs.replicate() unreplicated values."
-                )
-
-    def _check_batch(self, batch: Batch, where: str) -> None:
-        """Rejects batches pmap would fail on, with a message naming the leaf."""
-        num_devices = jax.local_device_count()
-        leaves = jax.tree_util.tree_leaves_with_path(batch)
-        if not leaves:
-            raise ValueError(f"{where}: the batch has no arrays.")
-        per_device_sizes = {}
-        for path, leaf in leaves:
-            name = jax.tree_util.keystr(path)
-            shape = np.shape(leaf)
-            if len(shape) < 2 or shape[0] != num_devices:
-                raise ValueError(
-                    f"{where}: batch leaf {name} has shape {shape}; expected "
-                    f"[local_devices={num_devices}, per_device_batch, ...]. Use hs.shard() "
-                    "to split a host batch over the devices."
-                )
-            per_device_sizes[name] = shape[1]
-        if len(set(per_device_sizes.values())) > 1:
-            raise ValueError(
-                f"{where}: batch leaves disagree on the per-device batch size: {per_device_sizes}."
-            )
+        if self._backend == "shard_map" and not all(
+            np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)
+        ):
+            replication.check_device_axis(train_state, where)

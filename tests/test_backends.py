@@ -111,3 +111,23 @@ def test_keys_of_another_device_count_are_refused_by_name_and_nothing_is_donated
     with pytest.raises(ValueError, match=pattern):
         step_updater.update(broken, batch)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(train_state))
+
+
+@pytest.mark.parametrize("backend", updater.BACKENDS)
+def test_lower_update_gives_the_per_device_cost_without_consuming_the_state(runs, backend):
+    train_state = runs[backend][0]
+    step_updater = hs.Updater(
+        models.make_network("mlp", 10, cross_replica_axis="i", hidden_sizes=(16,)),
+        optax.sgd(0.05),
+        losses.classification_loss(10),
+        backend=backend,
+    )
+    batch = hs.shard(
+        {"image": np.zeros((32, 8, 8, 1), np.float32), "label": np.zeros(32, np.int32)}
+    )
+    compiled = step_updater.lower_update(train_state, batch).compile()
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    # At least the forward and backward matmuls of one device's 8 examples.
+    assert costs["flops"] > 2 * 2 * 8 * (64 * 16 + 16 * 10)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(train_state))

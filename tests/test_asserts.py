@@ -1,0 +1,153 @@
+"""Tests of haiku_state.asserts: the replica, key and finiteness checks.
+
+Every test runs with 4 simulated CPU devices (tests/conftest.py).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import haiku_state as hs
+from haiku_state import asserts
+
+NUM_DEVICES = 4
+
+
+def _replicated_tree() -> dict:
+    """A params-like tree with float, int and typed-key leaves, replicated on every device."""
+    tree = {
+        "mlp/linear": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(3)},
+        "mlp/linear_1": {"w": jnp.ones((3, 2)), "b": jnp.full((2,), 0.5)},
+        "counter": jnp.array(7, jnp.int32),
+        "key": jax.random.key(0),
+    }
+    return hs.replicate(tree)
+
+
+def _is_typed_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _with_replica_changed(tree, path: tuple, device: int, new_value):
+    """A host copy of `tree` in which replica `device` of the leaf at `path` is `new_value`."""
+    copy = jax.tree.map(lambda x: x if _is_typed_key(x) else np.array(x), tree)
+    leaf = copy
+    for name in path[:-1]:
+        leaf = leaf[name]
+    leaf[path[-1]][device] = new_value
+    return copy
+
+
+class AssertReplicasIdenticalTest(chex.TestCase):
+    def test_replicas_identical_passes_on_replicated_tree_with_keys_and_nans(self):
+        tree = _replicated_tree()
+        hs.assert_replicas_identical(tree)
+        # Bit equality: the same NaN on every device is identical.
+        hs.assert_replicas_identical(hs.replicate({"nan": jnp.full((3,), jnp.nan)}))
+
+    def test_replicas_identical_fails_naming_the_leaf_path_and_device(self):
+        tree = _replicated_tree()
+        perturbed = _with_replica_changed(
+            tree, ("mlp/linear_1", "b"), 2, np.nextafter(np.float32(0.5), np.float32(1.0))
+        )
+        with self.assertRaisesRegex(
+            AssertionError, r"\['mlp/linear_1'\]\['b'\].*devices \[2\] differ from device 0"
+        ):
+            hs.assert_replicas_identical(perturbed)
+        # The unperturbed original still passes: the copy did not alias it.
+        hs.assert_replicas_identical(tree)
+
+    def test_replicas_identical_names_the_first_differing_leaf_and_all_bad_devices(self):
+        tree = _replicated_tree()
+        perturbed = _with_replica_changed(tree, ("mlp/linear", "w"), 1, np.zeros((2, 3)))
+        perturbed["mlp/linear"]["w"][3] = -1.0
+        perturbed["mlp/linear_1"]["w"][2] = 0.0
+        with self.assertRaisesRegex(AssertionError, r"\['mlp/linear'\]\['w'\].*devices \[1, 3\]"):
+            hs.assert_replicas_identical(perturbed)
+
+    def test_replicas_identical_compares_bits_so_negative_zero_differs(self):
+        zeros = np.zeros((NUM_DEVICES, 2), np.float32)
+        zeros[3, 1] = -0.0
+        with self.assertRaisesRegex(AssertionError, r"\['bn'\].*devices \[3\]"):
+            hs.assert_replicas_identical({"bn": zeros})
+
+    def test_replicas_identical_fails_naming_an_int_leaf(self):
+        tree = _replicated_tree()
+        perturbed = _with_replica_changed(tree, ("counter",), 0, 8)
+        # Device 0 is the reference: every other device now differs from it.
+        with self.assertRaisesRegex(AssertionError, r"\['counter'\].*devices \[1, 2, 3\]"):
+            hs.assert_replicas_identical(perturbed)
+
+    def test_replicas_identical_fails_naming_a_typed_key_leaf(self):
+        keys = jax.random.split(jax.random.key(0), NUM_DEVICES)
+        with self.assertRaisesRegex(AssertionError, r"\['rng'\].*devices \[1, 2, 3\]"):
+            hs.assert_replicas_identical({"params": np.zeros((NUM_DEVICES, 2)), "rng": keys})
+
+    def test_cross_process_comparison_flags_the_devices_the_local_one_flags(self):
+        # Multi-process runs compare every device with global device 0 inside a pmap
+        # over all processes' devices; in one process that pmap spans the 4 local ones.
+        tree = _replicated_tree()
+        tree["flags"] = hs.replicate(jnp.array([True, False]))
+        tree["half"] = hs.replicate(jnp.ones((2,), jnp.bfloat16))
+        perturbed = _with_replica_changed(tree, ("mlp/linear", "w"), 3, np.zeros((2, 3)))
+        perturbed["counter"][1] = 8
+        perturbed["flags"][2] = np.array([True, True])
+        perturbed["half"][1] = np.array([1, 2], jnp.bfloat16)
+        for candidate in (tree, perturbed):
+            leaves = jax.tree.leaves(candidate)
+            expected = jax.device_get(asserts._replica_mismatch(leaves))
+            got = jax.device_get(asserts._global_replica_mismatch(leaves))
+            for want, have in zip(expected, got, strict=True):
+                np.testing.assert_array_equal(have, want)
+        flagged = jax.device_get(asserts._global_replica_mismatch(jax.tree.leaves(perturbed)))
+        assert sum(bool(np.any(f)) for f in flagged) == 4
+
+    def test_replicas_identical_rejects_leaves_without_a_device_axis(self):
+        with self.assertRaisesRegex(ValueError, "no leading device axis"):
+            hs.assert_replicas_identical({"w": np.float32(1.0)})
+        with self.assertRaises(AssertionError):
+            hs.assert_replicas_identical({"a": np.zeros((4, 2)), "b": np.zeros((2, 4))})
+
+
+class AssertKeysDistinctTest(chex.TestCase):
+    def test_keys_distinct_passes_on_split_typed_keys_and_raw_key_data(self):
+        keys = jax.random.split(jax.random.key(0), NUM_DEVICES)
+        hs.assert_keys_distinct(keys)
+        hs.assert_keys_distinct(jax.random.key_data(keys))
+
+    def test_keys_distinct_fails_naming_the_two_devices_with_equal_keys(self):
+        keys = jax.random.split(jax.random.key(0), NUM_DEVICES)
+        duplicated = keys.at[3].set(keys[1])
+        with self.assertRaisesRegex(AssertionError, r"devices 1 and 3 are equal"):
+            hs.assert_keys_distinct(duplicated)
+        raw = np.array(jax.random.key_data(keys))
+        raw[2] = raw[0]
+        with self.assertRaisesRegex(AssertionError, r"devices 0 and 2 are equal"):
+            hs.assert_keys_distinct(raw)
+
+    def test_keys_distinct_fails_when_every_device_holds_the_same_key(self):
+        same = hs.replicate(jax.random.key(0))
+        with self.assertRaisesRegex(AssertionError, r"devices 0 and 1 are equal"):
+            hs.assert_keys_distinct(same)
+
+    def test_keys_distinct_rejects_a_single_typed_key_without_device_axis(self):
+        with self.assertRaisesRegex(ValueError, "leading device axis"):
+            hs.assert_keys_distinct(jax.random.key(1))
+
+    def test_keys_distinct_rejects_raw_key_data_without_device_axis(self):
+        with self.assertRaisesRegex(ValueError, "leading device axis"):
+            hs.assert_keys_distinct(np.uint32(7))
+
+
+class FiniteTest(chex.TestCase):
+    def test_check_finite_losses_names_the_first_non_finite_step(self):
+        asserts.check_finite_losses([(1, {"loss": 0.5}), (2, {"loss": np.float32(1.0)})])
+        window = [(3, {"loss": 0.5}), (4, {"loss": np.inf}), (5, {"loss": np.nan})]
+        with self.assertRaisesRegex(FloatingPointError, r"Non-finite loss inf at step 4\."):
+            asserts.check_finite_losses(window)
+
+    def test_all_finite_is_one_device_boolean_over_every_leaf(self):
+        tree = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3), "count": jnp.int32(3)}
+        self.assertTrue(bool(asserts.all_finite(tree)))
+        self.assertFalse(bool(asserts.all_finite({**tree, "b": jnp.array([0.0, jnp.nan, 0.0])})))
