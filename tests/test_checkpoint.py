@@ -213,62 +213,6 @@ def test_resume_continues_bit_identically(setup, tmp_path):
     _assert_bit_identical(resumed, uninterrupted)
 
 
-def _save_in_per_tree_layout(directory, train_state: hs.TrainState) -> None:
-    """Writes `train_state` the way haiku_state 0.1.0 did before the `train_state` item.
-
-    One Orbax item per tree; trees without arrays were left out and listed in the
-    `step` item's `empty_items`.
-    """
-    host = _host_copy(train_state)
-    trees = {
-        "params": jax.tree.map(lambda x: x[0], host.params),
-        "state": jax.tree.map(lambda x: x[0], host.state),
-        "opt_state": jax.tree.map(lambda x: x[0], host.opt_state),
-        "rng": {"key_data": host.rng},
-    }
-    empty_items = sorted(name for name, tree in trees.items() if not jax.tree.leaves(tree))
-    args = {
-        name: ocp.args.StandardSave(tree) for name, tree in trees.items() if name not in empty_items
-    }
-    step = int(host.step[0])
-    args["step"] = ocp.args.JsonSave(
-        {"step": step, "key_impl": "threefry2x32", "empty_items": empty_items}
-    )
-    args["metadata"] = ocp.args.JsonSave({"device_count": NUM_DEVICES})
-    with ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-    ) as manager:
-        manager.save(step, args=ocp.args.Composite(**args))
-
-
-@pytest.mark.parametrize("optimizer", ["momentum", "plain_sgd"])
-def test_checkpoints_of_the_per_tree_layout_still_resume(setup, tmp_path, optimizer):
-    train_state = setup.train(setup.init(), setup.batches[:2])
-    if optimizer == "plain_sgd":  # Its empty opt_state was an item left out.
-        sgd_state = optax.sgd(0.1).init(hs.unreplicate(train_state.params))
-        train_state = train_state._replace(opt_state=hs.replicate(sgd_state))
-    expected = _host_copy(train_state)
-    _save_in_per_tree_layout(tmp_path, train_state)
-    assert (tmp_path / "2" / "params").is_dir()
-    with Checkpointer(tmp_path, max_to_keep=1) as checkpointer:
-        restored = checkpointer.restore(
-            setup.init(seed=7)._replace(opt_state=train_state.opt_state)
-        )
-        _assert_bit_identical(restored, expected)
-        if optimizer == "momentum":
-            with pytest.raises(ValueError, match=re.escape("opt_state[0]['trace']")):
-                checkpointer.restore(
-                    restored._replace(
-                        opt_state=hs.replicate(optax.sgd(0.1).init(hs.unreplicate(restored.params)))
-                    )
-                )
-        # Later saves use the current layout; retention treats both alike.
-        assert checkpointer.save(_at_step(restored, 3))
-        checkpointer.wait_until_finished()
-        assert _step_dirs(tmp_path) == {"3"}
-        _assert_bit_identical(checkpointer.restore(restored).params, expected.params)
-
-
 def test_float16_run_with_dynamic_loss_scale_resumes_bit_identically(tmp_path):
     # The loss scale lives in opt_state (LossScaledOptState) and must survive Orbax.
     network = models.make_network(
