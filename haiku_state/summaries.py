@@ -108,6 +108,12 @@ class MetricWriter:
             sys.stderr.write("\n")
             self._progress_shown = False
 
+    def __enter__(self) -> MetricWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def close(self) -> None:
         self._end_progress_line()
         if self._jsonl is not None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from haiku_state import checkpoint, train
+from haiku_state import config as config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 1000  # Long enough that a signal sent after step 20 lands mid-run.
@@ -70,14 +71,14 @@ def wait_for_logged_step(workdir, min_step, process, timeout=120):
 
 
 def final_state(workdir):
-    config = train._load_config_module(os.path.join(REPO, "experiments", "mlp.py"))
+    config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
     config.model.hidden_sizes = (32,)
     config.batch_size = 64
     config.steps = STEPS
     config.optimizer.warmup_steps = 10
     experiment = train.build_experiment(config)
     like = experiment.updater.init(
-        config.seed, train._placeholder_batch(experiment.dataset, config.batch_size)
+        config.seed, train.placeholder_batch(experiment.dataset, config.batch_size)
     )
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
         assert checkpointer.latest_step() == STEPS

@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
+from haiku_state import config as config_lib
 from haiku_state import summaries, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def mlp_config(**overrides):
-    config = train._load_config_module(os.path.join(REPO, "experiments", "mlp.py"))
+    config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
     config.update(
         steps=30,
         log_every=10,

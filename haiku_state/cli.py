@@ -1,0 +1,179 @@
+"""The command line of `python -m haiku_state.train`: flags, the runtime, one-line errors.
+
+Only this module defines absl flags, so the library (`haiku_state.train` among
+it) can be imported anywhere without touching the flag registry.
+
+Multi-process (multi-host) runs use JAX's own runtime: start one process per
+host (or per GPU) with `--coordinator_address=HOST:PORT --num_processes=N
+--process_id=K`, or `--multihost` alone where `jax.distributed.initialize()`
+detects them (SLURM, TPU pods).
+"""
+
+from __future__ import annotations
+
+import logging as std_logging
+import os
+import sys
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from haiku_state import config as config_lib
+from haiku_state import train
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to an experiment file defining get_config().", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+_MODE = flags.DEFINE_enum(
+    "mode", "train", ["train", "eval"], "Train, or evaluate the latest checkpoint."
+)
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices",
+    None,
+    "Number of CPU devices to simulate when running on the CPU (ignored on GPU/TPU).",
+    lower_bound=1,
+)
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "Multi-process runs: HOST:PORT of process 0, where jax.distributed's coordinator listens.",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-process runs: the number of processes.", lower_bound=1
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id",
+    None,
+    "Multi-process runs: this process's index in [0, num_processes).",
+    lower_bound=0,
+)
+_MULTIHOST = flags.DEFINE_bool(
+    "multihost",
+    False,
+    "Call jax.distributed.initialize() and let it detect the cluster (SLURM, TPU pods, "
+    "Kubernetes) for whatever --coordinator_address/--num_processes/--process_id omit.",
+)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with an unknown experiment or config key explained."""
+    config_arg = next(
+        (arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")), None
+    )
+    experiments = config_lib.available_experiments()
+    if config_arg is None:
+        sys.exit(f"--config is required: one of {[f'experiments/{n}.py' for n in experiments]}.")
+    config_path = config_arg.split(":")[0]
+    if not os.path.isfile(config_path):
+        sys.exit(
+            f"Unknown experiment config {config_arg!r}; the experiments are {experiments} "
+            f"(files in {config_lib.EXPERIMENTS_DIR})."
+        )
+    # As for a script: the config file may import the files beside it.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(config_path)))
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:
+        keys = config_lib.config_keys(config_lib.load_config_file(config_path))
+        sys.exit(f"Bad config override: {e}.\nThe keys of {config_arg} are: {', '.join(keys)}.")
+    except flags.Error as e:
+        sys.exit(f"{e}\nPass --helpfull to see the flags.")
+
+
+def _quiet_library_info_logs() -> None:
+    """Orbax logs every file it renames at INFO; keep its warnings, drop the chatter."""
+
+    def keep(record) -> bool:
+        return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+    logging.get_absl_handler().addFilter(keep)
+
+
+def initialize_distributed(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    auto_detect: bool = False,
+) -> None:
+    """Joins JAX's multi-process runtime when asked to; a no-op for a single process.
+
+    Must run before anything starts a JAX backend. With all three of
+    `coordinator_address`, `num_processes` and `process_id` the cluster is given
+    explicitly (any machine, CPU collectives through gloo); with `auto_detect`,
+    `jax.distributed.initialize` fills in whatever is missing from the cluster's
+    environment (SLURM, TPU pods, Kubernetes). Processes other than 0 then log
+    warnings and errors only.
+
+    Raises:
+      ValueError: for an incomplete or inconsistent set of arguments, before
+        anything connects.
+    """
+    explicit = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    given = {name: value for name, value in explicit.items() if value is not None}
+    if not given and not auto_detect:
+        return
+    if not auto_detect and len(given) < len(explicit):
+        missing = [f"--{name}" for name in explicit if name not in given]
+        raise ValueError(
+            f"Multi-process flags given ({', '.join(f'--{n}={v}' for n, v in given.items())}) "
+            f"but {', '.join(missing)} missing: pass all three, or --multihost to detect "
+            "the rest from the cluster (SLURM, TPU pods)."
+        )
+    if coordinator_address is not None:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
+                "10.0.0.1:1234 (the address of process 0)."
+            )
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(
+            f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
+        )
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    if jax.process_index() != 0:
+        logging.set_verbosity(logging.WARNING)
+    logging.info(
+        "Process %d of %d: %d local of %d devices.",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+
+
+def main(argv: list[str]) -> None:
+    del argv  # Unused: everything comes in flags.
+    _quiet_library_info_logs()
+    if _CPU_DEVICES.value:
+        jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    try:
+        initialize_distributed(
+            _COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MULTIHOST.value
+        )
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+    if jax.default_backend() == "cpu":
+        # XLA:CPU compiles the partitionable threefry several times slower, and the parameter
+        # initialisers dominate start-up. It changes which random bits are drawn, not their
+        # quality; the per-device keys need no partitioning.
+        jax.config.update("jax_threefry_partitionable", False)
+    if _WORKDIR.value is None:
+        raise app.UsageError("--workdir is required.")
+    run_mode = train.evaluate_checkpoint if _MODE.value == "eval" else train.train_and_evaluate
+    try:
+        run_mode(_CONFIG.value, _WORKDIR.value)
+    except ValueError as e:
+        logging.error("%s", e)
+        sys.exit(f"error: {e}")
+
+
+def run() -> None:
+    """Parses the command line and runs `main` under absl."""
+    app.run(main, flags_parser=_parse_flags)

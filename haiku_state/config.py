@@ -1,0 +1,149 @@
+"""Experiment configs: finding and loading `get_config()` files, and refusing bad values early.
+
+An experiment is a Python file defining `get_config() -> ml_collections.ConfigDict`
+(`experiments/*.py`; names starting with `_` are shared helpers, not
+experiments). A config file may import its sibling files, as a script may:
+its directory is importable while it loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from haiku_state import data, models, optim, replication
+
+EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
+
+POSITIVE_INT_KEYS = (
+    "steps",
+    "batch_size",
+    "eval_batch_size",
+    "log_every",
+    "eval_every",
+    "check_every",
+    "checkpoint_every",
+)
+REQUIRED_KEYS = (
+    "seed",
+    *POSITIVE_INT_KEYS,
+    "max_to_keep",
+    "label_smoothing",
+    "precision",
+    "backend",
+    "optimizer",
+    "data",
+    "model",
+)
+# The keys whose value must be one of a known set, and that set.
+CHOICES = {
+    "backend": replication.BACKENDS,
+    "precision": models.PRECISIONS,
+    "data.name": data.DATASETS,
+    "model.name": models.MODELS,
+    "optimizer.name": optim.OPTIMIZERS,
+    "optimizer.schedule": optim.SCHEDULES,
+}
+
+
+def available_experiments() -> list[str]:
+    """The experiment names: the files of `experiments/`."""
+    return sorted(
+        name[:-3]
+        for name in os.listdir(EXPERIMENTS_DIR)
+        if name.endswith(".py") and not name.startswith("_")
+    )
+
+
+@contextlib.contextmanager
+def importable_directory(path: str) -> Iterator[None]:
+    """Lets the config file at `path` import the files beside it while it loads."""
+    directory = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        sys.path.remove(directory)
+
+
+def load_config_file(path: str) -> Any:
+    """`get_config()` of the Python file at `path`."""
+    spec = importlib.util.spec_from_file_location("experiment_config", path)
+    module = importlib.util.module_from_spec(spec)
+    with importable_directory(path):
+        spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def config_keys(config: Any, prefix: str = "") -> list[str]:
+    """Every leaf key of a nested config, dotted: `["seed", ..., "optimizer.name", ...]`."""
+    keys = []
+    for name, value in config.items():
+        if hasattr(value, "items"):
+            keys += config_keys(value, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _get(config: Any, dotted_key: str) -> Any:
+    for name in dotted_key.split("."):
+        config = config[name]
+    return config
+
+
+def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
+    """Rejects a config that cannot run, naming the bad value, before anything runs.
+
+    Args:
+      config: the experiment config.
+      num_devices: the devices of the whole run (`jax.device_count()`), over which
+        the global batches are split.
+      num_processes: the processes of the run (`jax.process_count()`).
+
+    Raises:
+      ValueError: for a missing key or a value out of range.
+    """
+    missing = [key for key in REQUIRED_KEYS if key not in config]
+    if missing:
+        raise ValueError(f"Config lacks the keys {missing}; every experiment has {REQUIRED_KEYS}.")
+    for key in POSITIVE_INT_KEYS:
+        if config[key] < 1:
+            raise ValueError(f"config.{key}={config[key]} must be a positive integer.")
+    _check_batch_sizes(config, num_devices, num_processes)
+    for key, choices in CHOICES.items():
+        if _get(config, key) not in choices:
+            raise ValueError(
+                f"Unknown config.{key} {_get(config, key)!r}; expected one of {choices}."
+            )
+    if config.max_to_keep is not None and config.max_to_keep < 1:
+        raise ValueError(f"config.max_to_keep={config.max_to_keep} must be >= 1 or None.")
+    if config.optimizer.learning_rate <= 0:
+        raise ValueError(
+            f"config.optimizer.learning_rate={config.optimizer.learning_rate} must be positive."
+        )
+    if not 0 <= config.optimizer.warmup_steps < config.steps:
+        raise ValueError(
+            f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
+            f"in [0, steps={config.steps})."
+        )
+    if not 0.0 <= config.label_smoothing < 1.0:
+        raise ValueError(f"config.label_smoothing={config.label_smoothing} must be in [0, 1).")
+
+
+def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> None:
+    devices = (
+        f"{num_devices} local devices"
+        if num_processes == 1
+        else f"{num_devices} devices of the {num_processes} processes"
+    )
+    for key in ("batch_size", "eval_batch_size"):
+        if config[key] % num_devices:
+            raise ValueError(
+                f"config.{key}={config[key]} is not divisible by the {devices}; use a "
+                f"multiple of {num_devices}."
+            )

@@ -1,0 +1,95 @@
+"""Tests of haiku_state.loop: periodic actions, the metric window, the bounded loop."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from haiku_state import loop
+
+
+def test_periodic_action_is_due_on_multiples_and_at_the_last_step():
+    action = loop.PeriodicAction(every=10, run=lambda step, state: None)
+    due = [step for step in range(1, 26) if action.is_due(step, last_step=25)]
+    assert due == [10, 20, 25]
+
+
+def test_metric_window_averages_what_it_holds_and_restarts_at_the_fetch():
+    window = loop.MetricWindow(start_step=4)
+    for step, loss in [(5, 1.0), (6, 2.0), (7, 6.0)]:
+        window.append(step, {"loss": jnp.float32(loss), "accuracy": jnp.float32(step / 10)})
+    summary = window.fetch(7)
+    assert summary.steps == 3 and summary.seconds > 0
+    assert summary.metrics == pytest.approx({"loss": 3.0, "accuracy": 0.6})
+    assert window.start_step == 7
+    window.append(8, {"loss": jnp.float32(jnp.nan)})
+    with pytest.raises(FloatingPointError, match="at step 8"):
+        window.check_finite()
+    with pytest.raises(FloatingPointError, match="at step 8"):
+        window.fetch(8)
+
+
+class _NoStop:
+    signal_name = None
+
+    def should_stop(self, step):
+        return False
+
+
+def test_run_steps_from_the_first_to_the_last_and_runs_the_due_actions():
+    calls = []
+
+    def step_fn(state, batch):
+        return state + batch, {"loss": jnp.float32(batch)}
+
+    actions = [
+        loop.PeriodicAction(2, lambda step, state: calls.append(("even", step, int(state)))),
+        loop.PeriodicAction(5, lambda step, state: calls.append(("five", step, int(state)))),
+    ]
+    end = loop.run(
+        step_fn,
+        jnp.int32(0),
+        itertools.repeat(jnp.int32(1)),
+        first_step=3,
+        last_step=7,
+        window=loop.MetricWindow(3),
+        actions=actions,
+        stop=_NoStop(),
+    )
+    assert (int(end.train_state), end.step, end.stopped) == (4, 7, False)
+    assert calls == [("even", 4, 1), ("five", 5, 2), ("even", 6, 3), ("even", 7, 4), ("five", 7, 4)]
+
+
+def test_run_ends_before_the_step_a_stop_is_requested_at():
+    class StopAt5(_NoStop):
+        def should_stop(self, step):
+            return step == 5
+
+    end = loop.run(
+        lambda state, batch: (state + 1, {"loss": np.float32(0)}),
+        0,
+        itertools.repeat(None),
+        first_step=0,
+        last_step=100,
+        window=loop.MetricWindow(0),
+        actions=[],
+        stop=StopAt5(),
+    )
+    assert (end.train_state, end.step, end.stopped) == (5, 5, True)
+
+
+def test_nothing_runs_when_the_run_is_already_at_its_last_step():
+    end = loop.run(
+        lambda state, batch: pytest.fail("stepped"),
+        "state",
+        iter(()),
+        first_step=30,
+        last_step=30,
+        window=loop.MetricWindow(30),
+        actions=[loop.PeriodicAction(1, lambda step, state: pytest.fail("acted"))],
+        stop=_NoStop(),
+    )
+    assert end == loop.LoopEnd("state", 30, False)
