@@ -3,40 +3,12 @@
 Trains in well under a minute on two CPU cores; tests and resume checks use it.
 """
 
+import _base
 import ml_collections
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.seed = 0
-    config.steps = 600
-    config.batch_size = 128  # Global, split over the local devices.
-    config.eval_batch_size = 256
-    config.log_every = 50
-    config.eval_every = 200
-    config.check_every = 200
-    config.checkpoint_every = 200
-    config.max_to_keep = 3
-    config.backend = "pmap"  # Or "shard_map": the same step on jax.shard_map.
-    config.precision = "float32"  # Or bfloat16 / float16 (mixed precision).
-    config.label_smoothing = 0.0
-
-    config.optimizer = ml_collections.ConfigDict()
-    config.optimizer.name = "sgd"
-    config.optimizer.learning_rate = 0.1
-    config.optimizer.schedule = "warmup_cosine"
-    config.optimizer.warmup_steps = 50
-    config.optimizer.weight_decay = 1e-4
-    config.optimizer.momentum = 0.9
-    config.optimizer.nesterov = True
-
-    config.data = ml_collections.ConfigDict()
-    config.data.name = "digits"
-    config.data.dir = ""
-    config.data.max_shift = 1
-    config.data.flip = False
-
-    config.model = ml_collections.ConfigDict()
+    config = _base.get_config()
     config.model.name = "mlp"
     config.model.hidden_sizes = (256, 256)
     config.model.dropout_rate = 0.1
