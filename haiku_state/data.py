@@ -416,7 +416,7 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> 
 DEVICE_RESIDENT_MAX_BYTES = 128 * 2**20
 # `device_train_batches` gathers the batches of several steps per launch: at most this many
 # bytes of them per device, and at most this many steps (the gather's compile time grows
-# with them: on 2 CPU cores 0.3 s for 8 steps, 0.45 s for 16, 1.8 s for 64).
+# with the step count).
 GATHER_BYTES = 16 * 2**20
 MAX_STEPS_PER_GATHER = 16
 
@@ -445,10 +445,8 @@ def device_train_batches(
     jitted gather, dispatched asynchronously, builds their batches, each device
     its own slice of each batch. No host gather, no host-to-device copy of images,
     no background thread: on a small machine those compete with the step for the
-    cores and the GIL (on 2 CPU cores the host pipeline cost the MLP example 20-25 %
-    of its throughput), and one launch per several steps keeps the gather's own
-    dispatch cost off most steps: on 2 CPU cores, with the digits, 8 steps per
-    gather cost 42 us per step, 16 steps 24 us, against an MLP step of about 1.5 ms.
+    cores and the GIL, and one launch per several steps keeps the gather's own
+    dispatch cost off most steps (`benchmarks/` measures both).
 
     Batch `k` holds exactly the examples of batch `k` of `train_batches` with the
     same arguments, in the same order, laid out as `prefetch_to_device` lays them

@@ -9,7 +9,7 @@ does not depend on how many devices the batch is split over.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import haiku as hk
@@ -171,40 +171,51 @@ def make_network(
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}; expected one of {PRECISIONS}.")
-    allowed = {
-        "mlp": {"hidden_sizes", "dropout_rate", "bn_decay_rate"},
-        "resnet": {"width", "blocks_per_stage", "bn_decay_rate"},
-        "resnet50": {"bn_decay_rate"},
-    }[name]
-    unknown = sorted(set(model_kwargs) - allowed)
-    if unknown:
-        raise ValueError(
-            f"Model {name!r} does not take {unknown}; its options are {sorted(allowed)}."
-        )
-
-    network_class = {"mlp": MLP, "resnet": SmallImageResNet, "resnet50": hk.nets.ResNet50}[name]
-    if name == "resnet50":
-        model_kwargs = {
-            "bn_config": {
-                "decay_rate": model_kwargs.get("bn_decay_rate", 0.9),
-                "cross_replica_axis": cross_replica_axis,
-            }
-        }
-    else:
-        model_kwargs = {"cross_replica_axis": cross_replica_axis, **model_kwargs}
+    network_class = _NETWORKS[name]
+    module_options = _module_options(name, cross_replica_axis, model_kwargs)
 
     def forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
-        with contextlib.ExitStack() as policies:
-            if precision != "float32":
-                policy = jmp.get_policy(f"params=float32,compute={precision},output=float32")
-                batch_norm_policy = jmp.get_policy(
-                    f"params=float32,compute=float32,output={precision}"
-                )
-                policies.enter_context(hk.mixed_precision.push_policy(network_class, policy))
-                policies.enter_context(
-                    hk.mixed_precision.push_policy(hk.BatchNorm, batch_norm_policy)
-                )
-            net = network_class(num_classes, **model_kwargs)
+        with _mixed_precision(network_class, precision):
+            net = network_class(num_classes, **module_options)
             return net(batch["image"], is_training)
 
     return hk.transform_with_state(forward)
+
+
+_NETWORKS = {"mlp": MLP, "resnet": SmallImageResNet, "resnet50": hk.nets.ResNet50}
+_OPTIONS = {
+    "mlp": {"hidden_sizes", "dropout_rate", "bn_decay_rate"},
+    "resnet": {"width", "blocks_per_stage", "bn_decay_rate"},
+    "resnet50": {"bn_decay_rate"},
+}
+
+
+def _module_options(
+    name: str, cross_replica_axis: str | None, model_kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The constructor arguments of the named network, refusing options it does not take."""
+    unknown = sorted(set(model_kwargs) - _OPTIONS[name])
+    if unknown:
+        raise ValueError(
+            f"Model {name!r} does not take {unknown}; its options are {sorted(_OPTIONS[name])}."
+        )
+    if name == "resnet50":  # hk.nets.ResNet50 takes its BatchNorm options as one dict.
+        bn_config = {
+            "decay_rate": model_kwargs.get("bn_decay_rate", 0.9),
+            "cross_replica_axis": cross_replica_axis,
+        }
+        return {"bn_config": bn_config}
+    return {"cross_replica_axis": cross_replica_axis, **model_kwargs}
+
+
+@contextlib.contextmanager
+def _mixed_precision(network_class: type[hk.Module], precision: str) -> Iterator[None]:
+    """Haiku mixed-precision policies: half compute, float32 params and BatchNorm."""
+    if precision == "float32":
+        yield
+        return
+    policy = jmp.get_policy(f"params=float32,compute={precision},output=float32")
+    batch_norm_policy = jmp.get_policy(f"params=float32,compute=float32,output={precision}")
+    with hk.mixed_precision.push_policy(network_class, policy):
+        with hk.mixed_precision.push_policy(hk.BatchNorm, batch_norm_policy):
+            yield
