@@ -134,6 +134,15 @@ def _checked_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Arra
     return loss, metrics
 
 
+def _norms(grads: Any, params: Any, updates: Any) -> Metrics:
+    """Global L2 norms, big_vision's names: what to look at first when a run goes wrong."""
+    return {
+        "l2_grads": optax.tree.norm(grads),
+        "l2_params": optax.tree.norm(params),
+        "l2_updates": optax.tree.norm(updates),
+    }
+
+
 class Updater:
     """Initialises and updates a `TrainState` with a data-parallel step.
 
@@ -220,8 +229,10 @@ class Updater:
         """One training step. `train_state`'s buffers are donated: use the result.
 
         Returns:
-          The new train state, and `metrics` (`loss` plus the loss_fn metrics,
-          averaged over devices) as scalars without a device axis.
+          The new train state, and `metrics` as scalars without a device axis:
+          `loss` and the loss_fn metrics averaged over devices, and the global
+          norms `l2_grads` (of the averaged gradients), `l2_params` (after the
+          update) and `l2_updates`.
         """
         self._check_arguments(train_state, batch, "update")
         if not self._check_finite:
@@ -279,7 +290,7 @@ class Updater:
         updates, new_optimizer_state = self._optimizer.update(grads, optimizer_state, params)
         new_params = optax.apply_updates(params, updates)
         new_opt_state = new_optimizer_state
-        metrics = {"loss": loss, **metrics}
+        metrics = {"loss": loss, **metrics, **_norms(grads, new_params, updates)}
         if scaled:
             # Gradients are averaged already, so every device takes the same decision.
             grads_finite = jmp.all_finite(grads)

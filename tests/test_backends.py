@@ -65,6 +65,7 @@ def test_backends_give_the_same_params_state_keys_and_metrics(runs):
     )
     for name in pmap_metrics:
         np.testing.assert_allclose(pmap_metrics[name], shard_map_metrics[name], rtol=1e-5)
+    for name in pmap_eval:
         np.testing.assert_allclose(pmap_eval[name], shard_map_eval[name], rtol=1e-5)
 
 

@@ -271,11 +271,21 @@ class UpdaterInvariantsTest(chex.TestCase):
         )
 
         step_metrics = self.metrics[0]
-        self.assertEqual(set(step_metrics), {"loss", "accuracy"})
+        self.assertEqual(
+            set(step_metrics), {"loss", "accuracy", "l2_grads", "l2_params", "l2_updates"}
+        )
         chex.assert_shape(step_metrics["loss"], ())
         chex.assert_shape(step_metrics["accuracy"], ())
         np.testing.assert_allclose(step_metrics["loss"], losses_.mean(), rtol=1e-5)
         np.testing.assert_allclose(step_metrics["accuracy"], metrics["accuracy"].mean())
+        # big_vision's norms: of the averaged gradients, the new params and the update.
+        for name, tree in [
+            ("l2_grads", mean_grads),
+            ("l2_params", expected_params),
+            ("l2_updates", updates),
+        ]:
+            chex.assert_shape(step_metrics[name], ())
+            np.testing.assert_allclose(step_metrics[name], optax.tree.norm(tree), rtol=1e-5)
 
     def test_batchnorm_int_counters_stay_int32_equal_and_count_steps(self):
         for step, train_state in enumerate(self.history):
