@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -94,6 +95,11 @@ def _assert_bit_identical(actual: Any, expected: Any) -> None:
         assert a.tobytes() == b.tobytes(), f"leaf {name} differs"
 
 
+def _read_checksums(step_dir) -> dict[str, int]:
+    with open(step_dir / "step" / "metadata") as f:
+        return json.load(f)["checksums"]
+
+
 def _listing(directory) -> dict:
     """Every file under `directory` with its size and modification time."""
     entries = {}
@@ -156,9 +162,18 @@ def test_round_trip_is_bit_identical_and_layout_matches_the_contract(setup, tmp_
     assert on_disk["package_versions"] == package_versions()
     assert set(on_disk["package_versions"]) >= {"jax", "jaxlib", "dm-haiku", "orbax-checkpoint"}
     with open(step_dir / "step" / "metadata") as f:
-        assert json.load(f) == {"step": 2, "key_impl": "threefry2x32"}
+        step_item = json.load(f)
+    assert step_item.pop("checksums")  # Checked below.
+    assert step_item == {"step": 2, "key_impl": "threefry2x32"}
     saved = ocp.StandardCheckpointer().restore(step_dir / "train_state")
     assert set(saved) == {"params", "state", "opt_state", "rng"}
+    # One CRC-32 per saved array, of its bytes.
+    saved_leaves = jax.tree_util.tree_leaves_with_path(saved)
+    assert len(checksums := _read_checksums(step_dir)) == len(saved_leaves)
+    assert set(checksums.values()) == {
+        zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+        for _, leaf in saved_leaves
+    }
     np.testing.assert_array_equal(saved["rng"]["key_data"], expected.rng)  # Every device's.
     _assert_bit_identical(saved["params"], jax.tree.map(lambda x: x[0], expected.params))
 
@@ -257,7 +272,12 @@ def test_async_save_is_unaffected_by_donating_the_state_right_after(setup, tmp_p
 # Partial and damaged checkpoints.
 
 
-def test_partial_checkpoints_are_never_loaded(setup, tmp_path):
+def _set_aside(directory, step: int, reason: str = "damaged") -> list:
+    """The directories step `step` was moved aside to."""
+    return sorted(p for p in directory.iterdir() if p.name.startswith(f"{step}.{reason}-"))
+
+
+def test_partial_checkpoints_are_never_loaded_and_unmarked_ones_are_moved_aside(setup, tmp_path):
     train_state = setup.init()
     _save_steps(tmp_path, [_at_step(train_state, 1)])
     # Killed mid-save: Orbax writes into `<step>.orbax-checkpoint-tmp` and renames it when done.
@@ -271,40 +291,85 @@ def test_partial_checkpoints_are_never_loaded(setup, tmp_path):
         assert checkpointer.all_steps() == [1]
         assert checkpointer.latest_step() == 1
         assert int(checkpointer.restore(train_state).step[0]) == 1
-        # Saving over the unmarked directory is refused; the killed save's step is redone.
-        assert not checkpointer.save(_at_step(train_state, 7))
+        # The unmarked directory is moved aside, so its step can be saved; the killed
+        # save's step is redone.
+        [moved] = _set_aside(tmp_path, 7)
+        assert _listing(moved) == unmarked
+        assert checkpointer.save(_at_step(train_state, 7))
         assert checkpointer.save(_at_step(train_state, 5))
         checkpointer.wait_until_finished()
-        assert checkpointer.all_steps() == [1, 5]
-        assert int(checkpointer.restore(train_state).step[0]) == 5
-    assert _listing(tmp_path / "7") == unmarked
+        assert checkpointer.all_steps() == [1, 5, 7]
+        assert int(checkpointer.restore(train_state).step[0]) == 7
     assert not (tmp_path / "5.orbax-checkpoint-tmp").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_damaged_latest_checkpoint_falls_back_with_a_warning(setup, tmp_path, caplog, damage):
+def _damage(data_file, how: str) -> None:
+    if how == "truncate":
+        with open(data_file, "r+b") as f:
+            f.truncate(os.path.getsize(data_file) // 2)
+    elif how == "delete":
+        os.remove(data_file)
+    else:  # Sixteen bytes overwritten mid-file, as a bad disk or a stray write would.
+        with open(data_file, "r+b") as f:
+            f.seek(os.path.getsize(data_file) // 2)
+            f.write(np.float32(0.5).tobytes() * 4)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "overwrite"])
+def test_damaged_latest_checkpoint_is_moved_aside_and_falls_back(setup, tmp_path, caplog, damage):
     one_step = setup.train(setup.init(), setup.batches[:1])
     expected = _host_copy(one_step)
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(one_step)
         checkpointer.save(setup.train(one_step, setup.batches[1:2]))
-    data_file = _largest_file(tmp_path / "2" / "train_state" / "d")
-    if damage == "truncate":
-        with open(data_file, "r+b") as f:
-            f.truncate(os.path.getsize(data_file) // 2)
-    else:
-        os.remove(data_file)
+    _damage(_largest_file(tmp_path / "2" / "train_state" / "d"), damage)
     damaged = _listing(tmp_path / "2")
 
     with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
         restored = checkpointer.restore(setup.init(seed=3))
     _assert_bit_identical(restored, expected)
+    [moved] = _set_aside(tmp_path, 2)
+    assert _listing(moved) == damaged  # Renamed as it was, never deleted.
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(str(tmp_path / "2") in w and "damaged" in w for w in warnings), warnings
-    assert _listing(tmp_path / "2") == damaged  # Left exactly as it was.
+    assert any(str(tmp_path / "2") in w and str(moved) in w for w in warnings), warnings
 
 
-def test_damaged_checkpoints_are_kept_and_not_counted_by_max_to_keep(setup, tmp_path, caplog):
+def test_a_checksum_that_does_not_match_is_damage(setup, tmp_path, caplog):
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    _save_steps(tmp_path, [_at_step(train_state, 1), _at_step(train_state, 2)])
+    item = tmp_path / "2" / "step" / "metadata"
+    step_item = json.loads(item.read_text())
+    name = next(iter(step_item["checksums"]))
+    step_item["checksums"][name] ^= 1
+    item.write_text(json.dumps(step_item))
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+    assert any(f"{name}: its bytes do not match" in r.getMessage() for r in caplog.records)
+
+
+def test_non_finite_params_are_damage(setup, tmp_path, caplog):
+    train_state = setup.init()
+    nan_params = jax.tree.map(lambda x: x * np.nan, train_state.params)
+    _save_steps(
+        tmp_path, [_at_step(train_state, 1), _at_step(train_state, 2)._replace(params=nan_params)]
+    )
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+    assert any("holds non-finite values" in r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_final_step_is_saved_again(setup, tmp_path):
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    _save_steps(tmp_path, [_at_step(train_state, 1), _at_step(train_state, 2)])
+    _damage(_largest_file(tmp_path / "2" / "train_state" / "d"), "truncate")
+    with Checkpointer(tmp_path) as checkpointer:
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+        assert checkpointer.save(_at_step(train_state, 2))  # Its number is free again.
+        checkpointer.wait_until_finished()
+        assert int(checkpointer.restore(train_state).step[0]) == 2
+
+
+def test_damaged_checkpoints_do_not_count_towards_max_to_keep(setup, tmp_path):
     train_state = setup.init()
     _save_steps(tmp_path, [_at_step(train_state, step) for step in (1, 2, 3)], max_to_keep=2)
     assert _step_dirs(tmp_path) == {"2", "3"}
@@ -316,27 +381,49 @@ def test_damaged_checkpoints_are_kept_and_not_counted_by_max_to_keep(setup, tmp_
     with Checkpointer(tmp_path, max_to_keep=2) as checkpointer:
         restored = checkpointer.restore(train_state)
         assert int(restored.step[0]) == 2
-        with caplog.at_level(logging.WARNING):
-            assert not checkpointer.save(_at_step(restored, 3))  # Not over the damaged one.
-        assert any("damaged or incomplete" in r.getMessage() for r in caplog.records)
+        assert _step_dirs(tmp_path) == {"2"}  # 3 is set aside, still on disk.
+        checkpointer.save(_at_step(restored, 3))
         checkpointer.save(_at_step(restored, 4))
         checkpointer.wait_until_finished()
-        # Orbax's own max_to_keep=2 would keep 3 (damaged) and 4, deleting the good 2.
-        assert _step_dirs(tmp_path) == {"2", "3", "4"}
-        checkpointer.save(_at_step(restored, 5))
-        checkpointer.wait_until_finished()
-        assert _step_dirs(tmp_path) == {"3", "4", "5"}
+        assert _step_dirs(tmp_path) == {"3", "4"}
+        assert len(_set_aside(tmp_path, 3)) == 1  # Retention never deletes what was set aside.
 
 
 def test_only_damaged_checkpoints_raise(setup, tmp_path):
     train_state = setup.init()
     _save_steps(tmp_path, [train_state])
     os.remove(_largest_file(tmp_path / "0" / "train_state" / "d"))
+    with Checkpointer(tmp_path, read_only=True) as reader:
+        with pytest.raises(ValueError, match="step 0 is damaged"):
+            reader.restore(train_state, step=0)
+        assert _step_dirs(tmp_path) == {"0"}  # A reader moves nothing.
     with Checkpointer(tmp_path) as checkpointer:
         with pytest.raises(RuntimeError, match="Every complete checkpoint .* is damaged"):
             checkpointer.restore(train_state)
-        with pytest.raises(ValueError, match="step 0 is damaged"):
-            checkpointer.restore(train_state, step=0)
+    assert len(_set_aside(tmp_path, 0)) == 1
+
+
+def test_milestones_and_the_best_step_are_kept_beside_the_newest(setup, tmp_path):
+    train_state = setup.init()
+    accuracy = {1: 0.5, 2: 0.9, 3: 0.6, 4: None, 5: 0.7, 6: 0.8}
+    options = {"max_to_keep": 1, "keep_every_steps": 3, "keep_best_by": "accuracy"}
+    with Checkpointer(tmp_path, **options) as checkpointer:
+        for step, value in accuracy.items():
+            metrics = None if value is None else {"accuracy": value, "loss": 1 - value}
+            assert checkpointer.save(_at_step(train_state, step), metrics=metrics)
+        checkpointer.wait_until_finished()
+        assert checkpointer.best_step() == 2
+    # The newest (6), the milestones (3, 6) and the best by accuracy (2).
+    assert _step_dirs(tmp_path) == {"2", "3", "6"}
+    # Read back from disk by a fresh Checkpointer: the best is still known, so a save
+    # does not delete it.
+    with Checkpointer(tmp_path, **options) as checkpointer:
+        assert checkpointer.best_step() == 2
+        checkpointer.save(_at_step(train_state, 7), metrics={"accuracy": 0.1})
+        checkpointer.wait_until_finished()
+    assert _step_dirs(tmp_path) == {"2", "3", "6", "7"}
+    with Checkpointer(tmp_path, keep_best_by="loss", keep_best_mode="min") as checkpointer:
+        assert checkpointer.best_step() == 2
 
 
 # Mismatches and device counts.

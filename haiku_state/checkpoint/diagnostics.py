@@ -25,6 +25,11 @@ def _path_names(path: tuple) -> tuple[str, ...]:
     return tuple(names)
 
 
+def leaf_name(path: tuple) -> str:
+    """A key path as one stable name, `params/mlp/linear/w`, whatever the containers."""
+    return "/".join(_path_names(path))
+
+
 def _leaf_signatures(tree: PyTree) -> dict[tuple[str, ...], LeafSignature]:
     return {
         _path_names(path): (

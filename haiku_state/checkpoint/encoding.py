@@ -12,6 +12,7 @@ bit-identically; on another count the keys are re-derived.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from haiku_state import replication
+from haiku_state.checkpoint.diagnostics import leaf_name
 from haiku_state.updater import TrainState, per_device_keys
 
 PyTree = Any
@@ -52,6 +54,31 @@ def encode(train_state: TrainState) -> Encoded:
     trees = {name: getattr(unreplicated, name) for name in REPLICATED_TREES}
     trees["rng"] = {"key_data": np.array(replication.global_key_data(train_state.rng), copy=True)}
     return Encoded(trees, int(unreplicated.step), str(jax.random.key_impl(train_state.rng)))
+
+
+def checksums(trees: dict[str, PyTree]) -> dict[str, int]:
+    """The CRC-32 of every array's bytes, by leaf name: what a restore verifies."""
+    return {
+        leaf_name(path): zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(trees)
+    }
+
+
+def verify(trees: dict[str, PyTree], expected_checksums: dict[str, int] | None) -> str | None:
+    """Why restored host `trees` cannot be trusted, or None.
+
+    A leaf whose bytes do not match the checksum saved with it (files changed
+    on disk), or params that are not finite (a run saved after it diverged, or
+    damage that happens to decode), count as damage.
+    """
+    if expected_checksums is not None:
+        for name, checksum in checksums(trees).items():
+            if expected_checksums.get(name) != checksum:
+                return f"{name}: its bytes do not match the checksum saved with it"
+    for path, leaf in jax.tree_util.tree_leaves_with_path(trees["params"]):
+        if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
+            return f"params{jax.tree_util.keystr(path)}: holds non-finite values"
+    return None
 
 
 def expected_layout(like: TrainState) -> dict[str, PyTree]:

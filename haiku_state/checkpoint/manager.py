@@ -9,10 +9,11 @@ the items
   device's key). One item rather than one per tree: Orbax writes and finalises
   every item with its own handler, threads and event loops, and for a small
   model that overhead, not the bytes, is the cost of a save;
-* `step`: JSON `{"step": int, "key_impl": str}`, what a restore needs besides
-  the arrays;
-* `metadata`: JSON with `package_versions`, `device_count` and whatever the
-  caller adds (the experiment config); informational, restore never needs it.
+* `step`: JSON `{"step", "key_impl", "checksums"}`, what a restore needs besides
+  the arrays: the CRC-32 of every array, verified on restore;
+* `metadata`: JSON with `package_versions`, `device_count`, the eval `metrics`
+  of the step (for keeping the best) and whatever the caller adds (the
+  experiment config).
 
 Multi-process runs (`jax.distributed`). Every process calls `save` and
 `restore` at the same steps. The trees are host copies that are identical on
@@ -27,41 +28,36 @@ Completeness. On a local filesystem Orbax writes a step into
 `<step>.orbax-checkpoint-tmp`, writes `commit_success.txt` into it and renames
 it to `<step>` when every item is on disk; on GCS it writes in place and the
 commit file alone marks completion. A step counts as complete here only when
-Orbax considers its directory finalized AND it holds `commit_success.txt`, so
-a directory copied or written by something else without the marker is ignored
-like a tmp directory. Partial directories are never loaded, never deleted.
+it holds `commit_success.txt`. Partial directories are never loaded.
 
-Damage (a truncated or missing file inside a complete step) shows up when the
-step is read. `restore()` then logs a warning naming the step directory and
-falls back to the previous step. Damaged steps are left on disk untouched, and
-they neither count towards `max_to_keep` nor get garbage-collected by it: with
-Orbax's own `max_to_keep` a damaged step would hold one of the slots, and the
-first save after falling back could delete the step just resumed from.
-Retention here keeps the newest `max_to_keep` complete, undamaged steps. A
-damaged step's number cannot be saved again (its directory is not
-overwritten); the save is skipped with a warning and the next one goes ahead.
-Damage is detected only by reading: use the same `Checkpointer` for the resume
-and the saves that follow it.
+Damage: a step whose files cannot be read, whose arrays do not match their
+checksums, or whose params are not finite. `restore()` then falls back to the
+previous step, and (unless `read_only`) moves the damaged step aside to
+`<step>.damaged-<time>`, with a warning naming both paths: never deleted, and
+its number free to be saved again. A step directory without its commit file is
+moved aside the same way (`.incomplete-<time>`) when a writer restores.
+Retention (`retention.Retention`) keeps the newest `max_to_keep` complete
+steps, milestones and the best step by an eval metric.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import importlib.metadata
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from absl import flags, logging
 from etils import epath
+from jax.sharding import SingleDeviceSharding
 
 from haiku_state import replication
-from haiku_state.checkpoint import diagnostics, encoding
+from haiku_state.checkpoint import diagnostics, encoding, layout, retention
 from haiku_state.updater import TrainState
 
 _TRAIN_STATE_ITEM = "train_state"
@@ -95,38 +91,22 @@ class _DamagedCheckpointError(Exception):
     """A complete step whose files cannot be read back."""
 
 
-@dataclasses.dataclass
-class _KeepNewestIntact:
-    """Orbax preservation policy: the newest `n` countable steps, and every other one.
-
-    Countable means complete on disk and not found damaged (the step being saved
-    counts: Orbax deletes only after it has committed). Steps that are not
-    countable are always preserved: they are the user's to inspect or remove.
-    """
-
-    n: int | None
-    is_countable: Callable[[int], bool]
-
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
-        del context  # Unused.
-        if self.n is None:
-            return [True] * len(checkpoints)
-        countable = [info.step for info in checkpoints if self.is_countable(info.step)]
-        keep = set(sorted(countable)[-self.n :])
-        return [info.step in keep or not self.is_countable(info.step) for info in checkpoints]
-
-
 class Checkpointer:
     """Saves and restores a replicated `TrainState` under one directory.
 
     Args:
       directory: where the step directories go, conventionally
-        `WORKDIR/checkpoints`; created if missing.
-      max_to_keep: how many complete, undamaged checkpoints to keep (the newest
-        ones); None keeps all. Damaged and partial steps are never deleted.
+        `WORKDIR/checkpoints`; created if missing (unless `read_only`).
+      max_to_keep: how many of the newest complete checkpoints to keep; None keeps all.
+      keep_every_steps: steps divisible by this are kept forever; 0: none.
+      keep_best_by: an eval metric passed to `save(metrics=)`; the step with the
+        best value is kept too. "": none.
+      keep_best_mode: "max" or "min" for `keep_best_by`.
       async_save: write in a background thread: `save` returns once the arrays
         are copied to host memory, and training continues during the write.
       axis_name: the device axis name of the `Updater` the states belong to.
+      read_only: for an evaluator beside a training run: never writes, moves or
+        deletes anything.
     """
 
     def __init__(
@@ -134,23 +114,35 @@ class Checkpointer:
         directory: str | os.PathLike,
         *,
         max_to_keep: int | None = 3,
+        keep_every_steps: int = 0,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
         async_save: bool = True,
         axis_name: str = replication.DEFAULT_AXIS_NAME,
+        read_only: bool = False,
     ):
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be None or at least 1, got {max_to_keep}.")
         self._directory = epath.Path(os.path.abspath(os.fspath(directory)))
+        self._steps = layout.StepDirectories(self._directory, read_only=read_only)
         self._axis_name = axis_name
-        self._damaged_steps: set[int] = set()
-        self._saving_step: int | None = None
-        self._writer = _writer_thread(async_save)
+        self._read_only = read_only
+        self._writer = None if read_only else _writer_thread(async_save)
         self._write_in_flight: concurrent.futures.Future | None = None
+        self.retention = retention.Retention(
+            max_to_keep,
+            self._steps,
+            lambda step: (self.metadata(step) or {}).get("metrics"),
+            keep_every_steps=keep_every_steps,
+            keep_best_by=keep_best_by,
+            keep_best_mode=keep_best_mode,
+        )
         handlers = {_TRAIN_STATE_ITEM: ocp.StandardCheckpointHandler()}
         handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=_KeepNewestIntact(max_to_keep, self._counts_towards_retention),
+            preservation_policy=self.retention,
             enable_async_checkpointing=False,  # Saves run inside our own writer thread.
-            create=True,
+            create=not read_only,
+            read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
         )
         self._manager = ocp.CheckpointManager(
             self._directory, item_names=tuple(handlers), item_handlers=handlers, options=options
@@ -162,21 +154,23 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk, ascending (see the module docstring)."""
-        if not self._directory.exists():
-            return []
-        step_dirs = ocp.path.step.standard_name_format().find_all(self._directory)
-        return sorted(meta.step for meta in step_dirs if self._has_commit_marker(meta.step))
+        return self._steps.complete_steps()
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None. Damage is only detected by `restore`."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def best_step(self) -> int | None:
+        """The complete step with the best `keep_best_by` eval metric, or None."""
+        return self.retention.best_step(self.all_steps())
+
     def save(
         self,
         train_state: TrainState,
         *,
         metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> bool:
         """Starts writing `train_state` as the checkpoint of its step.
 
@@ -188,35 +182,33 @@ class Checkpointer:
         Args:
           train_state: the replicated `TrainState`; its step names the checkpoint.
           metadata: JSON-serialisable extras for the `metadata` item (e.g. the
-            experiment config); they override the defaults `package_versions`
-            and `device_count`.
+            experiment config).
+          metrics: the eval metrics of this step, for `keep_best_by`.
 
         Returns:
-          Whether a checkpoint was started. An existing step directory is never
-          overwritten: saving that step again is skipped (with a warning when it
-          is not a good, complete checkpoint).
+          Whether a checkpoint was started. A complete step is never overwritten:
+          saving it again is skipped.
 
         Raises:
           TypeError: if `metadata` is not JSON-serialisable.
         """
+        if self._read_only:
+            raise PermissionError(f"Checkpointer of {self._directory} is read-only.")
         replication.check_device_axis(train_state, "save")
         encoded = encoding.encode(train_state)
         metadata_item = _metadata_item(encoded.trees["rng"]["key_data"].shape[0], metadata)
+        metadata_item["metrics"] = (
+            None if metrics is None else {k: float(v) for k, v in metrics.items()}
+        )
         self.wait_until_finished()  # One write at a time; now the disk is current.
         if self._already_saved(encoded.step):
             return False
-        args = ocp.args.Composite(
-            **{
-                _TRAIN_STATE_ITEM: ocp.args.StandardSave(encoded.trees),
-                "step": ocp.args.JsonSave({"step": encoded.step, "key_impl": encoded.key_impl}),
-                "metadata": ocp.args.JsonSave(metadata_item),
-            }
-        )
+        self.retention.record(encoded.step, metadata_item["metrics"])
         logging.info("Saving checkpoint step %d to %s.", encoded.step, self._step_dir(encoded.step))
         if self._writer is None:
-            self._write(encoded.step, args)
+            self._write(encoded, metadata_item)
         else:
-            self._write_in_flight = self._writer.submit(self._write, encoded.step, args)
+            self._write_in_flight = self._writer.submit(self._write, encoded, metadata_item)
         return True
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
@@ -242,37 +234,61 @@ class Checkpointer:
         """
         self.wait_until_finished()  # A write in flight may be the newest step.
         replication.check_device_axis(like, "restore")
+        self._steps.set_aside_incomplete()
+        self._manager.reload()  # Orbax caches the steps it knows.
         steps = self.all_steps()
-        if step is not None:
-            if step not in steps:
-                raise FileNotFoundError(
-                    f"No complete checkpoint for step {step} in {self._directory} "
-                    f"(complete steps: {steps})."
-                )
-            try:
-                return self._restore_logged(like, step)
-            except _DamagedCheckpointError as e:
-                self._damaged_steps.add(step)
-                raise ValueError(f"Checkpoint step {step} is damaged: {e}") from e.__cause__
+        if step is not None and step not in steps:
+            raise FileNotFoundError(
+                f"No complete checkpoint for step {step} in {self._directory} "
+                f"(complete steps: {steps})."
+            )
         failures = []
-        for candidate in reversed(steps):
+        for candidate in [step] if step is not None else reversed(steps):
             try:
-                return self._restore_logged(like, candidate)
+                train_state = _restore_step(self._manager, candidate, like, self._axis_name)
             except _DamagedCheckpointError as e:
-                self._damaged_steps.add(candidate)
                 failures.append(f"{candidate}: {e}")
-                logging.warning(
-                    "Checkpoint %s is damaged; falling back to an earlier step. It is left on "
-                    "disk untouched and does not count towards max_to_keep. %s",
-                    self._step_dir(candidate),
-                    e,
-                )
+                then = "falling back to an earlier step" if step is None else ""
+                self._steps.set_aside_damaged(candidate, e, then=then)
+                self._manager.reload()
+                continue
+            logging.info(
+                "Restored checkpoint step %d from %s.", candidate, self._step_dir(candidate)
+            )
+            return train_state
+        if step is not None:
+            raise ValueError(f"Checkpoint step {step} is damaged: {failures[0]}")
         if not failures:
             return None
         raise RuntimeError(
             f"Every complete checkpoint in {self._directory} is damaged; refusing to start "
-            "from scratch next to them (move them away to do so). " + " | ".join(failures)
+            "from scratch next to them (they were moved aside, not deleted). "
+            + " | ".join(failures)
         )
+
+    def protect(self, step: int) -> None:
+        """Keeps `step` from retention's deletion for the life of this Checkpointer."""
+        self.retention.protected.add(step)
+
+    def read_trees(self, step: int) -> dict[str, Any]:
+        """The saved trees of `step` as host arrays in their saved shapes (for warm starts).
+
+        Raises:
+          ValueError: if the step is damaged.
+        """
+        try:
+            return _read_saved_trees(self._manager, step)
+        except _DamagedCheckpointError as e:
+            raise ValueError(f"Checkpoint {self._step_dir(step)} is damaged: {e}") from None
+
+    def set_aside(self, step: int, reason: str) -> epath.Path | None:
+        """Renames step `step` to `<step>.<reason>-<time>` (see `layout`); never deletes.
+
+        Every process may call it; only process 0 of a writer renames.
+        """
+        moved = self._steps.set_aside(step, reason)
+        self._manager.reload()  # Orbax caches the steps it knows.
+        return moved
 
     def metadata(self, step: int | None = None) -> dict | None:
         """The `metadata` item of `step` (default: the newest complete one), or None."""
@@ -306,51 +322,35 @@ class Checkpointer:
 
     # Internals.
 
-    def _write(self, step: int, args: ocp.args.Composite) -> None:
-        self._saving_step = step
+    def _write(self, encoded: encoding.Encoded, metadata_item: dict[str, Any]) -> None:
+        self.retention.saving_step = encoded.step
         try:
-            self._manager.save(step, args=args, force=True)
+            self._manager.save(encoded.step, args=_save_args(encoded, metadata_item), force=True)
             self._manager.wait_until_finished()
         finally:
-            self._saving_step = None
+            self.retention.saving_step = None
 
     def _already_saved(self, step: int) -> bool:
-        """Whether `step` has a directory already (never overwritten), saying why it matters."""
-        if step not in self._manager.all_steps() and not self._step_dir(step).exists():
-            return False
-        message = f"Checkpoint step {step} already exists at {self._step_dir(step)}"
-        if step in self.all_steps() and step not in self._damaged_steps:
-            logging.info("%s; not saving it again.", message)
-        else:
-            logging.warning(
-                "%s but is damaged or incomplete; it is left untouched and this save is "
-                "skipped. The next save goes ahead.",
-                message,
+        """Whether `step` is complete on disk already (and so not saved again)."""
+        if step in self.all_steps():
+            logging.info(
+                "Checkpoint step %d exists at %s; not saving it again.", step, self._step_dir(step)
             )
-        return True
-
-    def _restore_logged(self, like: TrainState, step: int) -> TrainState:
-        train_state = _restore_step(self._manager, step, like, self._axis_name)
-        logging.info("Restored checkpoint step %d from %s.", step, self._step_dir(step))
-        return train_state
+            return True
+        if self._step_dir(step).exists():  # Incomplete: found while training, not at restore.
+            self._steps.set_aside_damaged(step, "it has no commit marker")
+            self._manager.reload()
+        return False
 
     def _step_dir(self, step: int) -> epath.Path:
-        return self._directory / str(step)
-
-    def _has_commit_marker(self, step: int) -> bool:
-        return (self._step_dir(step) / ocp.path.atomicity.COMMIT_SUCCESS_FILE).exists()
-
-    def _counts_towards_retention(self, step: int) -> bool:
-        if step == self._saving_step:
-            return True
-        return step not in self._damaged_steps and self._has_commit_marker(step)
+        return self._steps.step_dir(step)
 
 
 def _restore_step(
     manager: ocp.CheckpointManager, step: int, like: TrainState, axis_name: str
 ) -> TrainState:
     """Restores one step; raises `_DamagedCheckpointError` if it cannot be read."""
-    saved_step, key_impl, saved_key_count, saved_layout = _read_layout(manager, step)
+    saved_step, key_impl, checksums, saved_key_count, saved_layout = _read_layout(manager, step)
     problem = diagnostics.first_mismatch(encoding.expected_layout(like), saved_layout)
     model_key_impl = str(jax.random.key_impl(like.rng))
     if problem is None and key_impl != model_key_impl:
@@ -366,11 +366,38 @@ def _restore_step(
         trees = manager.restore(step, args=args)[_TRAIN_STATE_ITEM]
     except Exception as e:  # The metadata fits, so a failed read is damage.
         raise _DamagedCheckpointError(_reason(e)) from e
+    problem = encoding.verify(jax.device_get(trees), checksums)
+    if problem is not None:
+        raise _DamagedCheckpointError(problem)
     return encoding.decode(trees, saved_step, key_impl, like, axis_name)
 
 
-def _read_layout(manager: ocp.CheckpointManager, step: int) -> tuple[int, str, int, dict]:
-    """The saved step, key implementation, key count and tree layout of a step.
+def _read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """Every saved tree of `step` on the host, verified; raises `_DamagedCheckpointError`."""
+    _, _, checksums, key_count, saved_layout = _read_layout(manager, step)
+    first_device = SingleDeviceSharding(jax.local_devices()[0])
+    targets = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=first_device), saved_layout
+    )
+    key_data = saved_layout["rng"]["key_data"]
+    targets["rng"]["key_data"] = jax.ShapeDtypeStruct(
+        (key_count, *key_data.shape), key_data.dtype, sharding=first_device
+    )
+    args = ocp.args.Composite(**{_TRAIN_STATE_ITEM: ocp.args.StandardRestore(targets)})
+    try:
+        trees = jax.device_get(manager.restore(step, args=args)[_TRAIN_STATE_ITEM])
+    except Exception as e:
+        raise _DamagedCheckpointError(_reason(e)) from e
+    problem = encoding.verify(trees, checksums)
+    if problem is not None:
+        raise _DamagedCheckpointError(problem)
+    return trees
+
+
+def _read_layout(manager: ocp.CheckpointManager, step: int) -> tuple[int, str, Any, int, dict]:
+    """The saved step, key implementation, checksums, key count and tree layout of a step.
+
+    Checksums are None for a checkpoint written before they were saved.
 
     The layout's keys lack their device axis, as in `encoding.expected_layout`.
     Raises `_DamagedCheckpointError` if any of it cannot be read.
@@ -386,7 +413,23 @@ def _read_layout(manager: ocp.CheckpointManager, step: int) -> tuple[int, str, i
     except Exception as e:  # Any failure to read a complete step means damage.
         raise _DamagedCheckpointError(_reason(e)) from e
     layout["rng"] = {"key_data": jax.ShapeDtypeStruct(tuple(key_shape), key_dtype)}
-    return int(info["step"]), str(info["key_impl"]), key_count, layout
+    return int(info["step"]), str(info["key_impl"]), info.get("checksums"), key_count, layout
+
+
+def _save_args(encoded: encoding.Encoded, metadata_item: dict[str, Any]) -> ocp.args.Composite:
+    """The Orbax items of one step (see the module docstring)."""
+    step_item = {
+        "step": encoded.step,
+        "key_impl": encoded.key_impl,
+        "checksums": encoding.checksums(encoded.trees),
+    }
+    return ocp.args.Composite(
+        **{
+            _TRAIN_STATE_ITEM: ocp.args.StandardSave(encoded.trees),
+            "step": ocp.args.JsonSave(step_item),
+            "metadata": ocp.args.JsonSave(metadata_item),
+        }
+    )
 
 
 def _metadata_item(num_devices: int, metadata: Mapping[str, Any] | None) -> dict[str, Any]:

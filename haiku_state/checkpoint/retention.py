@@ -1,0 +1,94 @@
+"""Which checkpoints to keep: the newest, milestones, and the best by an eval metric.
+
+An Orbax preservation policy. Only countable steps (complete on disk, or the one
+being saved) take part: a step that is not countable is always preserved, the
+user's to inspect or remove, and never takes the place of a good one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from haiku_state.checkpoint import layout
+
+Metrics = Mapping[str, float]
+
+
+class Retention:
+    """Keeps the newest `max_to_keep` steps, every `keep_every_steps`-th step, and the best one.
+
+    Args:
+      max_to_keep: the newest countable steps to keep; None keeps all.
+      steps: the step directories on disk.
+      read_metrics: the eval metrics recorded with a step, or None (read once per step).
+      keep_every_steps: steps divisible by this are milestones, kept forever; 0: none.
+      keep_best_by: the eval metric that ranks steps; "": none.
+      keep_best_mode: "max" or "min": which end of the ranking is best.
+    """
+
+    def __init__(
+        self,
+        max_to_keep: int | None,
+        steps: layout.StepDirectories,
+        read_metrics: Callable[[int], Metrics | None],
+        *,
+        keep_every_steps: int = 0,
+        keep_best_by: str = "",
+        keep_best_mode: str = "max",
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be None or at least 1, got {max_to_keep}.")
+        self.max_to_keep = max_to_keep
+        self.keep_every_steps = keep_every_steps
+        self.keep_best_by = keep_best_by
+        self.keep_best_mode = keep_best_mode
+        self.saving_step: int | None = None  # Counts while it is written.
+        self.protected: set[int] = set()  # Kept whatever the policy says (this process only).
+        self._steps = steps
+        self._read_metrics = read_metrics
+        self._metrics: dict[int, Metrics | None] = {}
+
+    def record(self, step: int, metrics: Metrics | None) -> None:
+        """The eval metrics of a step being saved, so they need not be read back."""
+        self._metrics[step] = metrics
+
+    def is_countable(self, step: int) -> bool:
+        return step == self.saving_step or self._steps.is_complete(step)
+
+    def steps_to_keep(self, steps: Sequence[int]) -> set[int]:
+        """The countable `steps` this policy keeps."""
+        countable = sorted(step for step in steps if self.is_countable(step))
+        keep = set(countable if self.max_to_keep is None else countable[-self.max_to_keep :])
+        if self.keep_every_steps:
+            keep.update(step for step in countable if step % self.keep_every_steps == 0)
+        best = self.best_step(countable)
+        if best is not None:
+            keep.add(best)
+        return keep | (self.protected & set(countable))
+
+    def best_step(self, steps: Sequence[int]) -> int | None:
+        """The step of `steps` with the best recorded `keep_best_by`, the newest on a tie."""
+        if not self.keep_best_by:
+            return None
+        ranked = []
+        for step in steps:
+            metrics = self._metric_of(step) or {}
+            if self.keep_best_by in metrics:
+                value = float(metrics[self.keep_best_by])
+                ranked.append((value if self.keep_best_mode == "max" else -value, step))
+        return max(ranked)[1] if ranked else None
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        """Orbax's preservation-policy interface."""
+        del context  # Unused.
+        keep = self.steps_to_keep([info.step for info in checkpoints])
+        return [info.step in keep or not self.is_countable(info.step) for info in checkpoints]
+
+    def _metric_of(self, step: int) -> Metrics | None:
+        if step not in self._metrics:
+            try:
+                self._metrics[step] = self._read_metrics(step)
+            except Exception:  # An unreadable metadata item ranks nowhere.
+                self._metrics[step] = None
+        return self._metrics[step]

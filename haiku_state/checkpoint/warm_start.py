@@ -1,0 +1,103 @@
+"""Warm starts: a fresh run's params and state taken from another run's checkpoint.
+
+Only params and state move (not opt_state, step or keys: the new run's own
+optimizer starts afresh). Leaves whose name matches `skip` keep their fresh
+initialisation, e.g. `skip="logits"` for a classifier head of another class
+count; every other difference between the checkpoint and the model is refused
+by name. Names are `<tree>/<haiku path>`, e.g. `params/logits/w` or
+`state/stem_bn/~/mean_ema/average`, matched with `re.search`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax
+from absl import logging
+
+from haiku_state import replication
+from haiku_state.checkpoint.diagnostics import leaf_name
+from haiku_state.checkpoint.manager import Checkpointer
+from haiku_state.updater import TrainState
+
+WARM_STARTED_TREES = ("params", "state")
+
+
+def locate(path: str) -> tuple[str, int | None]:
+    """The checkpoint directory and step that `path` names.
+
+    `path` is a step directory (`.../checkpoints/600`), a checkpoint directory
+    (`.../checkpoints`: its newest complete step) or a workdir holding one.
+    """
+    path = os.path.abspath(path)
+    if os.path.basename(path).isdigit():
+        return os.path.dirname(path), int(os.path.basename(path))
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return os.path.join(path, "checkpoints"), None
+    return path, None
+
+
+def _merge(fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems: list) -> Any:
+    """`fresh` with every leaf taken from `saved`, except skipped ones; notes mismatches."""
+    saved_leaves = {
+        leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(saved)
+    }
+    fresh_names = set()
+
+    def take(path, leaf):
+        name = f"{tree}/{leaf_name(path)}"
+        fresh_names.add(name)
+        if skip is not None and skip.search(name):
+            return leaf
+        if leaf_name(path) not in saved_leaves:
+            problems.append(f"{name}: not in the checkpoint")
+            return leaf
+        value = saved_leaves[leaf_name(path)]
+        if (value.shape, value.dtype) != (leaf.shape, leaf.dtype):
+            problems.append(
+                f"{name}: checkpoint {value.shape} {value.dtype} vs model {leaf.shape} {leaf.dtype}"
+            )
+            return leaf
+        return value
+
+    merged = jax.tree_util.tree_map_with_path(take, fresh)
+    for name in saved_leaves:
+        full = f"{tree}/{name}"
+        if full not in fresh_names and not (skip is not None and skip.search(full)):
+            problems.append(f"{full}: in the checkpoint but not in the model")
+    return merged
+
+
+def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) -> TrainState:
+    """`train_state` with params and state from the checkpoint at `path` (see the module doc).
+
+    Raises:
+      FileNotFoundError: if `path` holds no complete checkpoint.
+      ValueError: naming every leaf that differs and is not skipped; nothing is loaded.
+    """
+    directory, step = locate(path)
+    with Checkpointer(directory, read_only=True) as checkpointer:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None or step not in checkpointer.all_steps():
+            raise FileNotFoundError(f"config.init_from={path}: no complete checkpoint there.")
+        saved = checkpointer.read_trees(step)
+    pattern = re.compile(skip) if skip else None
+    problems: list[str] = []
+    trees = {}
+    for tree in WARM_STARTED_TREES:
+        fresh = jax.device_get(replication.unreplicate(getattr(train_state, tree)))
+        trees[tree] = _merge(fresh, saved[tree], tree, pattern, problems)
+    if problems:
+        raise ValueError(
+            f"config.init_from={path} (step {step}) does not fit the model: "
+            + "; ".join(problems[:8])
+            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            + ". Set config.init_skip to a regex of the leaves to initialise afresh."
+        )
+    logging.info(
+        "Warm start: params and state from %s step %d (skipping %r).", directory, step, skip
+    )
+    replicated = {tree: replication.replicate(trees[tree], axis_name) for tree in trees}
+    return train_state._replace(**replicated)
