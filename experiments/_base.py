@@ -17,7 +17,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval_every = 200
     config.check_every = 200  # Replicas identical, keys distinct.
     config.checkpoint_every = 200
-    config.max_to_keep = 3
+    config.checkpoint_every_secs = 300.0  # Also save on a timer (jaxline's default); 0: off.
+    config.max_to_keep = 3  # The newest complete checkpoints kept.
+    config.keep_every_steps = 0  # Milestones kept forever: steps divisible by this; 0: none.
+    config.keep_best_by = ""  # An eval metric ("accuracy", "loss") to keep the best step by.
+    config.keep_best_mode = "max"  # Or "min" (for a loss).
+    config.init_from = ""  # Warm start: params and state of a checkpoint (dir or step dir).
+    config.init_skip = ""  # Regex of param/state paths that keep their fresh initialisation.
+    config.profile_steps = ()  # (start, stop): a jax.profiler trace into WORKDIR/profile.
     config.backend = "pmap"  # Or "shard_map": the same step on jax.shard_map.
     config.precision = "float32"  # Or bfloat16 / float16 (mixed precision).
     config.label_smoothing = 0.0

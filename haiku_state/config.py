@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +37,13 @@ REQUIRED_KEYS = (
     "label_smoothing",
     "precision",
     "backend",
+    "checkpoint_every_secs",
+    "keep_every_steps",
+    "keep_best_by",
+    "keep_best_mode",
+    "init_from",
+    "init_skip",
+    "profile_steps",
     "optimizer",
     "data",
     "model",
@@ -96,6 +105,29 @@ def _get(config: Any, dotted_key: str) -> Any:
     return config
 
 
+def _has(config: Any, dotted_key: str) -> bool:
+    try:
+        _get(config, dotted_key)
+    except (KeyError, AttributeError):
+        return False
+    return True
+
+
+# Half-open ranges [low, high) of numeric keys, checked where the config has them.
+RANGES = {
+    "seed": (0, 2**32),
+    "label_smoothing": (0.0, 1.0),
+    "optimizer.weight_decay": (0.0, math.inf),
+    "optimizer.momentum": (0.0, 1.0),
+    "model.dropout_rate": (0.0, 1.0),
+    "model.bn_decay_rate": (0.0, 1.0),
+    "data.max_shift": (0, math.inf),
+    "checkpoint_every_secs": (0.0, math.inf),
+    "keep_every_steps": (0, math.inf),
+}
+KEEP_BEST_MODES = ("max", "min")
+
+
 def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
     """Rejects a config that cannot run, naming the bad value, before anything runs.
 
@@ -120,9 +152,10 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
             raise ValueError(
                 f"Unknown config.{key} {_get(config, key)!r}; expected one of {choices}."
             )
+    _check_numbers(config)
     if config.max_to_keep is not None and config.max_to_keep < 1:
         raise ValueError(f"config.max_to_keep={config.max_to_keep} must be >= 1 or None.")
-    if config.optimizer.learning_rate <= 0:
+    if not config.optimizer.learning_rate > 0:
         raise ValueError(
             f"config.optimizer.learning_rate={config.optimizer.learning_rate} must be positive."
         )
@@ -131,8 +164,39 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
             f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
             f"in [0, steps={config.steps})."
         )
-    if not 0.0 <= config.label_smoothing < 1.0:
-        raise ValueError(f"config.label_smoothing={config.label_smoothing} must be in [0, 1).")
+    _check_run_controls(config)
+
+
+def _check_numbers(config: Any) -> None:
+    """Every number finite (NaN passes every comparison's negation), and in its range."""
+    for key in config_keys(config):
+        value = _get(config, key)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ValueError(f"config.{key}={value} must be finite.")
+    for key, (low, high) in RANGES.items():
+        if _has(config, key) and not low <= _get(config, key) < high:
+            raise ValueError(f"config.{key}={_get(config, key)} must be in [{low}, {high}).")
+
+
+def _check_run_controls(config: Any) -> None:
+    """The checkpoint policies, warm start and profiling keys."""
+    if config.keep_best_mode not in KEEP_BEST_MODES:
+        raise ValueError(
+            f"Unknown config.keep_best_mode {config.keep_best_mode!r}; expected one of "
+            f"{KEEP_BEST_MODES}."
+        )
+    profile = tuple(config.profile_steps or ())
+    if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1]):
+        raise ValueError(
+            f"config.profile_steps={profile} must be () or (start, stop) with 0 <= start < stop."
+        )
+    try:
+        re.compile(config.init_skip)
+    except re.error as e:
+        raise ValueError(f"config.init_skip={config.init_skip!r} is not a regex: {e}.") from None
+    if config.init_skip and not config.init_from:
+        raise ValueError("config.init_skip is set but config.init_from is empty.")
 
 
 def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> None:

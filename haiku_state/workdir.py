@@ -1,0 +1,197 @@
+"""A run's directory: who may train in it, and the record of the config it was trained with.
+
+    WORKDIR/
+      lock              host and pid of the run training here (held with flock)
+      config.json       the resolved config, written before anything else
+      checkpoints/      haiku_state.checkpoint
+      metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
+      profile/          jax.profiler traces (config.profile_steps)
+
+One training run at a time: a second is refused naming the live one, while
+evaluation beside it (`--mode=eval`, `eval_follow`) takes no lock. On resume
+the config is compared with the recorded one, and a change that would alter
+the trajectory is refused unless explicitly allowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from absl import logging
+
+CONFIG_FILE = "config.json"
+LOCK_FILE = "lock"
+
+# Keys that change how a run is observed or stored, not what it computes: they may
+# change freely on resume. `steps` is free too unless the schedule depends on it.
+FREE_KEYS = (
+    "log_every",
+    "eval_every",
+    "check_every",
+    "checkpoint_every",
+    "checkpoint_every_secs",
+    "max_to_keep",
+    "keep_every_steps",
+    "keep_best_by",
+    "keep_best_mode",
+    "backend",
+    "profile_steps",
+    "eval_batch_size",
+    "init_from",
+    "init_skip",
+    "data.workers",
+    "data.prefetch",
+)
+STEP_INDEPENDENT_SCHEDULES = ("constant",)
+
+
+class WorkdirError(ValueError):
+    """The workdir cannot be used as asked: locked, unwritable, or trained with another config."""
+
+
+def check_usable(workdir: str) -> None:
+    """Refuses a workdir path that is a file, or a directory that cannot be written."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise WorkdirError(f"--workdir={workdir} is a file, not a directory.")
+    existing = workdir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise WorkdirError(f"--workdir={workdir}: {existing} is not writable.")
+
+
+@contextlib.contextmanager
+def exclusive_lock(workdir: str) -> Iterator[None]:
+    """Holds `WORKDIR/lock` for the duration of a training run.
+
+    The lock is an `flock` on the file, which the kernel releases when the
+    holder dies, so a lock left by a killed run is taken over (with a warning);
+    the file names the holder's host and pid for the error a second run gets.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise WorkdirError(
+                f"{workdir} is being trained by another run ({_read_holder(path)}); one run "
+                "per workdir. Wait for it, stop it, or pick another --workdir. "
+                "(--mode=eval and --mode=eval_follow may run beside it.)"
+            ) from None
+        previous = _read_holder(path)
+        if previous != "nobody":
+            logging.warning("Taking over the lock of a run that is gone (%s).", previous)
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        os.fsync(fd)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # Released cleanly: nobody holds it.
+    finally:
+        os.close(fd)  # Also releases the flock.
+
+
+def _read_holder(path: str) -> str:
+    try:
+        with open(path) as f:
+            holder = json.loads(f.read() or "null")
+    except (OSError, ValueError):
+        return "an unreadable lock file"
+    if not holder:
+        return "nobody"
+    return f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}"
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _as_json(config: Any) -> dict[str, Any]:
+    """The config as JSON would give it back (tuples become lists)."""
+    return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config))
+
+
+def trajectory_changes(recorded: Mapping[str, Any], config: Any) -> list[str]:
+    """The keys whose change would alter what a resumed run computes, `key: old -> new`.
+
+    Keys in only one of the two (a key this version of the code added or removed)
+    are not compared: their absence says nothing about the value the run used.
+    """
+    old, new = _flatten(recorded), _flatten(_as_json(config))
+    free = set(FREE_KEYS)
+    if new.get("optimizer.schedule") in STEP_INDEPENDENT_SCHEDULES and old.get(
+        "optimizer.schedule"
+    ) == new.get("optimizer.schedule"):
+        free.add("steps")
+    return [
+        f"{key}: {old[key]!r} -> {new[key]!r}"
+        for key in sorted(set(old) & set(new))
+        if key not in free and old[key] != new[key]
+    ]
+
+
+def record_config(workdir: str, config: Any, *, allow_change: bool) -> None:
+    """Writes `WORKDIR/config.json`, first checking a recorded one against `config`.
+
+    Raises:
+      WorkdirError: if the recorded config differs in a key that changes the
+        trajectory and `allow_change` is False; nothing is written then.
+    """
+    path = os.path.join(workdir, CONFIG_FILE)
+    record = {"config": _as_json(config), "changes": []}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                previous = json.load(f)
+        except ValueError as e:
+            raise WorkdirError(
+                f"{path} is not valid JSON ({e}); move it away to start anew."
+            ) from None
+        changes = trajectory_changes(previous["config"], config)
+        if changes and not allow_change:
+            raise WorkdirError(
+                f"The config differs from the one {workdir} was trained with, in keys that "
+                "change the run: " + "; ".join(changes) + ". Pass --allow_config_change to "
+                "continue anyway (the change is recorded in config.json), or use another "
+                "--workdir."
+            )
+        record["changes"] = previous.get("changes", [])
+        if changes:
+            logging.warning("Resuming with a changed config: %s", "; ".join(changes))
+            stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+            record["changes"].append({"at": stamp, "changes": changes})
+    _write_json_atomically(path, record)
+
+
+def _write_json_atomically(path: str, value: Any) -> None:
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)

@@ -1,0 +1,109 @@
+"""Tests of haiku_state.workdir: one run per workdir, the config record and its check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from haiku_state import workdir as workdir_lib
+
+
+def _config(**changes):
+    config = ml_collections.ConfigDict(
+        {
+            "seed": 0,
+            "steps": 100,
+            "log_every": 10,
+            "max_to_keep": 3,
+            "backend": "pmap",
+            "optimizer": {"name": "sgd", "learning_rate": 0.1, "schedule": "warmup_cosine"},
+            "model": {"name": "mlp", "hidden_sizes": (32,)},
+            "data": {"name": "digits", "workers": 0},
+        }
+    )
+    for key, value in changes.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return config
+
+
+_HOLD_LOCK = """
+import sys, time
+from haiku_state import workdir
+with workdir.exclusive_lock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_second_run_is_refused_naming_the_live_one_and_a_dead_ones_lock_is_taken(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(workdir_lib.WorkdirError, match=rf"pid {holder.pid}\b.*one run per"):
+            with workdir_lib.exclusive_lock(str(tmp_path)):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    # Killed while holding it: the file still names it, but the kernel released the flock.
+    assert f'"pid": {holder.pid}' in (tmp_path / "lock").read_text()
+    with workdir_lib.exclusive_lock(str(tmp_path)):
+        assert json.loads((tmp_path / "lock").read_text())["pid"] == os.getpid()
+    assert (tmp_path / "lock").read_text() == ""  # Released cleanly.
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(workdir_lib.WorkdirError, match="is a file"):
+        workdir_lib.check_usable(str(tmp_path / "file"))
+    workdir_lib.check_usable(str(tmp_path / "new" / "deeper"))  # Creatable: fine.
+
+
+def test_the_config_is_recorded_and_a_trajectory_change_refused_listing_the_keys(tmp_path):
+    workdir = str(tmp_path)
+    workdir_lib.record_config(workdir, _config(), allow_change=False)
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["config"]["model"]["hidden_sizes"] == [32] and recorded["changes"] == []
+    # Cadence, retention and the backend change nothing that is computed.
+    workdir_lib.record_config(
+        workdir, _config(log_every=5, max_to_keep=1, backend="shard_map"), allow_change=False
+    )
+    changed = _config(**{"steps": 200, "optimizer.learning_rate": 0.2, "seed": 1})
+    with pytest.raises(workdir_lib.WorkdirError) as refused:
+        workdir_lib.record_config(workdir, changed, allow_change=False)
+    message = str(refused.value)
+    for expected in ("optimizer.learning_rate: 0.1 -> 0.2", "seed: 0 -> 1", "steps: 100 -> 200"):
+        assert expected in message
+    assert "--allow_config_change" in message
+    assert json.loads((tmp_path / "config.json").read_text())["config"]["seed"] == 0
+    workdir_lib.record_config(workdir, changed, allow_change=True)
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["config"]["seed"] == 1
+    assert len(recorded["changes"]) == 1 and "seed: 0 -> 1" in recorded["changes"][0]["changes"]
+
+
+def test_steps_may_change_when_the_schedule_does_not_depend_on_them(tmp_path):
+    workdir = str(tmp_path)
+    constant = {"optimizer.schedule": "constant"}
+    workdir_lib.record_config(workdir, _config(**constant), allow_change=False)
+    workdir_lib.record_config(workdir, _config(steps=400, **constant), allow_change=False)
+
+
+def test_keys_the_code_added_since_the_record_are_not_compared(tmp_path):
+    workdir = str(tmp_path)
+    old = _config()
+    del old["data"]["workers"]
+    old["data"]["legacy"] = 1
+    workdir_lib.record_config(workdir, old, allow_change=False)
+    workdir_lib.record_config(workdir, _config(), allow_change=False)
