@@ -20,14 +20,27 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from haiku_state import config as config_lib
-from haiku_state import train
+from haiku_state import evaluation, loop, train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an experiment file defining get_config().", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 _MODE = flags.DEFINE_enum(
-    "mode", "train", ["train", "eval"], "Train, or evaluate the latest checkpoint."
+    "mode",
+    "train",
+    ["train", "eval", "eval_follow"],
+    "train; eval: evaluate one checkpoint (--step); eval_follow: evaluate every new "
+    "checkpoint as a training run beside it saves them, until its last step.",
+)
+_STEP = flags.DEFINE_string(
+    "step", None, "--mode=eval: the step to evaluate, or 'best' (config.keep_best_by)."
+)
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change",
+    False,
+    "Resume even if the config differs from the workdir's config.json in a key that "
+    "changes the run (model, data, optimizer, ...); the change is recorded.",
 )
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices",
@@ -73,10 +86,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
         )
     # As for a script: the config file may import the files beside it.
     sys.path.insert(0, os.path.dirname(os.path.abspath(config_path)))
+    if not config_path.endswith(".py"):
+        sys.exit(f"--config={config_arg}: expected a Python file defining get_config().")
+    try:
+        config = config_lib.load_config_file(config_path)
+    except Exception as e:  # Whatever the file does wrong, say where, in one line.
+        sys.exit(f"--config={config_arg} cannot be loaded: {type(e).__name__}: {e}")
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:
-        keys = config_lib.config_keys(config_lib.load_config_file(config_path))
+        keys = config_lib.config_keys(config)
         sys.exit(f"Bad config override: {e}.\nThe keys of {config_arg} are: {', '.join(keys)}.")
     except flags.Error as e:
         sys.exit(f"{e}\nPass --helpfull to see the flags.")
@@ -148,30 +167,59 @@ def initialize_distributed(
     )
 
 
+# One-line errors: bad input, bad files, a run that cannot go on. Anything else is a bug
+# and keeps its traceback.
+_USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, RuntimeError, OSError)
+
+
+def _step_flag() -> int | str | None:
+    if _STEP.value is None or _STEP.value == "best":
+        return _STEP.value
+    if not _STEP.value.isdigit():
+        raise app.UsageError(f"--step={_STEP.value!r} must be a step number or 'best'.")
+    return int(_STEP.value)
+
+
+def _run_mode(config, workdir: str, stop: loop.StopRequest) -> None:
+    if _MODE.value == "eval":
+        evaluation.evaluate_checkpoint(config, workdir, step=_step_flag(), stop=stop)
+    elif _MODE.value == "eval_follow":
+        evaluation.follow_checkpoints(config, workdir, stop=stop)
+    else:
+        train.train_and_evaluate(
+            config, workdir, stop=stop, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+        )
+
+
 def main(argv: list[str]) -> None:
     del argv  # Unused: everything comes in flags.
-    _quiet_library_info_logs()
-    if _CPU_DEVICES.value:
-        jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
-    try:
-        initialize_distributed(
-            _COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MULTIHOST.value
-        )
-    except ValueError as e:
-        raise app.UsageError(str(e)) from e
-    if jax.default_backend() == "cpu":
-        # XLA:CPU compiles the partitionable threefry several times slower, and the parameter
-        # initialisers dominate start-up. It changes which random bits are drawn, not their
-        # quality; the per-device keys need no partitioning.
-        jax.config.update("jax_threefry_partitionable", False)
-    if _WORKDIR.value is None:
-        raise app.UsageError("--workdir is required.")
-    run_mode = train.evaluate_checkpoint if _MODE.value == "eval" else train.train_and_evaluate
-    try:
-        run_mode(_CONFIG.value, _WORKDIR.value)
-    except ValueError as e:
-        logging.error("%s", e)
-        sys.exit(f"error: {e}")
+    # First thing: from here to the exit a signal asks for a clean stop.
+    with loop.StopRequest() as stop:
+        _quiet_library_info_logs()
+        if _CPU_DEVICES.value:
+            jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+        try:
+            initialize_distributed(
+                _COORDINATOR_ADDRESS.value,
+                _NUM_PROCESSES.value,
+                _PROCESS_ID.value,
+                _MULTIHOST.value,
+            )
+        except ValueError as e:
+            raise app.UsageError(str(e)) from e
+        stop.install()  # Again: jax.distributed may have taken SIGTERM for itself.
+        if jax.default_backend() == "cpu":
+            # XLA:CPU compiles the partitionable threefry several times slower, and the
+            # parameter initialisers dominate start-up. It changes which random bits are
+            # drawn, not their quality; the per-device keys need no partitioning.
+            jax.config.update("jax_threefry_partitionable", False)
+        if _WORKDIR.value is None:
+            raise app.UsageError("--workdir is required.")
+        try:
+            _run_mode(_CONFIG.value, _WORKDIR.value, stop)
+        except _USER_ERRORS as e:
+            logging.error("%s", e)
+            sys.exit(f"error: {e}")
 
 
 def run() -> None:

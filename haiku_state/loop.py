@@ -1,7 +1,7 @@
 """The training loop: steps with a bounded dispatch queue, periodic actions, stop on a signal.
 
 The loop itself only dispatches steps. Everything else a run does (log, check
-the replicas, evaluate, save) is a `PeriodicAction`, asked after each step
+the replicas, evaluate, save, profile) is an `Action`, asked after each step
 whether it is due, in the spirit of jaxline's `PeriodicAction` and clu's
 `periodic_actions`. Metrics stay on the device until the logging action
 fetches a whole window of them (`MetricWindow`), so the hot path has no host
@@ -11,10 +11,11 @@ sync beyond waiting for the previous step.
 from __future__ import annotations
 
 import collections
+import math
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -24,17 +25,33 @@ from haiku_state import asserts
 from haiku_state.updater import Batch, Metrics, TrainState
 
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
-Action = Callable[[int, TrainState], None]
+# A loss this many times the run's first loss means the run is diverging.
+EXPLOSION_FACTOR = 100.0
+
+
+class Action(Protocol):
+    """Something the loop does after some steps."""
+
+    def is_due(self, step: int, last_step: int) -> bool: ...
+
+    def run(self, step: int, train_state: TrainState) -> None: ...
 
 
 class PeriodicAction(NamedTuple):
     """`run(step, train_state)` after every `every`-th step, and after the last step."""
 
     every: int
-    run: Action
+    run: Callable[[int, TrainState], None]
 
     def is_due(self, step: int, last_step: int) -> bool:
         return step % self.every == 0 or step == last_step
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process; a collective in a multi-process run."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
 class WindowSummary(NamedTuple):
@@ -46,7 +63,12 @@ class WindowSummary(NamedTuple):
 
 
 class MetricWindow:
-    """The per-step device metrics the loop has not fetched yet.
+    """The per-step device metrics the loop has not fetched yet, and the run's loss history.
+
+    Every fetched loss is checked: the first non-finite one raises, and the first
+    one above `EXPLOSION_FACTOR` times the run's first loss is remembered
+    (`first_exploding_step`), so a diverging run can tell which checkpoints were
+    saved from parameters that had already blown up.
 
     Args:
       start_step: the step the window's clock starts at.
@@ -55,6 +77,8 @@ class MetricWindow:
     def __init__(self, start_step: int):
         self._pending: list[tuple[int, Metrics]] = []
         self._start = (start_step, time.monotonic())
+        self._first_loss: float | None = None
+        self.first_exploding_step: int | None = None
 
     @property
     def start_step(self) -> int:
@@ -65,12 +89,12 @@ class MetricWindow:
 
     def check_finite(self) -> None:
         """Raises FloatingPointError naming the first pending step whose loss is not finite."""
-        asserts.check_finite_losses(jax.device_get(self._pending))
+        self._watch(jax.device_get(self._pending))
 
     def fetch(self, step: int) -> WindowSummary:
         """Fetches, checks and averages the pending metrics; the next window starts at `step`."""
         window = jax.device_get(self._pending)
-        asserts.check_finite_losses(window)
+        self._watch(window)
         sums = collections.defaultdict(float)
         for _, metrics in window:
             for name, value in metrics.items():
@@ -81,38 +105,63 @@ class MetricWindow:
         means = {name: total / len(window) for name, total in sums.items()}
         return WindowSummary(means, step - start_step, now - start_time)
 
+    def _watch(self, window: list[tuple[int, dict[str, float]]]) -> None:
+        for step, metrics in window:
+            loss = float(metrics["loss"])
+            if self._first_loss is None and math.isfinite(loss):
+                self._first_loss = abs(loss)
+            exploding = not math.isfinite(loss) or (
+                self._first_loss is not None and abs(loss) > EXPLOSION_FACTOR * self._first_loss
+            )
+            if exploding and self.first_exploding_step is None:
+                self.first_exploding_step = step
+        asserts.check_finite_losses(window)
+
 
 class StopRequest:
     """Turns SIGTERM/SIGINT into a decision the loop reads between steps.
 
-    In a multi-process run every process must stop at the same step (the save is
-    collective), but a signal may reach only some of them. There the processes
-    agree, every `agree_every` steps (when the loop fetches metrics anyway), on
-    whether any of them was signalled; a single process stops at the next step.
+    Installed for the whole life of a run (the command line installs it first
+    thing), so a signal at any moment, also during compilation, evaluation or
+    the final save, ends in a saved step and a clean exit; further signals are
+    only recorded. In a multi-process run every process must stop at the same
+    step (the save is collective), but a signal may reach only some of them:
+    there the processes agree every `agree_every` steps (when the loop fetches
+    metrics anyway) on whether any of them was signalled.
     """
 
-    def __init__(self, agree_every: int):
+    def __init__(self, agree_every: int = 1):
         self.signal_name: str | None = None
-        self._agree_every = agree_every
+        self.agree_every = agree_every
         self._previous = {}
 
     def should_stop(self, step: int) -> bool:
         """Whether to save and stop before running `step` (the same on every process)."""
-        if jax.process_count() == 1:
-            return self.signal_name is not None
-        if step % self._agree_every:
+        if jax.process_count() > 1 and step % self.agree_every:
             return False
-        signalled = np.int32(self.signal_name is not None)
-        return bool(np.any(multihost_utils.process_allgather(signalled)))
+        return self.should_stop_now()
+
+    def should_stop_now(self) -> bool:
+        """Whether any process was signalled; a collective in a multi-process run."""
+        return any_process(self.signal_name is not None)
 
     def __enter__(self) -> StopRequest:
+        return self.install()
+
+    def install(self) -> StopRequest:
+        """Makes this the handler of SIGTERM and SIGINT, again if something replaced it.
+
+        `jax.distributed.initialize` installs a preemption notifier of its own for
+        SIGTERM, which would swallow the signal: install again after it.
+        """
         for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)
         return self
 
     def _handle(self, signum, frame) -> None:
         del frame
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def __exit__(self, *exc_info) -> None:
         for signum, handler in self._previous.items():
@@ -135,21 +184,23 @@ def run(
     first_step: int,
     last_step: int,
     window: MetricWindow,
-    actions: Sequence[PeriodicAction],
+    actions: Sequence[Action],
     stop: StopRequest,
 ) -> LoopEnd:
     """Runs steps `first_step + 1 .. last_step`, the due actions after each.
 
     After dispatching step `k` the loop waits for step `k - 1`, so at most two
     steps are in flight (deeper queues can abort collectives on simulated CPU
-    devices, and cost nothing on accelerators). When `stop` asks for it, the
-    loop ends before the next step, leaving the saving to the caller.
+    devices, and cost nothing on accelerators). Each step is annotated for
+    `jax.profiler`. When `stop` asks for it, the loop ends before the next step,
+    leaving the saving to the caller.
     """
     in_flight = None
     for step in range(first_step + 1, last_step + 1):
         if stop.should_stop(step - 1):
             return LoopEnd(train_state, step - 1, stopped=True)
-        train_state, metrics = step_fn(train_state, next(batches))
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            train_state, metrics = step_fn(train_state, next(batches))
         if in_flight is not None:
             jax.block_until_ready(in_flight)
         in_flight = metrics

@@ -54,9 +54,22 @@ class MetricWriter:
         continues the same files.
       total_steps: the run's length, for the progress line's ETA.
       enabled: False on every process but the first of a multi-host run.
+      resume_step: the step a resumed run restarts from: the records a previous
+        run logged past it are marked superseded (`supersede_after`) and hidden
+        from TensorBoard, since this run logs those steps again.
+      tensorboard_run: the TensorBoard subdirectory, e.g. "eval" for an
+        evaluator beside the training run ("" for the training run itself).
     """
 
-    def __init__(self, workdir: str, total_steps: int, *, enabled: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        total_steps: int,
+        *,
+        enabled: bool = True,
+        resume_step: int | None = None,
+        tensorboard_run: str = "",
+    ):
         self._total_steps = total_steps
         self._enabled = enabled
         self._created = time.monotonic()
@@ -69,14 +82,30 @@ class MetricWriter:
             from tensorboardX import SummaryWriter
 
             os.makedirs(workdir, exist_ok=True)
+            if resume_step is not None:
+                supersede_after(workdir, resume_step)
             self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", buffering=1)
-            self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            purge_step = None if resume_step is None else resume_step + 1
+            self._tensorboard = SummaryWriter(
+                os.path.join(workdir, "tensorboard", tensorboard_run), purge_step=purge_step
+            )
 
-    def write(self, step: int, split: str, metrics: Mapping[str, float]) -> None:
-        """Records one event: `{"step": step, "split": split, **metrics}`."""
+    def write(
+        self,
+        step: int,
+        split: str,
+        metrics: Mapping[str, float],
+        marks: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Records one event: `{"step": step, "split": split, **metrics, **marks}`.
+
+        `marks` are JSON-only fields that are not metrics, e.g. `{"separate": True}`
+        for an evaluation run apart from training.
+        """
         if not self._enabled:
             return
         record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
+        record.update(marks or {})
         self._jsonl.write(json.dumps(record) + "\n")
         for name, value in metrics.items():
             self._tensorboard.add_scalar(f"{split}/{name}", float(value), step)
@@ -122,15 +151,56 @@ class MetricWriter:
             self._jsonl = self._tensorboard = None
 
 
-def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """The events of `metrics.jsonl`; a resumed run's repeats keep the last record."""
-    path = os.path.join(workdir, METRICS_FILE)
-    latest: dict[tuple[str, int], dict[str, Any]] = {}
+def _read_records(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics file; a last line cut short by a kill is skipped."""
+    records = []
     with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                latest[(record["split"], record["step"])] = record
+        lines = f.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if number == len(lines):
+                logging.warning("%s: skipping its last line, cut short (%s).", path, e)
+                continue
+            raise ValueError(f"{path} line {number} is not a JSON record: {e}") from None
+    return records
+
+
+def supersede_after(workdir: str, step: int) -> None:
+    """Marks the records past `step` `"superseded": true` (a resumed run logs them again).
+
+    The file is rewritten whole (atomically) and a truncated last line dropped,
+    so nothing a later run appends follows a broken line.
+    """
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        line_count = sum(1 for line in f if line.strip())
+    records = _read_records(path)
+    later = [r for r in records if r.get("step", 0) > step and not r.get("superseded")]
+    if not later and len(records) == line_count:
+        return  # Nothing to mark and no cut line: the file stays as it is.
+    for record in later:
+        record["superseded"] = True
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+    os.replace(temporary, path)
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """The current events of `metrics.jsonl`, by split and step; superseded ones left out.
+
+    A step logged twice (an evaluation run apart from training) keeps its last record.
+    """
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for record in _read_records(os.path.join(workdir, METRICS_FILE)):
+        if not record.get("superseded"):
+            latest[(record["split"], record["step"])] = record
     return sorted(latest.values(), key=lambda r: (r["split"], r["step"]))
 
 

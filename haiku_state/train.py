@@ -1,4 +1,4 @@
-r"""Trains or evaluates an experiment: the wiring of config, data, Updater, checkpoints, logs.
+r"""Trains an experiment: the wiring of config, data, Updater, checkpoints, logs.
 
     python -m haiku_state.train --config=experiments/resnet.py --workdir=runs/resnet \
         [--config.steps=2000 --config.optimizer.learning_rate=0.1] [--mode=eval]
@@ -6,8 +6,7 @@ r"""Trains or evaluates an experiment: the wiring of config, data, Updater, chec
 The command line lives in `haiku_state.cli`; importing this module defines no
 flags. A run in a workdir that holds checkpoints resumes from the latest
 complete one and continues exactly as an uninterrupted run would. SIGTERM or
-SIGINT finishes the step in flight, saves a checkpoint at that step and exits
-cleanly.
+SIGINT at any moment ends in a checkpoint of the step reached and a clean exit.
 
 In a multi-process run every process calls the same functions with the same
 config and workdir: each loads its own slice of every global batch, only
@@ -19,123 +18,58 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
-import haiku as hk
 import jax
-import jax.numpy as jnp
-import jmp
-import numpy as np
-import optax
 from absl import logging
+from etils import epath
 
-from haiku_state import (
-    asserts,
-    checkpoint,
-    data,
-    loop,
-    losses,
-    models,
-    optim,
-    replication,
-    summaries,
-)
+from haiku_state import actions, asserts, checkpoint, data, loop, summaries
+from haiku_state import workdir as workdir_lib
+from haiku_state.checkpoint import layout
+from haiku_state.checkpoint.warm_start import warm_start
 from haiku_state.config import validate_config
-from haiku_state.updater import AugmentFn, LossFn, TrainState, Updater, step_of
-
-AXIS_NAME = replication.DEFAULT_AXIS_NAME
-
-
-class Experiment(NamedTuple):
-    """What a config turns into: the data, the pieces of the step, and the Updater of them."""
-
-    dataset: data.Dataset
-    network: hk.TransformedWithState
-    optimizer: optax.GradientTransformation
-    loss_fn: LossFn
-    augment_fn: AugmentFn | None
-    loss_scale: jmp.LossScale | None
-    updater: Updater
-    learning_rate: optax.Schedule  # For the logs.
+from haiku_state.evaluation import evaluate_checkpoint, evaluate_split  # noqa: F401 (API)
+from haiku_state.experiment import (  # noqa: F401 (API)
+    AXIS_NAME,
+    Experiment,
+    build_experiment,
+    placeholder_batch,
+    this_process,
+)
+from haiku_state.updater import TrainState, step_of
 
 
-def build_experiment(config: Any) -> Experiment:
-    """Loads the data and builds network, optimizer, loss and Updater from a config."""
-    data_config = config.data
-    dataset = data.load_dataset(
-        data_config.name,
-        data_dir=data_config.get("dir") or None,
-        seed=config.seed,
-        **{
-            k: data_config[k]
-            for k in ("image_shape", "num_classes", "num_train", "num_test")
-            if k in data_config
-        },
+def _on_process_0(what: str, fn: Callable[[], Any]) -> None:
+    """Runs `fn` on process 0; if it raises, every process raises (none goes on alone)."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            fn()
+        except workdir_lib.WorkdirError as e:
+            error = e
+    if loop.any_process(error is not None):
+        raise error or workdir_lib.WorkdirError(f"{what} failed on process 0; see its log.")
+
+
+@contextlib.contextmanager
+def _owning(workdir: str) -> Iterator[None]:
+    """This run holds the workdir's lock (taken by process 0) for as long as it trains."""
+    with contextlib.ExitStack() as stack:
+        _on_process_0(
+            "Locking the workdir", lambda: stack.enter_context(workdir_lib.exclusive_lock(workdir))
+        )
+        yield
+
+
+def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
+    return checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.max_to_keep,
+        keep_every_steps=config.keep_every_steps,
+        keep_best_by=config.keep_best_by,
+        keep_best_mode=config.keep_best_mode,
     )
-    model_options = {k: v for k, v in config.model.items() if k != "name"}
-    network = models.make_network(
-        config.model.name,
-        dataset.num_classes,
-        cross_replica_axis=AXIS_NAME,
-        precision=config.precision,
-        **model_options,
-    )
-    optimizer = optim.make_optimizer(config.optimizer, config.steps)
-    loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
-    augment_fn = data.make_augment_fn(max_shift=data_config.max_shift, flip=data_config.flip)
-    # float16's narrow range needs loss scaling; bfloat16 has float32's range.
-    loss_scale = jmp.DynamicLossScale(jnp.float32(2**15)) if config.precision == "float16" else None
-    updater = Updater(
-        network,
-        optimizer,
-        loss_fn,
-        axis_name=AXIS_NAME,
-        augment_fn=augment_fn,
-        loss_scale=loss_scale,
-        backend=config.backend,
-    )
-    schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
-    return Experiment(
-        dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule
-    )
-
-
-def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
-    """A sharded all-zeros batch: the shapes `Updater.init` needs, before any data is read.
-
-    `batch_size` is global: this process's slice of it is what its devices see.
-    """
-    local_batch_size = batch_size // jax.process_count()
-    return replication.shard(
-        {
-            "image": np.zeros((local_batch_size, *dataset.image_shape), np.float32),
-            "label": np.zeros((local_batch_size,), np.int32),
-        }
-    )
-
-
-def _this_process() -> dict[str, int]:
-    """The data-slicing arguments of `data.train_batches` / `data.eval_batches`."""
-    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
-
-
-def evaluate_split(
-    updater: Updater, train_state: TrainState, split: data.Split, batch_size: int
-) -> dict[str, float]:
-    """Exact mean metrics over every example of `split` (padding excluded)."""
-    per_batch = []
-    batches = data.prefetch_to_device(data.eval_batches(split, batch_size, **_this_process()))
-    for batch in batches:
-        if per_batch:
-            jax.block_until_ready(per_batch[-1])  # At most two evaluations in flight.
-        per_batch.append(updater.evaluate(train_state, batch))
-    per_batch = jax.device_get(per_batch)
-    total_weight = sum(float(m["weight"]) for m in per_batch)
-    return {
-        name: sum(float(m[name]) for m in per_batch) / total_weight
-        for name in per_batch[0]
-        if name != "weight"
-    }
 
 
 def _run_metadata(config: Any) -> dict[str, Any]:
@@ -149,81 +83,29 @@ def _run_metadata(config: Any) -> dict[str, Any]:
     }
 
 
-def _check_params_finite(train_state: TrainState, step: int) -> None:
-    if not bool(asserts.all_finite(train_state.params)):
-        raise FloatingPointError(f"Non-finite params at step {step}.")
-
-
-# -- The periodic actions of a training run ------------------------------------------------------
-
-
-def _log_action(
-    window: loop.MetricWindow,
-    writer: summaries.MetricWriter,
-    learning_rate: Callable[[int], jax.Array],
-    batch_size: int,
-) -> loop.Action:
-    """Fetches the window's metrics and writes their means, throughput and learning rate."""
-
-    def log(step: int, train_state: TrainState) -> None:
-        del train_state  # Unused.
-        summary = window.fetch(step)
-        scalars = dict(summary.metrics)
-        scalars["examples_per_s"] = summary.steps * batch_size / summary.seconds
-        scalars["learning_rate"] = float(learning_rate(step - 1))
-        writer.write(step, "train", scalars)
-
-    return log
-
-
-def _check_action(step: int, train_state: TrainState) -> None:
-    """Replicas identical, keys distinct."""
-    del step  # Unused.
-    asserts.assert_train_state_invariants(train_state)
-
-
-class _EvalAction:
-    """Evaluates on the test split and writes the result; remembers the latest."""
-
-    def __init__(self, experiment: Experiment, batch_size: int, writer: summaries.MetricWriter):
-        self._experiment, self._batch_size, self._writer = experiment, batch_size, writer
-        self.latest: dict[str, float] | None = None
-
-    def __call__(self, step: int, train_state: TrainState) -> None:
-        updater, test = self._experiment.updater, self._experiment.dataset.test
-        self.latest = evaluate_split(updater, train_state, test, self._batch_size)
-        self._writer.write(step, "eval", self.latest)
-
-
-def _save_action(
-    window: loop.MetricWindow, checkpointer: checkpoint.Checkpointer, config: Any
-) -> loop.Action:
-    """Saves a checkpoint of a train state that is whole: finite, replicas identical."""
-
-    def save(step: int, train_state: TrainState) -> None:
-        window.check_finite()  # The losses since the last log.
-        asserts.assert_train_state_invariants(train_state)
-        _check_params_finite(train_state, step)
-        checkpointer.save(train_state, metadata=_run_metadata(config))
-
-    return save
-
-
-# -- Training and evaluation ---------------------------------------------------------------------
-
-
-def _initial_train_state(
-    experiment: Experiment, config: Any, checkpointer: checkpoint.Checkpointer
-) -> TrainState:
-    """The latest complete checkpoint, or a fresh initialisation; checked before training."""
+def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState:
+    """A fresh initialisation, or a warm start (`config.init_from`) for a workdir without
+    checkpoints. Runs before the workdir is touched, so a warm start that does not fit
+    the model is refused with nothing written."""
     fresh = experiment.updater.init(
         config.seed, placeholder_batch(experiment.dataset, config.batch_size)
     )
-    restored = checkpointer.restore(fresh)
-    train_state = fresh if restored is None else restored
+    checkpoints = layout.StepDirectories(epath.Path(workdir) / "checkpoints")
+    if not config.init_from or checkpoints.complete_steps():
+        return fresh
+    return warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+
+
+def _resume(first: TrainState, config: Any, checkpointer: checkpoint.Checkpointer) -> TrainState:
+    """The latest complete checkpoint, else `first`; checked before training."""
+    train_state = checkpointer.restore(first)
+    how = "Resuming"
+    if train_state is None:
+        how = f"Starting from {config.init_from}" if config.init_from else "Starting"
+        train_state = first
     logging.info(
         "%s at step %d of %d on %d %s device(s) in %d process(es); workdir %s.",
-        "Starting" if restored is None else "Resuming",
+        how,
         step_of(train_state),
         config.steps,
         jax.device_count(),
@@ -233,131 +115,197 @@ def _initial_train_state(
     )
     # Also compiles the checks every save runs, before the first window's clock starts.
     asserts.assert_train_state_invariants(train_state)
-    _check_params_finite(train_state, step_of(train_state))
+    actions.check_params_finite(train_state, step_of(train_state))
     return train_state
 
 
-def _periodic_actions(
+@contextlib.contextmanager
+def _setting_aside_diverged(
+    window: loop.MetricWindow, save: actions.Save, checkpointer: checkpoint.Checkpointer
+) -> Iterator[None]:
+    """On divergence, sets aside this run's checkpoints of exploded params, and says so.
+
+    A checkpoint of step `s` holds the params the loss of step `s + 1` is
+    computed with, so every step saved from one before the first exploding
+    loss on is set aside (renamed, not deleted): a rerun then resumes from a
+    good one instead of diverging again.
+    """
+    try:
+        yield
+    except FloatingPointError as e:
+        checkpointer.wait_until_finished()
+        first = window.first_exploding_step
+        diverged = [s for s in save.saved_steps[1:] if first is not None and s >= first - 1]
+        moved = [str(path) for s in diverged if (path := checkpointer.set_aside(s, "diverged"))]
+        message = f"{e} Stopping."
+        if first is not None:
+            message += (
+                f" The loss first exploded at step {first} (over {loop.EXPLOSION_FACTOR:g}x "
+                "the run's first loss, or not finite)."
+            )
+        if moved:
+            message += f" The checkpoints saved from then on were moved aside: {moved}."
+        resume = checkpointer.latest_step()
+        message += f" A rerun resumes from {'scratch' if resume is None else f'step {resume}'}."
+        raise FloatingPointError(message) from None
+
+
+def _training_actions(
     config: Any,
     experiment: Experiment,
     window: loop.MetricWindow,
     writer: summaries.MetricWriter,
-    evaluate: _EvalAction,
-    save: loop.Action,
-) -> list[loop.PeriodicAction]:
+    evaluate: actions.Evaluate,
+    save: actions.Save,
+    profile: actions.Profile | None,
+) -> list[loop.Action]:
     """What a run does besides training, in the order it runs at one step."""
     learning_rate = jax.jit(experiment.learning_rate)
     learning_rate(window.start_step)  # Compiled before the first window's clock starts.
-    log = _log_action(window, writer, learning_rate, config.batch_size)
+    log = actions.log_metrics(window, writer, learning_rate, config.batch_size)
     return [
         loop.PeriodicAction(config.log_every, log),
-        loop.PeriodicAction(config.check_every, _check_action),
+        loop.PeriodicAction(config.check_every, actions.check_invariants),
         loop.PeriodicAction(config.eval_every, evaluate),
-        loop.PeriodicAction(config.checkpoint_every, save),
+        save,
+        *([profile] if profile else []),
     ]
 
 
-@contextlib.contextmanager
-def _naming_the_last_good_checkpoint(checkpointer: checkpoint.Checkpointer) -> Iterator[None]:
-    """Adds to a divergence error which checkpoint a rerun resumes from."""
-    try:
-        yield
-    except FloatingPointError as e:
-        raise FloatingPointError(
-            f"{e} Stopping; the last good checkpoint (step {checkpointer.latest_step()}) is "
-            "left intact."
-        ) from None
+def _profile(config: Any, workdir: str, start_step: int) -> actions.Profile | None:
+    if not config.profile_steps:
+        return None
+    start, stop = config.profile_steps
+    profile = actions.Profile(start, stop, os.path.join(workdir, "profile"))
+    if start <= start_step < stop:
+        profile.begin()
+    return profile
 
 
-def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
+def _take_over(
+    config: Any,
+    workdir: str,
+    experiment: Experiment,
+    stack: contextlib.ExitStack,
+    allow_config_change: bool,
+) -> tuple[checkpoint.Checkpointer, TrainState]:
+    """Locks the workdir, records the config, and restores (or initialises) the train state."""
+    first = _first_train_state(experiment, config, workdir)
+    stack.enter_context(_owning(workdir))
+    _on_process_0(
+        "Recording the config",
+        lambda: workdir_lib.record_config(workdir, config, allow_change=allow_config_change),
+    )
+    checkpointer = stack.enter_context(_checkpointer(config, workdir))
+    return checkpointer, _resume(first, config, checkpointer)
+
+
+def _train(
+    config: Any,
+    workdir: str,
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+    train_state: TrainState,
+    stop: loop.StopRequest,
+    stack: contextlib.ExitStack,
+) -> tuple[loop.LoopEnd, actions.Evaluate]:
+    """The training loop with its actions; on a signal, saves the step reached."""
+    start_step = step_of(train_state)
+    writer = stack.enter_context(
+        summaries.MetricWriter(
+            workdir, config.steps, enabled=jax.process_index() == 0, resume_step=start_step
+        )
+    )
+    batches = data.sharded_train_batches(
+        experiment.dataset.train,
+        config.batch_size,
+        seed=config.seed,
+        start_step=start_step,
+        **this_process(),
+    )
+    stack.callback(batches.close)
+    window = loop.MetricWindow(start_step)
+    evaluate = actions.Evaluate(experiment, config.eval_batch_size, writer, stop)
+    save = actions.Save(
+        config.checkpoint_every,
+        config.checkpoint_every_secs,
+        config.log_every,
+        window,
+        checkpointer,
+        evaluate,
+        _run_metadata(config),
+    )
+    profile = _profile(config, workdir, start_step)
+    if profile is not None:
+        stack.callback(profile.end)
+    run_actions = _training_actions(config, experiment, window, writer, evaluate, save, profile)
+    with _setting_aside_diverged(window, save, checkpointer):
+        end = loop.run(
+            experiment.updater.update,
+            train_state,
+            batches,
+            first_step=start_step,
+            last_step=config.steps,
+            window=window,
+            actions=run_actions,
+            stop=stop,
+        )
+        if end.stopped and end.step > start_step:
+            logging.warning(
+                "%s received: saving step %d and stopping.",
+                stop.signal_name or "A stop signal (on another process)",
+                end.step,
+            )
+            save.run(end.step, end.train_state)
+    return end, evaluate
+
+
+def train_and_evaluate(
+    config: Any,
+    workdir: str,
+    *,
+    stop: loop.StopRequest | None = None,
+    allow_config_change: bool = False,
+) -> dict[str, float]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval.
 
-    Returns an empty dict when a signal stopped the run (after saving its step).
+    Args:
+      config: the experiment config.
+      workdir: the run's directory (`haiku_state.workdir`).
+      stop: the signal handler of the process (`cli` installs one first thing);
+        None installs one for the duration of the call.
+      allow_config_change: resume even if `config` differs from the recorded
+        one in a key that changes the run (the change is recorded).
+
+    Returns:
+      The final evaluation, or {} when a signal stopped the run (after saving).
     """
     validate_config(config, jax.device_count(), jax.process_count())
+    workdir_lib.check_usable(workdir)
     experiment = build_experiment(config)
     with contextlib.ExitStack() as stack:
-        checkpointer = stack.enter_context(
-            checkpoint.Checkpointer(
-                os.path.join(workdir, "checkpoints"), max_to_keep=config.max_to_keep
-            )
+        stop = stop or stack.enter_context(loop.StopRequest())
+        stop.agree_every = config.log_every
+        checkpointer, train_state = _take_over(
+            config, workdir, experiment, stack, allow_config_change
         )
-        train_state = _initial_train_state(experiment, config, checkpointer)
-        start_step = step_of(train_state)
-        writer = stack.enter_context(
-            summaries.MetricWriter(workdir, config.steps, enabled=jax.process_index() == 0)
-        )
-        batches = data.sharded_train_batches(
-            experiment.dataset.train,
-            config.batch_size,
-            seed=config.seed,
-            start_step=start_step,
-            **_this_process(),
-        )
-        stack.callback(batches.close)
-        window = loop.MetricWindow(start_step)
-        evaluate = _EvalAction(experiment, config.eval_batch_size, writer)
-        save = _save_action(window, checkpointer, config)
-        actions = _periodic_actions(config, experiment, window, writer, evaluate, save)
-        with _naming_the_last_good_checkpoint(checkpointer):
-            with loop.StopRequest(agree_every=config.log_every) as stop:
-                end = loop.run(
-                    experiment.updater.update,
-                    train_state,
-                    batches,
-                    first_step=start_step,
-                    last_step=config.steps,
-                    window=window,
-                    actions=actions,
-                    stop=stop,
-                )
-                if end.stopped:
-                    logging.warning(
-                        "%s received: saving step %d and stopping.",
-                        stop.signal_name or "A stop signal (on another process)",
-                        end.step,
-                    )
-                    save(end.step, end.train_state)
-                    checkpointer.wait_until_finished()
-                    return {}
-        if evaluate.latest is None:
-            logging.info("Already trained to step %d; evaluating.", start_step)
+        end, evaluate = _train(config, workdir, experiment, checkpointer, train_state, stop, stack)
+        checkpointer.wait_until_finished()
+        if end.stopped or stop.should_stop_now():
+            return {}
+        final = evaluate.metrics_at(end.step)
+        if final is None:
+            logging.info("Already trained to step %d; evaluating.", end.step)
             test_split, batch_size = experiment.dataset.test, config.eval_batch_size
-            evaluate.latest = evaluate_split(
-                experiment.updater, end.train_state, test_split, batch_size
-            )
+            final = evaluate_split(experiment.updater, end.train_state, test_split, batch_size)
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(
-            f"Final eval at step {end.step}: accuracy {evaluate.latest['accuracy']:.2%}, "
-            f"loss {evaluate.latest['loss']:.4f}",
+            f"Final eval at step {end.step}: accuracy {final['accuracy']:.2%}, "
+            f"loss {final['loss']:.4f}",
             flush=True,
         )
-    return evaluate.latest
-
-
-def evaluate_checkpoint(config: Any, workdir: str) -> dict[str, float]:
-    """Loads the latest checkpoint of `workdir` and evaluates it on the test split."""
-    validate_config(config, jax.device_count(), jax.process_count())
-    experiment = build_experiment(config)
-    like = experiment.updater.init(
-        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
-    )
-    directory = os.path.join(workdir, "checkpoints")
-    with checkpoint.Checkpointer(directory, max_to_keep=config.max_to_keep) as checkpointer:
-        train_state = checkpointer.restore(like)
-    if train_state is None:
-        raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
-    metrics = evaluate_split(
-        experiment.updater, train_state, experiment.dataset.test, config.eval_batch_size
-    )
-    if jax.process_index() == 0:
-        print(
-            f"Eval of {directory} at step {step_of(train_state)}: "
-            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-            flush=True,
-        )
-    return metrics
+    return final
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""Evaluation: exact metrics over a split, of one checkpoint or of each as training saves it.
+
+`evaluate_checkpoint` is `--mode=eval`; `follow_checkpoints` is
+`--mode=eval_follow`, jaxline's evaluator job: beside a training run in
+another process, it evaluates every new complete checkpoint as it appears and
+exits after the final step's. Both read the checkpoints without touching them
+(no lock, nothing moved or deleted) and write their results to `metrics.jsonl`
+(split `eval`, marked `"separate": true`) and to TensorBoard's `eval` run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+from absl import logging
+
+from haiku_state import checkpoint, data, loop, summaries
+from haiku_state.config import validate_config
+from haiku_state.experiment import Experiment, build_experiment, placeholder_batch, this_process
+from haiku_state.updater import TrainState, Updater, step_of
+
+FOLLOW_POLL_SECS = 1.0
+
+
+def evaluate_split(
+    updater: Updater,
+    train_state: TrainState,
+    split: data.Split,
+    batch_size: int,
+    stop: loop.StopRequest | None = None,
+) -> dict[str, float] | None:
+    """Exact mean metrics over every example of `split` (padding excluded).
+
+    Returns None if `stop` asks for it between two batches: a preemption notice
+    does not wait for a whole evaluation.
+    """
+    per_batch = []
+    batches = data.prefetch_to_device(data.eval_batches(split, batch_size, **this_process()))
+    try:
+        for batch in batches:
+            if per_batch:
+                jax.block_until_ready(per_batch[-1])  # At most two evaluations in flight.
+            if stop is not None and stop.should_stop_now():
+                return None
+            per_batch.append(updater.evaluate(train_state, batch))
+    finally:
+        batches.close()
+    per_batch = jax.device_get(per_batch)
+    total_weight = sum(float(m["weight"]) for m in per_batch)
+    return {
+        name: sum(float(m[name]) for m in per_batch) / total_weight
+        for name in per_batch[0]
+        if name != "weight"
+    }
+
+
+def _prepare(
+    config: Any, workdir: str, *, wait: loop.StopRequest | None = None
+) -> tuple[Experiment, TrainState, str]:
+    """The experiment, a train state to restore into, and the checkpoint directory.
+
+    With `wait`, waits for the directory to appear (a training run about to start).
+    """
+    validate_config(config, jax.device_count(), jax.process_count())
+    directory = os.path.join(workdir, "checkpoints")
+    while wait is not None and not os.path.isdir(directory) and not wait.should_stop_now():
+        time.sleep(FOLLOW_POLL_SECS)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
+    experiment = build_experiment(config)
+    like = experiment.updater.init(
+        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
+    )
+    return experiment, like, directory
+
+
+def _evaluate_and_record(
+    experiment: Experiment,
+    train_state: TrainState,
+    config: Any,
+    writer: summaries.MetricWriter,
+    stop: loop.StopRequest | None,
+) -> dict[str, float] | None:
+    metrics = evaluate_split(
+        experiment.updater, train_state, experiment.dataset.test, config.eval_batch_size, stop
+    )
+    if metrics is not None:
+        writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
+    return metrics
+
+
+def evaluate_checkpoint(
+    config: Any, workdir: str, *, step: int | str | None = None, stop=None
+) -> dict[str, float]:
+    """Evaluates one checkpoint of `workdir` on the test split and records the result.
+
+    Args:
+      config: the experiment config the checkpoints were trained with.
+      workdir: the run's directory.
+      step: a step, "best" (by `config.keep_best_by`), or None for the latest.
+      stop: interrupts the evaluation between batches (then {} is returned).
+    """
+    experiment, like, directory = _prepare(config, workdir)
+    enabled = jax.process_index() == 0
+    with (
+        checkpoint.Checkpointer(directory, read_only=True, **_retention(config)) as checkpointer,
+        summaries.MetricWriter(
+            workdir, config.steps, enabled=enabled, tensorboard_run="eval"
+        ) as writer,
+    ):
+        if step == "best":
+            step = checkpointer.best_step()
+            if step is None:
+                raise FileNotFoundError(
+                    f"No checkpoint in {directory} has the eval metric "
+                    f"config.keep_best_by={config.keep_best_by!r}."
+                )
+        train_state = checkpointer.restore(like, step)
+        if train_state is None:
+            raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
+        metrics = _evaluate_and_record(experiment, train_state, config, writer, stop) or {}
+    if enabled and metrics:
+        print(
+            f"Eval of {directory} at step {step_of(train_state)}: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+            flush=True,
+        )
+    return metrics
+
+
+def follow_checkpoints(
+    config: Any, workdir: str, *, stop: loop.StopRequest, poll_secs: float = FOLLOW_POLL_SECS
+) -> dict[int, dict[str, float]]:
+    """Evaluates every new complete checkpoint until the one of step `config.steps`.
+
+    A checkpoint that is gone (retention deleted it) or damaged by the time it
+    is read is skipped with a warning. Returns the metrics by step.
+    """
+    experiment, like, directory = _prepare(config, workdir, wait=stop)
+    results: dict[int, dict[str, float]] = {}
+    enabled = jax.process_index() == 0
+    with (
+        checkpoint.Checkpointer(directory, read_only=True, **_retention(config)) as checkpointer,
+        summaries.MetricWriter(
+            workdir, config.steps, enabled=enabled, tensorboard_run="eval"
+        ) as writer,
+    ):
+        done = False
+        while not done and not stop.should_stop_now():
+            new_steps = [s for s in checkpointer.all_steps() if s > max(results, default=-1)]
+            if not new_steps:
+                time.sleep(poll_secs)
+                continue
+            for step in new_steps:
+                try:
+                    train_state = checkpointer.restore(like, step)
+                except (FileNotFoundError, ValueError) as e:
+                    logging.warning("Skipping checkpoint step %d: %s", step, e)
+                    results[step] = {}
+                    continue
+                metrics = _evaluate_and_record(experiment, train_state, config, writer, stop)
+                if metrics is None:
+                    break
+                results[step] = metrics
+            done = max(results, default=-1) >= config.steps
+    return {step: metrics for step, metrics in results.items() if metrics}
+
+
+def _retention(config: Any) -> dict[str, Any]:
+    """The Checkpointer options that say which step is best."""
+    return {"keep_best_by": config.keep_best_by, "keep_best_mode": config.keep_best_mode}

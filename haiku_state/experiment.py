@@ -1,0 +1,94 @@
+"""What a config turns into: the data, the pieces of the training step, and their Updater.
+
+`train` runs it, `evaluation` evaluates its checkpoints, and the benchmarks time
+the very same pieces, so there is one place where a config becomes a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+
+from haiku_state import data, losses, models, optim, replication
+from haiku_state.updater import AugmentFn, LossFn, Updater
+
+AXIS_NAME = replication.DEFAULT_AXIS_NAME
+
+
+class Experiment(NamedTuple):
+    """What a config turns into: the data, the pieces of the step, and the Updater of them."""
+
+    dataset: data.Dataset
+    network: hk.TransformedWithState
+    optimizer: optax.GradientTransformation
+    loss_fn: LossFn
+    augment_fn: AugmentFn | None
+    loss_scale: jmp.LossScale | None
+    updater: Updater
+    learning_rate: optax.Schedule  # For the logs.
+
+
+def build_experiment(config: Any) -> Experiment:
+    """Loads the data and builds network, optimizer, loss and Updater from a config."""
+    data_config = config.data
+    dataset = data.load_dataset(
+        data_config.name,
+        data_dir=data_config.get("dir") or None,
+        seed=config.seed,
+        **{
+            k: data_config[k]
+            for k in ("image_shape", "num_classes", "num_train", "num_test")
+            if k in data_config
+        },
+    )
+    model_options = {k: v for k, v in config.model.items() if k != "name"}
+    network = models.make_network(
+        config.model.name,
+        dataset.num_classes,
+        cross_replica_axis=AXIS_NAME,
+        precision=config.precision,
+        **model_options,
+    )
+    optimizer = optim.make_optimizer(config.optimizer, config.steps)
+    loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
+    augment_fn = data.make_augment_fn(max_shift=data_config.max_shift, flip=data_config.flip)
+    # float16's narrow range needs loss scaling; bfloat16 has float32's range.
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2**15)) if config.precision == "float16" else None
+    updater = Updater(
+        network,
+        optimizer,
+        loss_fn,
+        axis_name=AXIS_NAME,
+        augment_fn=augment_fn,
+        loss_scale=loss_scale,
+        backend=config.backend,
+    )
+    schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
+    return Experiment(
+        dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule
+    )
+
+
+def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
+    """A sharded all-zeros batch: the shapes `Updater.init` needs, before any data is read.
+
+    `batch_size` is global: this process's slice of it is what its devices see.
+    """
+    local_batch_size = batch_size // jax.process_count()
+    return replication.shard(
+        {
+            "image": np.zeros((local_batch_size, *dataset.image_shape), np.float32),
+            "label": np.zeros((local_batch_size,), np.int32),
+        }
+    )
+
+
+def this_process() -> dict[str, int]:
+    """The data-slicing arguments of `data.train_batches` / `data.eval_batches`."""
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
