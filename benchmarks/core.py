@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -45,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import baselines
+from haiku_state import config as config_lib
 from haiku_state import data, losses, models, optim, replication, summaries, train
 from haiku_state.updater import Updater
 
@@ -154,14 +154,11 @@ class Settings:
 
 
 def load_experiment_config(name: str) -> Any:
-    """`get_config()` of `experiments/<name>.py`."""
+    """`get_config()` of `experiments/<name>.py`, loaded as the library loads it."""
     path = EXPERIMENTS_DIR / f"{name}.py"
     if not path.is_file():
         raise ValueError(f"Unknown experiment {name!r}; expected one of {EXPERIMENTS}.")
-    spec = importlib.util.spec_from_file_location(f"experiment_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_lib.load_config_file(str(path))
 
 
 def _override_model(config: Any, settings: Settings) -> None:
@@ -525,14 +522,15 @@ def _benchmark_experiment(
     loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
     augment_fn = data.make_augment_fn(max_shift=config.data.max_shift, flip=config.data.flip)
 
+    per_device = baselines.per_device_step(
+        network, optimizer, loss_fn, augment_fn, updater.axis_name, experiment.loss_scale
+    )
     variants = [_Variant("updater", updater.update, updater.init(config.seed, batches[0]), batches)]
     if settings.hand_written:
         variants.append(
             _Variant(
                 "hand_written",
-                baselines.make_hand_written_step(
-                    network, optimizer, loss_fn, augment_fn, updater.axis_name
-                ),
+                baselines.make_hand_written_step(per_device, updater.axis_name),
                 updater.init(config.seed, batches[0]),
                 batches,
             )
@@ -554,9 +552,7 @@ def _benchmark_experiment(
         variants.append(
             _Variant(
                 "shard_map",
-                baselines.make_shard_map_step(
-                    network, optimizer, loss_fn, augment_fn, updater.axis_name
-                ),
+                baselines.make_shard_map_step(per_device, updater.axis_name),
                 updater.init(config.seed, batches[0]),
                 batches,
             )
@@ -589,7 +585,7 @@ def _benchmark_experiment(
     if "hand_written" in by_name:
         costs["hand_written"] = _costs(
             by_name["hand_written"].step,
-            baselines.per_device_step(network, optimizer, loss_fn, augment_fn, updater.axis_name),
+            per_device,
             updater.axis_name,
             by_name["hand_written"].carry,
             batches[0],
