@@ -431,3 +431,15 @@ def test_readme_table_is_written_between_the_markers_from_a_record(tmp_path):
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="one <!-- table --> line"):
         report.update_readme(readme, table)
+
+
+def test_readme_shows_the_table_of_the_curated_cpu_record():
+    path = record.curated_record_path("cpu")
+    table = report.markdown_table(json.loads(path.read_text()), path)
+    readme = report.README.read_text()
+    assert f"{report.TABLE_START}\n{table}\n{report.TABLE_END}" in readme
+
+
+def test_plot_draws_the_curated_record(tmp_path):
+    paths = plot.plot_all(record.curated_record_path("cpu"), tmp_path)
+    assert [p.parent for p in paths] == [tmp_path] * 3
