@@ -89,13 +89,13 @@ def benchmark_experiment(
         result = _step_figures(name, config, settings, experiment.updater, timed, peak, say)
         result["input_pipeline"] = input_pipeline
         run_dir = _fresh_directory(Path(workdir), f"{name}_{num_devices}dev_{settings.precision}_")
-        updater = timed[0]
-        result["checkpoint"] = _checkpoint_figures(experiment.updater, updater, settings, run_dir)
+        bare, others = timed[0], timed[1:]  # The Updater on pre-sharded batches, the rest.
+        result["checkpoint"] = _checkpoint_figures(experiment.updater, bare, settings, run_dir)
         say(f"checkpoint {checkpoints.summary_line(result['checkpoint'])}")
-        for variant in timed[1:]:  # Free the timed states before the loop builds its own.
+        for variant in others:  # Free the timed states before the loop builds its own.
             variant.release()
-        result["loop"] = _loop_figures(name, settings, updater, result, run_dir, skip_loop, say)
-        updater.release()
+        result["loop"] = _loop_figures(name, settings, bare, result, run_dir, skip_loop, say)
+        bare.release()
         return result
 
 
@@ -199,16 +199,16 @@ def _step_figures(
 
 
 def _checkpoint_figures(
-    updater: Updater, variant: timing.Variant, settings: Settings, run_dir: Path
+    updater: Updater, bare: timing.Variant, settings: Settings, run_dir: Path
 ) -> dict[str, Any]:
     """`checkpoints.benchmark_checkpoint` on the Updater variant's state, or why not."""
     if not settings.checkpoint_saves:
         return {"skipped": "checkpoint_saves=0"}
     try:
-        figures, variant.carry = checkpoints.benchmark_checkpoint(
+        figures, bare.carry = checkpoints.benchmark_checkpoint(
             updater,
-            variant.carry,
-            variant.batches[0],
+            bare.carry,
+            bare.batches[0],
             settings.checkpoint_saves,
             run_dir / "checkpoint_bench",
         )
@@ -220,7 +220,7 @@ def _checkpoint_figures(
 def _loop_figures(
     name: str,
     settings: Settings,
-    updater: timing.Variant,
+    bare: timing.Variant,
     result: dict[str, Any],
     run_dir: Path,
     skip_loop: str | None,
@@ -231,7 +231,7 @@ def _loop_figures(
     Records the bare update's windows after each loop in `result`'s Updater throughput.
     """
     bare_update = loop.BareUpdate(
-        updater, settings.windows, result["steps_per_window"], result["batch_size"]
+        bare, settings.windows, result["steps_per_window"], result["batch_size"]
     )
     after_loops = bare_update.window_steps_per_s_after_loop
     result["throughput"]["updater"]["window_steps_per_s_after_loop"] = after_loops
