@@ -14,6 +14,8 @@ EXP ?= resnet
 WORKDIR ?= runs/$(EXP)
 DEVICES ?= 2
 ARGS ?=
+# bench: the curated record to write (see the bench target); none by default.
+RECORD ?=
 # train-multiprocess: local processes joined by jax.distributed, DEVICES simulated CPU devices each.
 PROCESSES ?= 2
 PORT ?= 12345
@@ -50,8 +52,10 @@ eval: install
 	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) --mode=eval $(ARGS)
 
+# RECORD=benchmarks/results/<platform>.json also keeps the run as the platform's curated
+# record and writes its table into benchmarks/README.md.
 bench: install
-	$(PY) -m benchmarks.run $(ARGS)
+	$(PY) -m benchmarks.run $(if $(RECORD),--record=$(RECORD) --update_readme) $(ARGS)
 
 bench-quick: install
 	$(PY) -m benchmarks.run --quick $(ARGS)

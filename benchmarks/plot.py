@@ -2,8 +2,10 @@
 
     python -m benchmarks.plot [--results_dir=benchmarks/results] [--output_dir=DIR]
 
-Reads every `*.json` run record in `results_dir` (written by `benchmarks.run`)
-and writes, next to them unless `--output_dir` says otherwise:
+Reads every `*.json` run record in `results_dir` (written by `benchmarks.run`:
+the curated `<platform>.json` records, and the timestamped runs of this
+machine), or the one record `results_dir` names, and writes, next to them
+unless `--output_dir` says otherwise:
 
 * `scaling.png`: Updater examples/s against the device count, one panel per
   experiment, one line per platform/device kind and precision (the latest run
@@ -32,10 +34,15 @@ THROUGHPUT_FILE = "throughput.png"
 RATIOS_FILE = "ratios.png"
 
 
-def load_runs(results_dir: str | Path) -> list[dict[str, Any]]:
-    """Every run record in `results_dir`, oldest first; unreadable files are skipped."""
+def load_runs(results: str | Path) -> list[dict[str, Any]]:
+    """Every run record in the directory `results` (or the record it names), oldest first.
+
+    Unreadable files are skipped.
+    """
+    results = Path(results)
+    paths = [results] if results.is_file() else sorted(results.glob("*.json"))
     runs = []
-    for path in sorted(Path(results_dir).glob("*.json")):
+    for path in paths:
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError) as e:
@@ -201,7 +208,10 @@ def plot_ratios(run: dict[str, Any], path: Path) -> Path:
 
 
 def plot_all(results_dir: str | Path, output_dir: str | Path | None = None) -> list[Path]:
-    """Draws every chart from the records in `results_dir`; returns the PNG paths.
+    """Draws every chart from the records in `results_dir` (or the one it names).
+
+    Returns:
+      The PNG paths.
 
     Raises:
       FileNotFoundError: when `results_dir` holds no run record.
@@ -212,7 +222,8 @@ def plot_all(results_dir: str | Path, output_dir: str | Path | None = None) -> l
         raise FileNotFoundError(
             f"No benchmark results in {results_dir}; run `make bench` (or bench-quick) first."
         )
-    output_dir = Path(output_dir or results_dir)
+    results_dir = Path(results_dir)
+    output_dir = Path(output_dir or (results_dir.parent if results_dir.is_file() else results_dir))
     output_dir.mkdir(parents=True, exist_ok=True)
     latest = measured[-1]
     return [
@@ -224,7 +235,9 @@ def plot_all(results_dir: str | Path, output_dir: str | Path | None = None) -> l
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__)
-    parser.add_argument("--results_dir", default=str(DEFAULT_RESULTS_DIR))
+    parser.add_argument(
+        "--results_dir", default=str(DEFAULT_RESULTS_DIR), help="Records, or one record."
+    )
     parser.add_argument("--output_dir", default=None, help="Default: the results directory.")
     args = parser.parse_args(argv)
     try:

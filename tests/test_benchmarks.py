@@ -1,4 +1,5 @@
-"""Smoke tests of `benchmarks/`: one experiment measured in process, the run record, the plots.
+"""Smoke tests of `benchmarks/`: one experiment measured in process, the float16 baseline, the
+run record, the tables and the plots.
 
 The process has 4 simulated CPU devices (conftest.py), so the measured step is the
 real multi-device one; step counts are tiny, so no figure here is a measurement.
@@ -13,16 +14,29 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # `benchmarks` is a top-level package of the repository, not installed.
     sys.path.insert(0, REPO)
 
-from benchmarks import core, flax_models, plot, run  # noqa: E402
-from haiku_state import models, optim  # noqa: E402
+from benchmarks import (  # noqa: E402
+    baselines,
+    costs,
+    experiment,
+    flax_models,
+    loop,
+    plot,
+    record,
+    report,
+    run,
+    settings,
+    variants,
+)
+from haiku_state import models, optim, replication, train  # noqa: E402
 
-TINY = core.Settings(
+TINY = settings.Settings(
     batch_size=32,
     steps_per_window=2,
     windows=2,
@@ -43,13 +57,14 @@ def _is_positive_finite(value) -> bool:
 
 @pytest.fixture(scope="module")
 def mlp_run(tmp_path_factory):
-    peak = core.measure_peak_matmul(size=128, repeats=2, calls_per_repeat=2)
-    result = core.benchmark_experiment(
-        "mlp", TINY, peak=peak, workdir=tmp_path_factory.mktemp("bench"), log=lambda line: None
-    )
+    peak = costs.measure_peak_matmul(size=128, repeats=2, calls_per_repeat=2)
+    with jax.threefry_partitionable(False):  # As `benchmarks.run` measures on CPU.
+        result = experiment.benchmark_experiment(
+            "mlp", TINY, peak=peak, workdir=tmp_path_factory.mktemp("bench"), log=lambda line: None
+        )
     device_run = {
         "num_devices": jax.local_device_count(),
-        **core.device_info(),
+        **costs.device_info(),
         "peak_matmul": peak,
         "experiments": [result],
         "skipped": ["resnet: not measured in this test"],
@@ -78,6 +93,7 @@ def test_benchmark_experiment_reports_positive_finite_throughputs_and_ratios(mlp
     assert _is_positive_finite(result["flops"]["per_device_per_step"])
     assert result["flops"]["per_step"] == pytest.approx(4 * result["flops"]["per_device_per_step"])
     assert result["flops"]["updater_matches_hand_written"] is True
+    assert result["flops"]["source"] == costs.UPDATER_COST_SOURCE  # Updater.lower_update.
     assert _is_positive_finite(result["utilisation"]["mfu"])
     assert result["memory"]["compiled_update_per_device"]["total_bytes"] > 0
     assert result["memory"]["device_peak_bytes_in_use"] is None  # CPU reports none.
@@ -110,13 +126,13 @@ def test_median_loop_run_reports_the_middle_run_and_records_every_run():
         }
 
     runs = [loop_run(0.95), loop_run(0.80), loop_run(0.90)]
-    median = core._median_loop_run(runs)
+    median = loop.median_loop_run(runs)
     assert median["ratio_vs_update"] == 0.90
     assert [r["ratio_vs_update"] for r in median["runs"]] == [0.95, 0.80, 0.90]
     assert median["runs"][0]["cost_per_save_s"] == 0.07
     assert "runs" not in runs[2]  # The runs themselves are left as they were.
     # An even count reports the lower middle run: the figure is never flattered.
-    assert core._median_loop_run(runs[:2])["ratio_vs_update"] == 0.80
+    assert loop.median_loop_run(runs[:2])["ratio_vs_update"] == 0.80
 
 
 def test_loop_runs_default_to_three_for_the_mlp_and_zero_is_refused():
@@ -132,13 +148,13 @@ def test_loop_runs_default_to_three_for_the_mlp_and_zero_is_refused():
 
 def test_run_record_is_written_as_json_with_machine_versions_and_figures(mlp_run, tmp_path):
     device_run, result = mlp_run
-    record = core.make_run_record(
+    run_record = record.make_run_record(
         [device_run],
         settings={"quick": True},
         command=["python", "-m", "benchmarks.run"],
         wall_s=1.5,
     )
-    path = core.write_run_record(record, tmp_path)
+    path = record.write_run_record(run_record, tmp_path)
     assert path.parent == tmp_path and path.name.endswith("_cpu.json")
     loaded = json.loads(path.read_text())
     assert {"node", "processor", "cpu_count"} <= set(loaded["machine"])
@@ -150,8 +166,11 @@ def test_run_record_is_written_as_json_with_machine_versions_and_figures(mlp_run
         result["throughput"]["updater"]["examples_per_s"]
     )
     assert loaded["runs"][0]["peak_matmul"]["float32"]["all_devices_tflop_per_s"] > 0
-    table = run.format_table(loaded)
+    table = report.format_table(loaded)
     assert "mlp" in table and "skipped (4 dev): resnet" in table
+    # The curated copy (--record) is the same record.
+    curated = record.write_json(tmp_path / "curated" / "cpu.json", run_record)
+    assert json.loads(curated.read_text()) == loaded
 
 
 def _synthetic_result(experiment: str, num_devices: int, examples_per_s: float) -> dict:
@@ -184,7 +203,7 @@ def test_table_shows_the_shard_map_updater_and_a_dash_for_variants_not_timed():
     result["ratios"]["updater_shard_map_vs_pmap"] = 0.99
     result["throughput"]["updater"].update(steps_per_s=7.8, compile_s=1.0)
     result.update(batch_size=128, utilisation={"achieved_tflop_per_s": None, "mfu": None})
-    header, row = run.format_table({"results": [result], "runs": []}).splitlines()
+    header, row = report.format_table({"results": [result], "runs": []}).splitlines()
     titles = ["updater ex/s", "hand ex/s", "upd/hand", "shmap ex/s", "shmap/pmap"]
     assert all(title in header for title in titles)
     cells = row.split()
@@ -194,10 +213,10 @@ def test_table_shows_the_shard_map_updater_and_a_dash_for_variants_not_timed():
 
 
 def test_quick_loop_config_runs_on_synthetic_data_of_the_timed_shape():
-    settings = core.Settings(loop_steps=30, loop_log_every=10, loop_synthetic_data=True)
-    config = core.loop_config("mlp", settings, num_devices=4)
+    quick = settings.Settings(loop_steps=30, loop_log_every=10, loop_synthetic_data=True)
+    config = loop.loop_config("mlp", quick, num_devices=4)
     assert config.data.name == "synthetic"
-    assert tuple(config.data.image_shape) == core.SYNTHETIC_SHAPES["mlp"][0]
+    assert tuple(config.data.image_shape) == settings.SYNTHETIC_SHAPES["mlp"][0]
     assert config.steps == 30 and config.log_every == 10
     assert config.checkpoint_every == 20 and config.eval_every == 30
 
@@ -206,7 +225,7 @@ def test_checkpoint_windows_separate_the_cost_of_each_save():
     # Batch 10, windows of 50 steps: 500 examples each. Steps 100 and 200 are saved
     # after their logs, so their cost lands in the windows (100, 150] and (200, 250].
     windows = [(50, 100, 1000.0), (100, 150, 500.0), (150, 200, 1000.0), (200, 250, 250.0)]
-    saves = core.checkpoint_windows(windows, batch_size=10, save_steps=range(100, 300, 100))
+    saves = loop.checkpoint_windows(windows, batch_size=10, save_steps=range(100, 300, 100))
     assert saves["window_ends"] == [150, 250]
     assert saves["saves"] == 2
     assert saves["examples_per_s_without"] == pytest.approx(1000.0)
@@ -218,17 +237,17 @@ def test_checkpoint_windows_of_a_window_that_is_not_a_log_step():
     # A save between two logs lands in the window around it; two saves in one window
     # share its cost.
     windows = [(0, 40, 100.0), (40, 80, 50.0)]
-    saves = core.checkpoint_windows(windows, batch_size=1, save_steps=[50, 70])
+    saves = loop.checkpoint_windows(windows, batch_size=1, save_steps=[50, 70])
     assert saves["window_ends"] == [80]
     assert saves["saves"] == 2
     assert saves["cost_per_save_s"] == pytest.approx((0.8 - 0.4) / 2)
 
 
 def test_checkpoint_windows_without_a_window_to_compare_give_none():
-    every_window_saves = core.checkpoint_windows([(0, 10, 5.0)], batch_size=1, save_steps=[0])
+    every_window_saves = loop.checkpoint_windows([(0, 10, 5.0)], batch_size=1, save_steps=[0])
     assert every_window_saves["examples_per_s_without"] is None
     assert every_window_saves["cost_per_save_s"] is None
-    no_save = core.checkpoint_windows([(0, 10, 5.0)], batch_size=1, save_steps=[])
+    no_save = loop.checkpoint_windows([(0, 10, 5.0)], batch_size=1, save_steps=[])
     assert no_save["window_ends"] == [] and no_save["saves"] == 0
     assert no_save["examples_per_s_without"] == pytest.approx(5.0)
     assert no_save["cost_per_save_s"] is None
@@ -259,11 +278,11 @@ def test_plot_without_results_says_what_to_run(tmp_path):
 
 
 def test_precisions_are_the_librarys_and_others_are_refused_with_the_reason():
-    assert set(core.SUPPORTED_PRECISIONS) == set(models.PRECISIONS)
+    assert set(settings.SUPPORTED_PRECISIONS) == set(models.PRECISIONS)
     for precision in models.PRECISIONS:
-        core.check_precision(precision)
+        settings.check_precision(precision)
     with pytest.raises(ValueError, match="config.precision"):
-        core.check_precision("float8")
+        settings.check_precision("float8")
     with pytest.raises(SystemExit):
         run._parse_args(["--precisions=float32,float8"])
 
@@ -277,10 +296,10 @@ def test_subprocess_env_gives_the_device_count_on_cpu_and_gpu(monkeypatch):
     assert REPO in env["PYTHONPATH"].split(os.pathsep)
 
 
-@pytest.mark.parametrize("name", core.FLAX_PEERS)
+@pytest.mark.parametrize("name", settings.FLAX_PEERS)
 def test_flax_peer_has_the_haiku_networks_parameters_and_weight_decay(name):
-    config = core.load_experiment_config(name)
-    image_shape, num_classes = core.SYNTHETIC_SHAPES[name]
+    config = settings.experiment_config(name, settings.Settings(), num_devices=4)
+    image_shape, num_classes = settings.SYNTHETIC_SHAPES[name]
     options = {k: v for k, v in config.model.items() if k != "name"}
     network = models.make_network(name, num_classes, **options)
     batch = {"image": jnp.zeros((2, *image_shape)), "label": jnp.zeros((2,), jnp.int32)}
@@ -306,3 +325,121 @@ def test_flax_peer_has_the_haiku_networks_parameters_and_weight_decay(name):
     haiku_decayed = decayed(params, optim.haiku_weights)
     assert haiku_decayed == decayed(variables["params"], flax_models.kernels)
     assert 0 < haiku_decayed < count(params)
+
+
+def test_quick_runs_the_mlp_in_every_precision_and_the_others_in_float32():
+    quick = run._parse_args(["--quick"])
+    planned = run.measurements(quick)
+    assert {p for name, p in planned if name == "mlp"} == set(models.PRECISIONS)
+    assert {p for name, p in planned if name != "mlp"} == {"float32"}
+    for precision in ("bfloat16", "float16"):
+        half, skip_loop = run.settings_for("mlp", quick, "cpu", 2, precision)
+        assert half.precision == precision
+        assert half.hand_written  # The step each precision compiles, next to the Updater's.
+        assert half.loop_steps == 0 and "float32" in skip_loop
+    # --precisions is what runs, on every experiment.
+    named = run._parse_args(["--quick", "--precisions=float16"])
+    assert run.measurements(named) == [("mlp", "float16"), ("resnet", "float16")]
+    assert run.measurements(run._parse_args([])) == [(n, "float32") for n in settings.EXPERIMENTS]
+
+
+@jax.threefry_partitionable(False)
+def test_hand_written_float16_step_keeps_the_updaters_loss_scale_bookkeeping():
+    config = settings.synthetic_config(
+        "mlp", settings.Settings(batch_size=32, num_batches=1, precision="float16"), 4
+    )
+    built = train.build_experiment(config)
+    updater = built.updater
+    [host_batch] = variants.host_batches(built.dataset, config.batch_size, 1)
+    batch = replication.shard(host_batch)
+    hand_written = baselines.make_hand_written_step(
+        variants.hand_written_per_device(built), updater.axis_name
+    )
+
+    def finite_then_overflowing_step(step):
+        train_state, finite = step(updater.init(config.seed, batch), batch)
+        huge = replication.replicate(jnp.float32(2.0**100))  # float16 gradients overflow.
+        train_state = train_state._replace(
+            opt_state=train_state.opt_state._replace(loss_scale=huge)
+        )
+        params_before = jax.device_get(train_state.params)
+        train_state, overflowing = step(train_state, batch)
+        return jax.device_get((train_state, finite, overflowing)), params_before
+
+    (library, *library_metrics), _ = finite_then_overflowing_step(updater.update)
+    (baseline, *baseline_metrics), params_before = finite_then_overflowing_step(hand_written)
+    for metrics in (library_metrics, baseline_metrics):  # Hand-written: one per device.
+        assert [set(np.ravel(m["loss_scale"])) for m in metrics] == [{2.0**15}, {2.0**100}]
+    # The overflowing step is skipped alike: the scale halves, the count of good steps resets.
+    for state in (library, baseline):
+        assert list(state.opt_state.loss_scale) == [2.0**99] * 4
+        assert list(state.opt_state.good_steps) == [0] * 4
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), baseline.params, params_before)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        baseline.params,
+        library.params,
+    )
+
+
+def _full_record(results: list[dict]) -> dict:
+    return {
+        "created_utc": "2026-01-01T12:30:00+00:00",
+        "command": ["/venv/bin/python", "-m", "benchmarks.run", "--quick"],
+        "machine": {"cpu_count": 2, "processor": "x86_64", "load_average": [1.25, 1.0, 1.0]},
+        "versions": {"jax": "0.10.2", "dm-haiku": "0.0.17", "flax": "0.12.8"},
+        "platform": "cpu",
+        "device_kind": "cpu",
+        "wall_s": 61.0,
+        "runs": [{"num_devices": 2, "skipped": ["resnet50: not asked for"]}],
+        "results": results,
+        "notes": ["CPU device counts are simulated"],
+    }
+
+
+def test_readme_table_is_written_between_the_markers_from_a_record(tmp_path):
+    result = _synthetic_result("mlp", 1, 1000.0)
+    result.update(batch_size=128, utilisation={"achieved_tflop_per_s": 0.1, "mfu": 0.25})
+    result["throughput"]["updater"]["compile_s"] = 2.0
+    result["loop"] = {
+        "ratio_vs_update": 0.93,
+        "ratio_vs_update_without_checkpoints": 0.97,
+        "checkpoint_windows": {"cost_per_save_s": 0.058},
+        "runs": [{"ratio_vs_update": r} for r in (0.93, 0.91, 0.95)],
+    }
+    result["checkpoint"] = {
+        "async": {"blocked_s": 0.003, "write_mb_per_s": 7.0},
+        "sync": {"blocked_s": 0.108},
+    }
+    table = report.markdown_table(_full_record([result]), tmp_path / "cpu.json")
+    assert "from `" + str(tmp_path / "cpu.json") + "`" in table
+    assert "`python -m benchmarks.run --quick` of 2026-01-01 12:30 UTC, 61 s" in table
+    [row] = [line for line in table.splitlines() if line.startswith("| mlp")]
+    assert row.split(" | ")[3:5] == ["1,000", "0.990"]  # Updater ex/s, / hand-written.
+    assert "| 25.0% | 2.0 | 0.93 (0.97; 58 ms) | 3 / 108 |" in row
+    assert "loop / update 0.930, 0.910, 0.950" in table
+    assert "skipped (2 dev): resnet50: not asked for" in table
+
+    readme = tmp_path / "README.md"
+    before = f"# Bench\n\nThe table between `{report.TABLE_START}` and its end marker.\n\n"
+    readme.write_text(f"{before}{report.TABLE_START}\nold\n{report.TABLE_END}\n\nAfter.\n")
+    for _ in range(2):  # Writing it again replaces it; markers named in the prose stay.
+        report.update_readme(readme, table)
+        assert readme.read_text() == (
+            f"{before}{report.TABLE_START}\n{table}\n{report.TABLE_END}\n\nAfter.\n"
+        )
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="one <!-- table --> line"):
+        report.update_readme(readme, table)
+
+
+def test_readme_shows_the_table_of_the_curated_cpu_record():
+    path = record.curated_record_path("cpu")
+    table = report.markdown_table(json.loads(path.read_text()), path)
+    readme = report.README.read_text()
+    assert f"{report.TABLE_START}\n{table}\n{report.TABLE_END}" in readme
+
+
+def test_plot_draws_the_curated_record(tmp_path):
+    paths = plot.plot_all(record.curated_record_path("cpu"), tmp_path)
+    assert [p.parent for p in paths] == [tmp_path] * 3

@@ -1,0 +1,166 @@
+"""What a step costs the device: XLA's FLOPs and memory, the peak matmul, MFU, device memory.
+
+`compiled_costs(lowered)` reads XLA's analyses of a lowered step. On JAX 0.10
+`Lowered.compile().cost_analysis()` is one dict whose "flops" are those of ONE
+device's program (the SPMD-partitioned module: they halve from 1 to 2 devices
+at the same global batch), and `memory_analysis()` is per device too; so a
+step's FLOPs are the per-device figure times the devices.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from haiku_state import replication
+
+UPDATER_COST_SOURCE = (
+    "Updater.lower_update(train_state, batch).compile().cost_analysis()['flops'], per device"
+)
+_MEMORY_FIELDS = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+)
+
+
+def compiled_costs(lowered: jax.stages.Lowered) -> dict[str, Any]:
+    """Per-device FLOPs, bytes accessed and memory of a lowered step, once compiled.
+
+    The executable comes from the compilation cache when the step has already
+    run with these shapes; lowering consumes no donated argument.
+    """
+    compiled = lowered.compile()
+    costs = compiled.cost_analysis() or {}
+    flops = float(costs.get("flops", math.nan))
+    memory = compiled.memory_analysis()
+    memory_fields = None
+    if memory is not None:
+        memory_fields = {field: int(getattr(memory, field, 0)) for field in _MEMORY_FIELDS}
+        memory_fields["total_bytes"] = (
+            memory_fields["argument_size_in_bytes"]
+            + memory_fields["output_size_in_bytes"]
+            - memory_fields["alias_size_in_bytes"]
+            + memory_fields["temp_size_in_bytes"]
+        )
+    return {
+        "flops_per_device": flops if flops > 0 else None,
+        "bytes_accessed_per_device": float(costs.get("bytes accessed", math.nan)),
+        "memory_per_device": memory_fields,
+    }
+
+
+def flops_figures(
+    costs: dict[str, dict[str, Any]], num_devices: int, batch_size: int
+) -> dict[str, Any]:
+    """The record's `flops`: the Updater's per device, step and example, and its peers'."""
+    per_device = costs["updater"]["flops_per_device"]
+    hand_written = costs.get("hand_written", {}).get("flops_per_device")
+    return {
+        "per_device_per_step": per_device,
+        "per_step": per_device * num_devices if per_device else None,
+        "per_example": per_device * num_devices / batch_size if per_device else None,
+        "source": UPDATER_COST_SOURCE,
+        "hand_written_per_device": hand_written,
+        "flax_per_device": costs.get("flax", {}).get("flops_per_device"),
+        "updater_matches_hand_written": (
+            bool(abs(per_device - hand_written) <= 0.01 * hand_written)
+            if per_device and hand_written
+            else None
+        ),
+    }
+
+
+def utilisation(
+    flops_per_step: float | None, steps_per_s: float, peak: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Achieved TFLOP/s and MFU against the f32 all-devices peak of `measure_peak_matmul`."""
+    achieved = flops_per_step * steps_per_s / 1e12 if flops_per_step else None
+    peak_tflops = peak["float32"]["all_devices_tflop_per_s"] if peak else None
+    return {
+        "achieved_tflop_per_s": achieved,
+        "peak_tflop_per_s": peak_tflops,
+        "peak_source": "measured f32 matmul, pmapped over all local devices" if peak else None,
+        "mfu": achieved / peak_tflops if achieved and peak_tflops else None,
+    }
+
+
+def default_matmul_size() -> int:
+    """4096 on accelerators, 1024 on CPU (where a 4096^2 matmul would dominate the run)."""
+    return 1024 if jax.default_backend() == "cpu" else 4096
+
+
+def _median_call_s(fn: Any, args: tuple, repeats: int, calls_per_repeat: int) -> float:
+    """Median over `repeats` of the seconds per call of `calls_per_repeat` back-to-back calls."""
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls_per_repeat):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - start) / calls_per_repeat)
+    return statistics.median(runs)
+
+
+def measure_peak_matmul(
+    size: int | None = None, repeats: int = 5, calls_per_repeat: int = 5
+) -> dict[str, Any]:
+    """The device's matmul throughput: the peak that MFU is measured against.
+
+    `single_device` is one jitted `size x size` matmul on device 0;
+    `all_devices` the same matmul pmapped over every local device at once (on
+    simulated CPU devices they share the host's cores, so this is the machine's
+    peak, not N times one device's). On GPU an f32 matmul runs at JAX's default
+    precision (TF32 on Ampere and later), which is also what the models' f32
+    convolutions get.
+    """
+    size = size or default_matmul_size()
+    num_devices = jax.local_device_count()
+    flops = 2.0 * size**3
+    result: dict[str, Any] = {"size": size}
+    for dtype in ("float32", "bfloat16"):
+        one = jnp.ones((size, size), dtype)
+        stacked = replication.shard(np.ones((num_devices * size, size), dtype))
+        single_s = _median_call_s(jax.jit(jnp.matmul), (one, one), repeats, calls_per_repeat)
+        every_s = _median_call_s(
+            jax.pmap(jnp.matmul), (stacked, stacked), repeats, calls_per_repeat
+        )
+        result[dtype] = {
+            "single_device_tflop_per_s": flops / single_s / 1e12,
+            "all_devices_tflop_per_s": flops * num_devices / every_s / 1e12,
+        }
+    return result
+
+
+def device_memory_peak() -> int | None:
+    """The largest `peak_bytes_in_use` over the local devices; None where unreported (CPU)."""
+    peaks = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # Some backends raise instead of returning None.
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def device_info() -> dict[str, Any]:
+    """What this process runs on."""
+    devices = jax.local_devices()
+    return {
+        "platform": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "local_device_count": len(devices),
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+    }

@@ -1,0 +1,250 @@
+"""One experiment measured on the devices of this process: the parts of the benchmark, composed.
+
+`benchmark_experiment` builds the experiment with `train.build_experiment` (the
+synthetic-data config of `benchmarks.settings`) and measures, at
+`jax.local_device_count()`:
+
+1. the throughput of every variant of the step (`benchmarks.variants`) in
+   interleaved windows, and their paired ratios (`benchmarks.timing`);
+2. FLOPs per step, MFU and memory of the compiled steps (`benchmarks.costs`);
+3. `Checkpointer.save` blocking time, asynchronous against synchronous
+   (`benchmarks.checkpoints`);
+4. the whole training loop against the bare update around it (`benchmarks.loop`).
+
+`benchmarks.run` calls it once per experiment and precision, in one subprocess
+per device count; the tests call it directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from benchmarks import checkpoints, costs, loop, timing, variants
+from benchmarks.settings import (
+    LOOP_TARGET,
+    UPDATER_TARGETS,
+    Settings,
+    check_precision,
+    synthetic_config,
+)
+from haiku_state import train
+from haiku_state.updater import Updater
+
+Log = Callable[[str], None]
+_PROCESS_START = time.monotonic()
+
+
+def log_to_stderr(line: str) -> None:
+    """Prints a progress line to stderr, with the seconds since the process started."""
+    print(f"{time.monotonic() - _PROCESS_START:6.1f}s {line}", file=sys.stderr, flush=True)
+
+
+def benchmark_experiment(
+    name: str,
+    settings: Settings,
+    *,
+    peak: dict[str, Any] | None = None,
+    workdir: str | os.PathLike | None = None,
+    skip_loop: str | None = None,
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """Measures one experiment on this process's devices; returns a JSON-ready dict.
+
+    Args:
+      name: one of `settings.EXPERIMENTS`.
+      settings: sizes and lengths.
+      peak: `costs.measure_peak_matmul()`'s result, for MFU; None leaves MFU out.
+      workdir: scratch space for the loop run and the checkpoints; a temporary
+        directory, removed afterwards, when None.
+      skip_loop: a reason to skip the training-loop figure (recorded in its place).
+      log: where progress lines go (stderr by default).
+    """
+    check_precision(settings.precision)
+    num_devices = jax.local_device_count()
+    label = f"[{num_devices} dev] {name}" + (
+        "" if settings.precision == "float32" else f" {settings.precision}"
+    )
+
+    def say(line: str) -> None:
+        (log or log_to_stderr)(f"{label}: {line}")
+
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_"))
+        config = synthetic_config(name, settings, num_devices)
+        say(f"batch {config.batch_size}, building")
+        built_at = time.perf_counter()
+        experiment = train.build_experiment(config)
+        timed, input_pipeline = variants.build_variants(name, config, experiment, settings, stack)
+        say(f"built in {time.perf_counter() - built_at:.1f} s")
+        result = _step_figures(name, config, settings, experiment.updater, timed, peak, say)
+        result["input_pipeline"] = input_pipeline
+        run_dir = _fresh_directory(Path(workdir), f"{name}_{num_devices}dev_{settings.precision}_")
+        bare, others = timed[0], timed[1:]  # The Updater on pre-sharded batches, the rest.
+        result["checkpoint"] = _checkpoint_figures(experiment.updater, bare, settings, run_dir)
+        say(f"checkpoint {checkpoints.summary_line(result['checkpoint'])}")
+        for variant in others:  # Free the timed states before the loop builds its own.
+            variant.release()
+        result["loop"] = _loop_figures(name, settings, bare, result, run_dir, skip_loop, say)
+        bare.release()
+        return result
+
+
+def _failure(error: Exception) -> str:
+    """What a figure records in place of its values when measuring it raised."""
+    return f"failed: {type(error).__name__}: {error}"[:500]
+
+
+def _fresh_directory(workdir: Path, prefix: str) -> Path:
+    """A new directory per call: a loop run in a used workdir would resume, not train, and a
+    Checkpointer does not save a step that exists."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=workdir))
+
+
+def _warm_up(timed: Sequence[timing.Variant], settings: Settings, say: Log) -> int:
+    """Compiles and warms up every variant; returns the steps per timed window."""
+    step_s = []
+    for variant in timed:
+        step_s.append(timing.warm_up(variant, settings.warmup_steps))
+        say(f"{variant.name} first call {variant.first_call_s:.1f} s")
+    return timing.window_length(settings.steps_per_window, settings.target_window_s, step_s[0])
+
+
+def _step_costs(updater: Updater, timed: Sequence[timing.Variant]) -> dict[str, dict[str, Any]]:
+    """XLA's analyses of the Updater's step, the hand-written one's and Flax's."""
+    by_name = {variant.name: variant for variant in timed}
+    first = by_name["updater"]
+    step_costs = {
+        "updater": costs.compiled_costs(updater.lower_update(first.carry, first.batches[0]))
+    }
+    for name in ("hand_written", "flax"):
+        if name in by_name:
+            variant = by_name[name]
+            lowered = variant.step.lower(variant.carry, variant.batches[0])
+            step_costs[name] = costs.compiled_costs(lowered)
+    return step_costs
+
+
+def _throughput_line(throughput: dict[str, Any], ratios: dict[str, float | None]) -> str:
+    parts = [f"updater {throughput['updater']['examples_per_s']:,.0f} ex/s"]
+    for label, ratio in (
+        ("/hand-written", "updater_vs_hand_written"),
+        ("/flax", "updater_vs_flax"),
+        ("shard_map/pmap", "updater_shard_map_vs_pmap"),
+    ):
+        if ratios[ratio]:
+            parts.append(f"{label} {ratios[ratio]:.3f}")
+    return ", ".join(parts)
+
+
+def _step_figures(
+    name: str,
+    config: Any,
+    settings: Settings,
+    updater: Updater,
+    timed: Sequence[timing.Variant],
+    peak: dict[str, Any] | None,
+    say: Log,
+) -> dict[str, Any]:
+    """Every figure of the timed steps: throughput, ratios, FLOPs, MFU, memory."""
+    num_devices, batch_size = jax.local_device_count(), config.batch_size
+    steps_per_window = _warm_up(timed, settings, say)
+    step_costs = _step_costs(updater, timed)
+    say(f"costs analysed; {steps_per_window} steps per window")
+    timing.time_interleaved(timed, settings.windows, steps_per_window)
+    throughput = {v.name: timing.throughput(v, steps_per_window, batch_size) for v in timed}
+    ratios = timing.paired_ratios(timed)
+    say(_throughput_line(throughput, ratios))
+    flops = costs.flops_figures(step_costs, num_devices, batch_size)
+    return {
+        "experiment": name,
+        "num_devices": num_devices,
+        **costs.device_info(),
+        "precision": settings.precision,
+        "model": dict(config.model.items()),
+        "model_overrides": dict(settings.model_overrides),
+        "data": "synthetic",
+        "image_shape": list(config.data.image_shape),
+        "num_classes": config.data.num_classes,
+        "batch_size": batch_size,
+        "per_device_batch": batch_size // num_devices,
+        "steps_per_window": steps_per_window,
+        "windows": settings.windows,
+        "throughput": throughput,
+        "ratios": ratios,
+        "targets": {
+            "updater_vs_hand_written": UPDATER_TARGETS[name],
+            "loop_vs_update": LOOP_TARGET,
+        },
+        "flops": flops,
+        "utilisation": costs.utilisation(
+            flops["per_step"], throughput["updater"]["steps_per_s"], peak
+        ),
+        "memory": {
+            "compiled_update_per_device": step_costs["updater"]["memory_per_device"],
+            # The process's peak over everything so far (all variants), where reported.
+            "device_peak_bytes_in_use": costs.device_memory_peak(),
+        },
+    }
+
+
+def _checkpoint_figures(
+    updater: Updater, bare: timing.Variant, settings: Settings, run_dir: Path
+) -> dict[str, Any]:
+    """`checkpoints.benchmark_checkpoint` on the Updater variant's state, or why not."""
+    if not settings.checkpoint_saves:
+        return {"skipped": "checkpoint_saves=0"}
+    try:
+        figures, bare.carry = checkpoints.benchmark_checkpoint(
+            updater,
+            bare.carry,
+            bare.batches[0],
+            settings.checkpoint_saves,
+            run_dir / "checkpoint_bench",
+        )
+    except Exception as e:  # Recorded; the figures of the steps stand.
+        figures = {"skipped": _failure(e)}
+    return figures
+
+
+def _loop_figures(
+    name: str,
+    settings: Settings,
+    bare: timing.Variant,
+    result: dict[str, Any],
+    run_dir: Path,
+    skip_loop: str | None,
+    say: Log,
+) -> dict[str, Any]:
+    """The median of `loop_runs` training-loop runs, each against the bare update around it.
+
+    Records the bare update's windows after each loop in `result`'s Updater throughput.
+    """
+    bare_update = loop.BareUpdate(
+        bare, settings.windows, result["steps_per_window"], result["batch_size"]
+    )
+    after_loops = bare_update.window_steps_per_s_after_loop
+    result["throughput"]["updater"]["window_steps_per_s_after_loop"] = after_loops
+    if skip_loop is not None or settings.loop_steps == 0:
+        return {"skipped": skip_loop or "loop_steps=0"}
+    try:
+        runs = [
+            loop.benchmark_training_loop(name, settings, bare_update, run_dir / f"loop_{index}")
+            for index in range(settings.loop_runs)
+        ]
+    except Exception as e:  # Recorded; the figures above stand.
+        say(f"loop {_failure(e)}")
+        return {"skipped": _failure(e)}
+    figures = loop.median_loop_run(runs)
+    say(loop.summary_line(figures))
+    return figures

@@ -1,0 +1,234 @@
+"""The whole training loop (`train.train_and_evaluate`) against the bare update around it.
+
+The loop cannot be interleaved with the bare update, so each loop run is
+compared with the Updater timed right before it and right after it
+(`BareUpdate`); with several runs, the one of median loop / update is reported.
+Its logged windows are split into those that hold a checkpoint save and the
+rest (`checkpoint_windows`), which tells the loop's own per-step overhead apart
+from what each save costs the training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from benchmarks import timing
+from benchmarks.settings import Settings, experiment_config, round_up, use_synthetic_data
+from haiku_state import summaries, train
+
+Window = tuple[int, int, float]  # (first_step, last_step, examples_per_s) of a logged window.
+
+
+def loop_config(name: str, settings: Settings, num_devices: int) -> Any:
+    """The experiment's own config and data, with evaluation only at the end.
+
+    Logging, replica checks and asynchronous checkpoints keep the experiment's
+    cadence (`log_every`, `check_every`, `checkpoint_every`), as a real run has
+    them; `loop_steps` and `loop_log_every` shorten a run for a quick look, with
+    a checkpoint and a replica check kept half-way.
+    """
+    config = experiment_config(name, settings, num_devices)
+    steps = settings.loop_steps or config.steps
+    log_every = settings.loop_log_every or config.log_every
+    if steps < 3 * log_every:
+        raise ValueError(
+            f"loop_steps={steps} must be at least 3 x log_every={log_every}: the first "
+            "window (compilation) is dropped and a steady state needs two more."
+        )
+    if steps != config.steps:
+        config.check_every = min(config.check_every, steps // 2)
+        config.checkpoint_every = min(config.checkpoint_every, round_up(steps // 2, log_every))
+    config.steps = steps
+    config.log_every = log_every
+    config.eval_every = steps
+    config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 4)
+    if settings.loop_synthetic_data:
+        use_synthetic_data(config, name, 4 * config.batch_size, config.eval_batch_size)
+    if config.data.name == "synthetic":  # At least four batches, so batches differ.
+        config.data.num_train = max(config.data.num_train, 4 * config.batch_size)
+    return config
+
+
+def time_weighted_examples_per_s(windows: Sequence[Window], batch_size: int) -> float:
+    """Total examples over total time of `(first_step, last_step, examples_per_s)` windows."""
+    examples = sum((end - start) * batch_size for start, end, _ in windows)
+    seconds = sum((end - start) * batch_size / rate for start, end, rate in windows)
+    return examples / seconds if seconds else math.nan
+
+
+def checkpoint_windows(
+    windows: Sequence[Window], batch_size: int, save_steps: Sequence[int]
+) -> dict[str, Any]:
+    """Splits a loop's logged windows into those that hold a checkpoint save and the rest.
+
+    `train_and_evaluate` saves step `s` after it has logged step `s`, so the save
+    (the replica and finite checks before it, its blocking part, and its writer
+    thread competing for the host) lands in the window `(start, end]` with
+    `start <= s < end`. Comparing those windows with the others gives the loop's
+    own per-step overhead (`examples_per_s_without`) apart from what each save
+    costs the training (`cost_per_save_s`: the time of the save windows beyond
+    their steps at the rate without saves, per save).
+
+    Args:
+      windows: `(first_step, last_step, examples_per_s)` of each steady window.
+      batch_size: the global batch size of a step.
+      save_steps: the steps saved inside the loop (not the final one, saved after
+        the last window).
+
+    Returns:
+      `window_ends` (the last step of each window holding a save), `saves` (how
+      many saves they hold), `examples_per_s_without` (time-weighted over the
+      other windows) and `cost_per_save_s`; None where there is nothing to compare.
+    """
+    held = [[s for s in save_steps if start <= s < end] for start, end, _ in windows]
+    with_saves = [w for w, h in zip(windows, held, strict=True) if h]
+    without = [w for w, h in zip(windows, held, strict=True) if not h]
+    saves = sum(len(h) for h in held)
+    rate_without = time_weighted_examples_per_s(without, batch_size) if without else None
+    cost = None
+    if with_saves and rate_without is not None:
+        extra = sum(
+            (end - start) * batch_size * (1 / rate - 1 / rate_without)
+            for start, end, rate in with_saves
+        )
+        cost = extra / saves
+    return {
+        "window_ends": [end for _, end, _ in with_saves],
+        "saves": saves,
+        "examples_per_s_without": rate_without,
+        "cost_per_save_s": cost,
+    }
+
+
+def _logged_windows(workdir: Path) -> list[Window]:
+    """The train windows of a run's `metrics.jsonl`, but the first (which compiles)."""
+    records = [r for r in summaries.read_metrics(str(workdir)) if r["split"] == "train"]
+    records.sort(key=lambda r: r["step"])
+    return [
+        (previous["step"], record["step"], record["examples_per_s"])
+        for previous, record in zip(records, records[1:], strict=False)
+    ]
+
+
+def _ratio(examples_per_s: float | None, bare_examples_per_s: float) -> float | None:
+    return None if examples_per_s is None else examples_per_s / bare_examples_per_s
+
+
+def benchmark_training_loop(
+    name: str, settings: Settings, bare_update: Callable[[], float], workdir: Path
+) -> dict[str, Any]:
+    """Runs `train.train_and_evaluate` and compares its steady state to the bare update.
+
+    The steady state is the time-weighted mean of the logged `examples_per_s`
+    over every window but the first (which compiles): total examples over total
+    time, so the window holding the half-way checkpoint counts in full.
+
+    Args:
+      name: the experiment.
+      settings: its settings (`loop_config`).
+      bare_update: called once the loop has run; returns the examples/s of the bare
+        update to compare with (`BareUpdate`).
+      workdir: a fresh directory for the run.
+    """
+    config = loop_config(name, settings, jax.local_device_count())
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):  # Its final-eval line; stdout is the table's.
+        final = train.train_and_evaluate(config, str(workdir))
+    wall_s = time.perf_counter() - start
+    bare = bare_update()
+    windows = _logged_windows(workdir)
+    rates = [rate for _, _, rate in windows]
+    median_rate = statistics.median(rates) if rates else None
+    steady = time_weighted_examples_per_s(windows, config.batch_size)
+    save_steps = range(config.checkpoint_every, config.steps, config.checkpoint_every)
+    saves = checkpoint_windows(windows, config.batch_size, save_steps)
+    return {
+        "data": config.data.name,
+        "steps": config.steps,
+        "log_every": config.log_every,
+        "checkpoint_every": config.checkpoint_every,
+        "batch_size": config.batch_size,
+        "examples_per_s": steady,
+        "window_examples_per_s": rates,
+        "median_window_examples_per_s": median_rate,
+        "update_examples_per_s": bare,
+        "ratio_vs_update": steady / bare,
+        # Robust to the few windows holding one-time costs (first lr evaluation after the
+        # first log, the first checkpoint's jit compiles): the loop's per-step overhead.
+        "median_window_ratio_vs_update": _ratio(median_rate, bare),
+        "checkpoint_windows": saves,
+        "ratio_vs_update_without_checkpoints": _ratio(saves["examples_per_s_without"], bare),
+        "wall_s": wall_s,
+        "final_eval": {k: float(v) for k, v in final.items()},
+    }
+
+
+class BareUpdate:
+    """The Updater's examples/s around a loop run: its windows right before and after it.
+
+    Before the first run, those are the Updater's interleaved windows; before a
+    later run, the windows timed after the previous one. Each call times
+    `windows` more and records them in `window_steps_per_s_after_loop`.
+    """
+
+    def __init__(
+        self, updater: timing.Variant, windows: int, steps_per_window: int, batch_size: int
+    ):
+        self._updater = updater
+        self._windows, self._steps_per_window = windows, steps_per_window
+        self._batch_size = batch_size
+        self._before = updater.window_s
+        self.window_steps_per_s_after_loop: list[list[float]] = []
+
+    def __call__(self) -> float:
+        updater = self._updater
+        after = timing.Variant("updater_after_loop", updater.step, updater.carry, updater.batches)
+        timing.time_interleaved([after], self._windows, self._steps_per_window)
+        updater.carry = after.carry
+        self.window_steps_per_s_after_loop.append(
+            [self._steps_per_window / s for s in after.window_s]
+        )
+        window_s = statistics.median(self._before + after.window_s)
+        self._before = after.window_s
+        return self._batch_size * self._steps_per_window / window_s
+
+
+def median_loop_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median loop / update (the lower middle one of an even count), with every
+    run's figures under `runs`: one drift of the machine's load between a loop and the bare
+    update around it does not decide the figure."""
+    ranked = sorted(runs, key=lambda run: run["ratio_vs_update"])
+    median = dict(ranked[(len(ranked) - 1) // 2])
+    median["runs"] = [
+        {
+            "ratio_vs_update": run["ratio_vs_update"],
+            "ratio_vs_update_without_checkpoints": run["ratio_vs_update_without_checkpoints"],
+            "cost_per_save_s": run["checkpoint_windows"]["cost_per_save_s"],
+            "examples_per_s": run["examples_per_s"],
+            "update_examples_per_s": run["update_examples_per_s"],
+        }
+        for run in runs
+    ]
+    return median
+
+
+def summary_line(loop: dict[str, Any]) -> str:
+    """loop / update of the median run (and every run's), without saves, per save."""
+    runs, without = loop["runs"], loop["ratio_vs_update_without_checkpoints"]
+    cost = loop["checkpoint_windows"]["cost_per_save_s"]
+    every_run = ", ".join(f"{run['ratio_vs_update']:.3f}" for run in runs)
+    return (
+        f"loop/update {loop['ratio_vs_update']:.3f}"
+        + ("" if len(runs) == 1 else f" (median of {every_run})")
+        + ("" if without is None else f", {without:.3f} in the windows without a save")
+        + ("" if cost is None else f", {1e3 * cost:.0f} ms per save")
+    )

@@ -1,0 +1,221 @@
+r"""A run record as tables: the text table `benchmarks.run` prints, and the README's table.
+
+    python -m benchmarks.report [--record=benchmarks/results/cpu.json] [--update_readme]
+
+Prints the Markdown table of a record; with `--update_readme` writes it into
+`benchmarks/README.md` between the lines `<!-- table -->` and `<!-- /table -->`,
+replacing what was there. `python -m benchmarks.run --record=PATH
+--update_readme` does the same at the end of a run (`make bench
+RECORD=benchmarks/results/cpu.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.record import REPO_ROOT, curated_record_path
+
+README = REPO_ROOT / "benchmarks" / "README.md"
+TABLE_START, TABLE_END = "<!-- table -->", "<!-- /table -->"
+
+
+def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def _label(result: dict[str, Any]) -> str:
+    precision = result.get("precision", "float32")
+    return result["experiment"] + ("" if precision == "float32" else f" {precision}")
+
+
+def _examples_per_s(result: dict[str, Any], variant: str) -> float | None:
+    return (result["throughput"].get(variant) or {}).get("examples_per_s")
+
+
+def _blocked(result: dict[str, Any], scale: float, spec: str, separator: str) -> str:
+    """How long a save blocked, async then sync (times `scale`); a dash if not measured."""
+    checkpoint = result.get("checkpoint") or {}
+    if "async" not in checkpoint:
+        return "-"
+    return separator.join(
+        format(checkpoint[mode]["blocked_s"] * scale, spec) for mode in ("async", "sync")
+    )
+
+
+def _write_rate(result: dict[str, Any]) -> str:
+    checkpoint = result.get("checkpoint") or {}
+    return f"{checkpoint['async']['write_mb_per_s']:.0f}" if "async" in checkpoint else "-"
+
+
+# (title, width, cell of a result) of the text table.
+_TEXT_COLUMNS: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
+    ("experiment", 10, _label),
+    ("dev", 3, lambda r: str(r["num_devices"])),
+    ("batch", 5, lambda r: str(r["batch_size"])),
+    ("updater ex/s", 12, lambda r: _fmt(_examples_per_s(r, "updater"), ",.0f")),
+    ("steps/s", 8, lambda r: _fmt(r["throughput"]["updater"]["steps_per_s"], ".2f")),
+    ("hand ex/s", 10, lambda r: _fmt(_examples_per_s(r, "hand_written"), ",.0f")),
+    ("upd/hand", 8, lambda r: _fmt(r["ratios"].get("updater_vs_hand_written"), ".3f")),
+    ("input/pre", 9, lambda r: _fmt(r["ratios"].get("input_pipeline_vs_presharded"), ".3f")),
+    ("flax ex/s", 10, lambda r: _fmt(_examples_per_s(r, "flax"), ",.0f")),
+    ("upd/flax", 8, lambda r: _fmt(r["ratios"].get("updater_vs_flax"), ".3f")),
+    ("shmap ex/s", 10, lambda r: _fmt(_examples_per_s(r, "updater_shard_map"), ",.0f")),
+    ("shmap/pmap", 10, lambda r: _fmt(r["ratios"].get("updater_shard_map_vs_pmap"), ".3f")),
+    ("TFLOP/s", 8, lambda r: _fmt(r["utilisation"]["achieved_tflop_per_s"], ".3f")),
+    ("MFU", 6, lambda r: _fmt(r["utilisation"]["mfu"], ".1%")),
+    ("compile s", 9, lambda r: _fmt(r["throughput"]["updater"]["compile_s"], ".1f")),
+    ("loop ex/s", 10, lambda r: _fmt((r.get("loop") or {}).get("examples_per_s"), ",.0f")),
+    ("loop/upd", 8, lambda r: _fmt((r.get("loop") or {}).get("ratio_vs_update"), ".3f")),
+    ("ckpt async/sync s", 17, lambda r: _blocked(r, 1, ".3f", "/")),
+    ("ckpt MB/s", 9, _write_rate),
+]
+
+
+def peak_line(run: dict[str, Any]) -> str:
+    """The f32 and bf16 matmul peaks of one device count, on one device and on all."""
+    peak = run["peak_matmul"]
+    return (
+        f"peak matmul on {run['num_devices']} {run['device_kind']} device(s), "
+        f"{peak['size']}^2: f32 {peak['float32']['single_device_tflop_per_s']:.3f} "
+        f"TFLOP/s one device, {peak['float32']['all_devices_tflop_per_s']:.3f} all; "
+        f"bf16 {peak['bfloat16']['single_device_tflop_per_s']:.3f} / "
+        f"{peak['bfloat16']['all_devices_tflop_per_s']:.3f}"
+    )
+
+
+def _run_notes(record: dict[str, Any]) -> list[str]:
+    """Each device count's peak matmul, what was skipped (at which counts), the run's notes."""
+    peaks = [peak_line(run) for run in record["runs"] if run.get("peak_matmul")]
+    skipped: dict[str, list[str]] = {}
+    for run in record["runs"]:
+        for note in run.get("skipped", []):
+            skipped.setdefault(note, []).append(str(run["num_devices"]))
+    skips = [f"skipped ({', '.join(counts)} dev): {note}" for note, counts in skipped.items()]
+    return peaks + skips + [f"note: {note}" for note in record.get("notes", [])]
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """The run's figures as a fixed-width text table, with its peaks, skips and notes."""
+    lines = ["  ".join(f"{title:>{width}}" for title, width, _ in _TEXT_COLUMNS)]
+    for result in record["results"]:
+        lines.append("  ".join(f"{cell(result):>{width}}" for _, width, cell in _TEXT_COLUMNS))
+    return "\n".join(lines + _run_notes(record))
+
+
+def _loop_cell(loop: dict[str, Any]) -> str:
+    """loop / update (without saves; cost per save), as the README's table shows it."""
+    if "ratio_vs_update" not in loop:
+        return "-"
+    without = _fmt(loop.get("ratio_vs_update_without_checkpoints"), ".2f")
+    cost = _fmt(loop["checkpoint_windows"]["cost_per_save_s"], ".0f", 1e3)
+    return f"{loop['ratio_vs_update']:.2f} ({without}; {cost} ms)"
+
+
+# (title, cell of a result) of the README's table.
+_MARKDOWN_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("experiment", _label),
+    ("dev", lambda r: str(r["num_devices"])),
+    ("batch", lambda r: str(r["batch_size"])),
+    ("Updater ex/s", lambda r: _fmt(_examples_per_s(r, "updater"), ",.0f")),
+    ("/ hand-written", lambda r: _fmt(r["ratios"].get("updater_vs_hand_written"), ".3f")),
+    ("/ Flax", lambda r: _fmt(r["ratios"].get("updater_vs_flax"), ".3f")),
+    ("shard_map / pmap", lambda r: _fmt(r["ratios"].get("updater_shard_map_vs_pmap"), ".3f")),
+    (
+        "input / pre-sharded",
+        lambda r: _fmt(r["ratios"].get("input_pipeline_vs_presharded"), ".3f"),
+    ),
+    ("MFU", lambda r: _fmt(r["utilisation"]["mfu"], ".1%")),
+    ("compile s", lambda r: _fmt(r["throughput"]["updater"]["compile_s"], ".1f")),
+    ("loop / update (without saves; per save)", lambda r: _loop_cell(r.get("loop") or {})),
+    ("ckpt blocked async / sync, ms", lambda r: _blocked(r, 1e3, ".0f", " / ")),
+]
+
+
+def _display_path(path: str | Path) -> str:
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def _caption(record: dict[str, Any], record_path: str | Path) -> str:
+    created = datetime.datetime.fromisoformat(record["created_utc"])
+    machine, versions = record["machine"], record["versions"]
+    load = machine.get("load_average") or [None]
+    return (
+        f"Generated by `python -m benchmarks.report` from `{_display_path(record_path)}`: "
+        f"`python {' '.join(record['command'][1:])}` of {created:%Y-%m-%d %H:%M} UTC, "
+        f"{record['wall_s']:.0f} s; {machine['cpu_count']} {machine['processor']} cores, "
+        f"load average {_fmt(load[0], '.1f')} at the start; {record['device_kind']} devices, "
+        f"jax {versions['jax']}, dm-haiku {versions['dm-haiku']}, flax {versions['flax']}."
+    )
+
+
+def _loop_runs_lines(record: dict[str, Any]) -> list[str]:
+    lines = []
+    for result in record["results"]:
+        runs = (result.get("loop") or {}).get("runs", [])
+        if len(runs) > 1:
+            ratios = ", ".join(f"{run['ratio_vs_update']:.3f}" for run in runs)
+            lines.append(
+                f"{_label(result)} at {result['num_devices']} device(s): the loop ran "
+                f"{len(runs)} times (loop / update {ratios}); the row holds the median run."
+            )
+        if result.get("model_overrides"):
+            overrides = ", ".join(f"{k}={v}" for k, v in result["model_overrides"].items())
+            lines.append(f"{_label(result)}: a reduced model ({overrides}).")
+    return lines
+
+
+def markdown_table(record: dict[str, Any], record_path: str | Path) -> str:
+    """The README's table of a record: a caption naming it, the rows, then its notes."""
+    lines = [_caption(record, record_path), ""]
+    lines.append("| " + " | ".join(title for title, _ in _MARKDOWN_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(_MARKDOWN_COLUMNS))
+    for result in record["results"]:
+        lines.append("| " + " | ".join(cell(result) for _, cell in _MARKDOWN_COLUMNS) + " |")
+    notes = _loop_runs_lines(record) + _run_notes(record)
+    return "\n".join(lines + ([""] + [f"* {note}" for note in notes] if notes else []))
+
+
+def update_readme(readme: str | Path, table: str) -> None:
+    """Replaces the lines between the marker lines of `readme` with `table`.
+
+    A marker is a line of its own (`TABLE_START`, then `TABLE_END`), so the prose
+    can name them.
+
+    Raises:
+      ValueError: when `readme` lacks a marker line, or has them out of order.
+    """
+    readme = Path(readme)
+    lines = readme.read_text().splitlines(keepends=True)
+    marks = [line.strip() for line in lines]
+    if marks.count(TABLE_START) != 1 or marks.count(TABLE_END) != 1:
+        raise ValueError(f"{readme} needs one {TABLE_START} line and one {TABLE_END} line.")
+    start, end = marks.index(TABLE_START), marks.index(TABLE_END)
+    if end < start:
+        raise ValueError(f"{readme}: {TABLE_END} comes before {TABLE_START}.")
+    readme.write_text("".join(lines[: start + 1]) + table + "\n" + "".join(lines[end:]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
+    parser.add_argument("--record", default=str(curated_record_path("cpu")))
+    parser.add_argument("--readme", default=str(README))
+    parser.add_argument("--update_readme", action="store_true", help="Write it into --readme.")
+    args = parser.parse_args(argv)
+    table = markdown_table(json.loads(Path(args.record).read_text()), args.record)
+    if args.update_readme:
+        update_readme(args.readme, table)
+        print(f"wrote the table of {args.record} into {args.readme}")
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

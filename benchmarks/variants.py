@@ -1,0 +1,133 @@
+"""The implementations of the training step timed side by side, built from one Experiment.
+
+* `updater`: `Updater.update` of `train.build_experiment(config)`, on a few
+  device batches sharded once and cycled;
+* `hand_written`: the same step as one plain `jax.pmap`ped function
+  (`benchmarks.baselines`), from the Experiment's network, optimizer, loss,
+  augmentation and loss scale;
+* `updater_with_input`: the same Updater fed by the input pipeline
+  `train.train_and_evaluate` uses instead of pre-sharded batches;
+* `shard_map`: the hand-written step as `jit(shard_map)` (only when asked);
+* `updater_shard_map`: the Updater of the same config with `backend="shard_map"`;
+* `flax`: for the ResNets, the Flax linen peer (`benchmarks.flax_models`).
+
+Every variant but Flax starts from `Updater.init`: the same `TrainState` layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import baselines
+from benchmarks.settings import FLAX_PEERS, Settings
+from benchmarks.timing import Variant
+from haiku_state import data, optim, replication, train
+
+HALF_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def host_batches(dataset: data.Dataset, batch_size: int, count: int) -> list[dict[str, Any]]:
+    """The first `count` batches of the training split, on the host."""
+    images, labels = dataset.train.images, dataset.train.labels
+    return [
+        {
+            "image": images[i * batch_size : (i + 1) * batch_size],
+            "label": labels[i * batch_size : (i + 1) * batch_size],
+        }
+        for i in range(count)
+    ]
+
+
+def training_input(dataset: data.Dataset, batch_size: int, seed: int) -> tuple[str, Iterator[Any]]:
+    """The input pipeline `train.train_and_evaluate` uses for `dataset`, and its name.
+
+    `data.sharded_train_batches`: a split that fits on the devices is kept there and
+    batched by a jitted gather (`data.device_train_batches`); a larger one is batched
+    on the host and sharded by `data.prefetch_to_device`'s thread.
+    """
+    name = (
+        "device_train_batches"
+        if data.fits_on_device(dataset.train)
+        else "train_batches+prefetch_to_device"
+    )
+    return name, data.sharded_train_batches(dataset.train, batch_size, seed=seed)
+
+
+def hand_written_per_device(experiment: train.Experiment) -> baselines.StepFn:
+    """`baselines.per_device_step` of the Experiment's pieces."""
+    return baselines.per_device_step(
+        experiment.network,
+        experiment.optimizer,
+        experiment.loss_fn,
+        experiment.augment_fn,
+        experiment.updater.axis_name,
+        experiment.loss_scale,
+    )
+
+
+def _flax_variant(config: Any, experiment: train.Experiment, host: list[Any]) -> Variant:
+    from flax.training.dynamic_scale import DynamicScale
+
+    from benchmarks import flax_models
+
+    dataset = experiment.dataset
+    # The experiment's optimizer, its weight decay on the linen names of the same weights.
+    optimizer = optim.make_optimizer(
+        config.optimizer, config.steps, weight_decay_mask=flax_models.kernels
+    )
+    model = flax_models.make_model(config, dataset.num_classes, HALF_DTYPES[config.precision])
+    dynamic_scale = DynamicScale() if config.precision == "float16" else None
+    state = flax_models.create_train_state(
+        model, jax.random.key(config.seed), dataset.image_shape, optimizer, dynamic_scale
+    )
+    state = replication.replicate(state, flax_models.AXIS_NAME)
+    step = flax_models.make_train_step(experiment.loss_fn, experiment.augment_fn, seed=config.seed)
+    batches = [replication.shard(b, flax_models.AXIS_NAME) for b in host]
+    return Variant("flax", step, state, batches)
+
+
+def build_variants(
+    name: str,
+    config: Any,
+    experiment: train.Experiment,
+    settings: Settings,
+    stack: contextlib.ExitStack,
+) -> tuple[list[Variant], str]:
+    """The variants `settings` asks for, and the name of the input pipeline timed.
+
+    The input pipeline is closed when `stack` exits.
+    """
+    updater, axis_name = experiment.updater, experiment.updater.axis_name
+    host = host_batches(experiment.dataset, config.batch_size, settings.num_batches)
+    batches = [replication.shard(b, axis_name) for b in host]
+
+    def timed(variant_name: str, step: baselines.StepFn, source: Any = None) -> Variant:
+        fresh_state = updater.init(config.seed, batches[0])
+        return Variant(variant_name, step, fresh_state, [] if source else batches, source)
+
+    per_device = hand_written_per_device(experiment)
+    variants = [timed("updater", updater.update)]
+    if settings.hand_written:
+        variants.append(
+            timed("hand_written", baselines.make_hand_written_step(per_device, axis_name))
+        )
+    input_name, source = training_input(experiment.dataset, config.batch_size, config.seed)
+    stack.callback(source.close)
+    variants.append(timed("updater_with_input", updater.update, source))
+    if settings.shard_map:
+        variants.append(timed("shard_map", baselines.make_shard_map_step(per_device, axis_name)))
+    if settings.updater_shard_map:
+        # The library's other backend, on the same TrainState layout.
+        shard_map_config = config.copy_and_resolve_references()
+        shard_map_config.backend = "shard_map"
+        variants.append(
+            timed("updater_shard_map", train.build_experiment(shard_map_config).updater.update)
+        )
+    if settings.flax and name in FLAX_PEERS:
+        variants.append(_flax_variant(config, experiment, host))
+    return variants, input_name
