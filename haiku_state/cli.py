@@ -110,6 +110,26 @@ def _quiet_library_info_logs() -> None:
     logging.get_absl_handler().addFilter(keep)
 
 
+def _drop_late_orbax_callbacks() -> None:
+    """Keeps the traces of a failed checkpoint read off the terminal.
+
+    When a damaged checkpoint fails to read, Orbax closes its event loop while
+    TensorStore still has reads in flight; each one's completion callback then
+    finds the loop closed and is reported as an unraisable RuntimeError. The
+    damage itself is handled (and logged once) by the Checkpointer.
+    """
+    default_hook = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            logging.debug("A late callback of a failed checkpoint read: %s", error)
+            return
+        default_hook(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def initialize_distributed(
     coordinator_address: str | None,
     num_processes: int | None,
@@ -196,6 +216,7 @@ def main(argv: list[str]) -> None:
     # First thing: from here to the exit a signal asks for a clean stop.
     with loop.StopRequest() as stop:
         _quiet_library_info_logs()
+        _drop_late_orbax_callbacks()
         if _CPU_DEVICES.value:
             jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
         try:

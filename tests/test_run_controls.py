@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from haiku_state import checkpoint, evaluation, summaries, train
+from haiku_state import checkpoint, evaluation, loop, summaries, train
 from haiku_state import config as config_lib
 from haiku_state.checkpoint.diagnostics import leaf_name
 
@@ -160,6 +160,19 @@ def test_eval_mode_records_a_separate_evaluation_of_the_chosen_step(trained):
     accuracies = {r["step"]: r["accuracy"] for r in records if r["split"] == "eval"
                   and not r.get("separate")}  # fmt: skip
     assert best["accuracy"] == pytest.approx(max(accuracies.values()))
+
+
+def test_a_stop_request_interrupts_an_evaluation_between_batches(trained):
+    workdir, _ = trained
+    experiment = train.build_experiment(mlp_config())
+    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as reader:
+        like = experiment.updater.init(0, train.placeholder_batch(experiment.dataset, 64))
+        train_state = reader.restore(like)
+    stop = loop.StopRequest()
+    args = (experiment.updater, train_state, experiment.dataset.test, 64)
+    assert evaluation.evaluate_split(*args, stop) is not None
+    stop.signal_name = "SIGTERM"
+    assert evaluation.evaluate_split(*args, stop) is None
 
 
 def test_eval_of_an_empty_workdir_is_one_line_and_creates_nothing(tmp_path):
@@ -339,3 +352,11 @@ def test_a_config_that_is_not_python_and_a_workdir_that_is_a_file_are_one_line(t
         )  # fmt: skip
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_checkpoints_are_also_saved_on_a_timer_at_log_boundaries(tmp_path):
+    config = mlp_config(
+        steps=30, checkpoint_every=1000, checkpoint_every_secs=1e-6, max_to_keep=None
+    )
+    train.train_and_evaluate(config, str(tmp_path))
+    assert steps_on_disk(tmp_path) == [10, 20, 30]

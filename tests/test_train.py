@@ -122,6 +122,16 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(finishe
         ({"model.name": "vit"}, r"Unknown config.model.name 'vit'.*resnet"),
         ({"optimizer.warmup_steps": 30}, r"warmup_steps=30 must be in \[0, steps=30\)"),
         ({"model.widht": 3}, r"Model 'mlp' does not take \['widht'\]"),
+        # NaN compares false with every bound: each is refused by name all the same.
+        ({"optimizer.learning_rate": float("nan")}, r"config.optimizer.learning_rate=nan must"),
+        ({"optimizer.learning_rate": float("inf")}, r"config.optimizer.learning_rate=inf must"),
+        ({"optimizer.weight_decay": float("nan")}, r"config.optimizer.weight_decay=nan must"),
+        ({"optimizer.weight_decay": -1e-4}, r"config.optimizer.weight_decay=-0.0001 must be in"),
+        ({"seed": -1}, r"config.seed=-1 must be in \[0, 4294967296\)"),
+        ({"model.dropout_rate": 1.0}, r"config.model.dropout_rate=1.0 must be in \[0.0, 1.0\)"),
+        ({"profile_steps": (5, 2)}, r"config.profile_steps=\(5, 2\) must be"),
+        ({"keep_best_mode": "best"}, r"Unknown config.keep_best_mode 'best'"),
+        ({"init_skip": "("}, r"config.init_skip='\(' is not a regex"),
     ],
 )
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides, message):
