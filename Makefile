@@ -1,15 +1,63 @@
 # haiku_state: `make train EXP=resnet` and `make test` are all a fresh machine needs.
-PYTHON ?= python3
-VENV := .venv
+#
+# A stack is a Python version with a lock file, requirements/py<X.Y>.txt, that pins
+# everything `make` installs (jax and jaxlib included). PYTHON is the newest stack's
+# Python that runs here: pythonX.Y on PATH, else pyenv's X.Y.* versions (an inactive
+# pyenv shim exits 127, so each candidate is run). `make test PYTHON=python3.11` picks
+# another stack. The virtualenv is .venv for the newest stack and .venv-X.Y for the
+# others, so they coexist. VENV= uses $(PYTHON) (default python3, the environment's) as
+# it is, installs nothing and runs this checkout (PYTHONPATH): for an environment that
+# already has JAX and its plugin.
+comma := ,
+STACKS := $(shell ls requirements/py*.txt 2>/dev/null | sed 's|^requirements/py||; s|\.txt$$||' | sort -rV)
+# The first interpreter that runs, for the stacks $(1) in order: pythonX.Y, then pyenv's
+# versions/X.Y.*/bin/pythonX.Y, newest first.
+find_python = pyenv_root=$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}"); \
+	for v in $(1); do \
+	for p in python$$v $$(ls -d "$$pyenv_root"/versions/$$v.*/bin/python$$v 2>/dev/null | sort -rV); do \
+		"$$p" -c '' 2>/dev/null && { echo "$$p"; exit 0; }; \
+	done; done; exit 1
+ifndef PYTHON
+ifneq ($(origin VENV),undefined)
+ifeq ($(VENV),)
+# VENV= alone: the Python of the environment one is in.
+PYTHON := python3
+else
+# A VENV that is named follows its Python (or its name's -X.Y), unless PYTHON is set.
+VENV_STACK := $(or $(shell $(VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null),$(filter $(STACKS),$(lastword $(subst -, ,$(VENV)))))
+endif
+endif
+endif
+ifndef PYTHON
+PYTHON := $(shell $(call find_python,$(or $(VENV_STACK),$(STACKS))))
+endif
+ifeq ($(PYTHON),)
+$(error No Python of the stacks $(STACKS) runs here (PATH, pyenv); set PYTHON=)
+endif
+STACK := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+ifeq ($(STACK),)
+$(error PYTHON=$(PYTHON) does not run)
+endif
+LOCK := requirements/py$(STACK).txt
+VENV ?= $(if $(filter $(firstword $(STACKS)),$(STACK)),.venv,.venv-$(STACK))
+ifeq ($(VENV),)
+PY := $(PYTHON)
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+else
 PY := $(VENV)/bin/python
-# The JAX plugin for the accelerator, installed beside jaxlib at jax's pinned version:
+endif
+# The JAX plugin for the accelerator, installed beside jaxlib at the lock's jax version:
 # none for CPU, cuda12 (or cuda13) for NVIDIA GPUs, tpu for Cloud TPUs. It follows
 # JAX_PLATFORMS, so `JAX_PLATFORMS=cuda make bench` installs what it runs on; set
 # ACCELERATOR to choose another.
 ACCELERATOR ?= $(if $(findstring cuda,$(JAX_PLATFORMS)),cuda12,$(if $(findstring tpu,$(JAX_PLATFORMS)),tpu,cpu))
-JAX_VERSION := $(shell sed -n 's/^jax==//p' constraints.txt)
-JAX_PLUGIN := $(if $(filter cpu,$(ACCELERATOR)),,'jax[$(ACCELERATOR)]==$(JAX_VERSION)')
-STAMP := $(VENV)/.installed-$(ACCELERATOR)
+JAX_VERSION = $(shell sed -n 's/^jax==//p' $(LOCK))
+JAX_PLUGIN = $(if $(filter cpu,$(ACCELERATOR)),,'jax[$(ACCELERATOR)]==$(JAX_VERSION)')
+# The stamp of an install of the package with the extras $(1) (joined by +): one per
+# stack, accelerator and set of extras, redone when setup.cfg, pyproject.toml or the
+# lock changes. None with VENV=: nothing is installed.
+STAMP_PREFIX := $(VENV)/.installed-py$(STACK)-$(ACCELERATOR)-
+installed = $(if $(VENV),$(STAMP_PREFIX)$(1))
 EXP ?= resnet
 WORKDIR ?= runs/$(EXP)
 DEVICES ?= 2
@@ -22,24 +70,29 @@ PORT ?= 12345
 # Test processes: each simulates 4 CPU devices.
 TEST_WORKERS ?= 2
 
-.PHONY: install test train train-multiprocess eval bench bench-quick bench-plot lint format clean
+.PHONY: install test train train-multiprocess eval bench bench-quick bench-plot lint format \
+	lock stacks which-python clean
 
-install: $(STAMP)
+install: $(call installed,test+bench+plots)
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifneq ($(VENV),)
+$(STAMP_PREFIX)%: setup.cfg pyproject.toml $(wildcard $(LOCK))
+	@test -f $(LOCK) || { echo "No lock file $(LOCK) for Python $(STACK); the stacks are: $(STACKS)" >&2; exit 1; }
+	$(PY) -c 'import sys; assert sys.version_info[:2] == ($(subst .,$(comma),$(STACK)))' 2>/dev/null \
+		|| $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]' $(JAX_PLUGIN)
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -c $(LOCK) -e '.[$(subst +,$(comma),$*)]' $(JAX_PLUGIN)
+	touch $@
+endif
 
-test: install
+test: $(call installed,test+bench+plots)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
-train: install
+train: $(call installed,plots)
 	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) $(ARGS)
 
-train-multiprocess: install
+train-multiprocess: $(call installed,plots)
 	@status=0; pids=""; \
 	for k in $$(seq 0 $$(($(PROCESSES) - 1))); do \
 		$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
@@ -48,28 +101,44 @@ train-multiprocess: install
 	done; \
 	for pid in $$pids; do wait $$pid || status=1; done; exit $$status
 
-eval: install
+eval: $(call installed,plots)
 	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) --mode=eval $(ARGS)
 
 # RECORD=benchmarks/results/<platform>.json also keeps the run as the platform's curated
 # record and writes its table into benchmarks/README.md.
-bench: install
+bench: $(call installed,bench+plots)
 	$(PY) -m benchmarks.run $(if $(RECORD),--record=$(RECORD) --update_readme) $(ARGS)
 
-bench-quick: install
+bench-quick: $(call installed,bench+plots)
 	$(PY) -m benchmarks.run --quick $(ARGS)
 
-bench-plot: install
+bench-plot: $(call installed,bench+plots)
 	$(PY) -m benchmarks.plot $(ARGS)
 
-lint: install
-	$(VENV)/bin/ruff check haiku_state experiments tests benchmarks
-	$(VENV)/bin/ruff format --check haiku_state experiments tests benchmarks
+lint: $(call installed,test)
+	$(PY) -m ruff check haiku_state experiments tests benchmarks
+	$(PY) -m ruff format --check haiku_state experiments tests benchmarks
 
-format: install
-	$(VENV)/bin/ruff format haiku_state experiments tests benchmarks
-	$(VENV)/bin/ruff check --fix haiku_state experiments tests benchmarks
+format: $(call installed,test)
+	$(PY) -m ruff format haiku_state experiments tests benchmarks
+	$(PY) -m ruff check --fix haiku_state experiments tests benchmarks
+
+# Every stack's lock file, resolved afresh from setup.cfg in throwaway virtualenvs;
+# pins already there are kept unless UPGRADE=1 (requirements/lock.sh).
+lock:
+	@for v in $(STACKS); do \
+		p=$$($(call find_python,$$v)) || { echo "make lock: no Python $$v runs here" >&2; exit 1; }; \
+		requirements/lock.sh "$$p" requirements/py$$v.txt || exit 1; \
+	done
+
+# The stacks, newest first, and the Python make picks (`make -s which-python STACKS=3.11`:
+# that stack's, or an error when it is not here).
+stacks:
+	@echo $(STACKS)
+
+which-python:
+	@echo $(PYTHON)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
