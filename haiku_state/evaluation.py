@@ -10,8 +10,10 @@ exits after the final step's. Both read the checkpoints without touching them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -104,13 +106,7 @@ def evaluate_checkpoint(
       stop: interrupts the evaluation between batches (then {} is returned).
     """
     experiment, like, directory = _prepare(config, workdir)
-    enabled = jax.process_index() == 0
-    with (
-        checkpoint.Checkpointer(directory, read_only=True, **_retention(config)) as checkpointer,
-        summaries.MetricWriter(
-            workdir, config.steps, enabled=enabled, tensorboard_run="eval"
-        ) as writer,
-    ):
+    with _reading(config, workdir, directory) as (checkpointer, writer):
         if step == "best":
             step = checkpointer.best_step()
             if step is None:
@@ -122,7 +118,7 @@ def evaluate_checkpoint(
         if train_state is None:
             raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
         metrics = _evaluate_and_record(experiment, train_state, config, writer, stop) or {}
-    if enabled and metrics:
+    if jax.process_index() == 0 and metrics:
         print(
             f"Eval of {directory} at step {step_of(train_state)}: "
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
@@ -141,13 +137,7 @@ def follow_checkpoints(
     """
     experiment, like, directory = _prepare(config, workdir, wait=stop)
     results: dict[int, dict[str, float]] = {}
-    enabled = jax.process_index() == 0
-    with (
-        checkpoint.Checkpointer(directory, read_only=True, **_retention(config)) as checkpointer,
-        summaries.MetricWriter(
-            workdir, config.steps, enabled=enabled, tensorboard_run="eval"
-        ) as writer,
-    ):
+    with _reading(config, workdir, directory) as (checkpointer, writer):
         done = False
         while not done and not stop.should_stop_now():
             new_steps = [s for s in checkpointer.all_steps() if s > max(results, default=-1)]
@@ -169,6 +159,17 @@ def follow_checkpoints(
     return {step: metrics for step, metrics in results.items() if metrics}
 
 
-def _retention(config: Any) -> dict[str, Any]:
-    """The Checkpointer options that say which step is best."""
-    return {"keep_best_by": config.keep_best_by, "keep_best_mode": config.keep_best_mode}
+@contextlib.contextmanager
+def _reading(
+    config: Any, workdir: str, directory: str
+) -> Iterator[tuple[checkpoint.Checkpointer, summaries.MetricWriter]]:
+    """A read-only Checkpointer (that knows which step is best) and the eval writer."""
+    best = {"keep_best_by": config.keep_best_by, "keep_best_mode": config.keep_best_mode}
+    enabled = jax.process_index() == 0
+    with (
+        checkpoint.Checkpointer(directory, read_only=True, **best) as checkpointer,
+        summaries.MetricWriter(
+            workdir, config.steps, enabled=enabled, tensorboard_run="eval"
+        ) as writer,
+    ):
+        yield checkpointer, writer

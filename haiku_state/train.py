@@ -29,8 +29,8 @@ from haiku_state import workdir as workdir_lib
 from haiku_state.checkpoint import layout
 from haiku_state.checkpoint.warm_start import warm_start
 from haiku_state.config import validate_config
-from haiku_state.evaluation import evaluate_checkpoint, evaluate_split  # noqa: F401 (API)
-from haiku_state.experiment import (  # noqa: F401 (API)
+from haiku_state.evaluation import evaluate_split
+from haiku_state.experiment import (
     AXIS_NAME,
     Experiment,
     build_experiment,

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from haiku_state import config as config_lib
-from haiku_state import summaries, train
+from haiku_state import evaluation, summaries, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def test_rerun_of_finished_run_evaluates_without_training(finished_run):
 
 def test_eval_mode_matches_final_eval(finished_run):
     workdir, final = finished_run
-    assert train.evaluate_checkpoint(mlp_config(), workdir) == pytest.approx(final)
+    assert evaluation.evaluate_checkpoint(mlp_config(), workdir) == pytest.approx(final)
 
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(finished_run, tmp_path):
