@@ -214,33 +214,35 @@ def _run_mode(config, workdir: str, stop: loop.StopRequest) -> None:
 def main(argv: list[str]) -> None:
     del argv  # Unused: everything comes in flags.
     # First thing: from here to the exit a signal asks for a clean stop.
-    with loop.StopRequest() as stop:
-        _quiet_library_info_logs()
-        _drop_late_orbax_callbacks()
-        if _CPU_DEVICES.value:
-            jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
-        try:
-            initialize_distributed(
-                _COORDINATOR_ADDRESS.value,
-                _NUM_PROCESSES.value,
-                _PROCESS_ID.value,
-                _MULTIHOST.value,
-            )
-        except ValueError as e:
-            raise app.UsageError(str(e)) from e
-        stop.install()  # Again: jax.distributed may have taken SIGTERM for itself.
-        if jax.default_backend() == "cpu":
-            # XLA:CPU compiles the partitionable threefry several times slower, and the
-            # parameter initialisers dominate start-up. It changes which random bits are
-            # drawn, not their quality; the per-device keys need no partitioning.
-            jax.config.update("jax_threefry_partitionable", False)
-        if _WORKDIR.value is None:
-            raise app.UsageError("--workdir is required.")
-        try:
-            _run_mode(_CONFIG.value, _WORKDIR.value, stop)
-        except _USER_ERRORS as e:
-            logging.error("%s", e)
-            sys.exit(f"error: {e}")
+    stop = loop.StopRequest().install()
+    _quiet_library_info_logs()
+    _drop_late_orbax_callbacks()
+    if _CPU_DEVICES.value:
+        jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    try:
+        initialize_distributed(
+            _COORDINATOR_ADDRESS.value,
+            _NUM_PROCESSES.value,
+            _PROCESS_ID.value,
+            _MULTIHOST.value,
+        )
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+    stop.install()  # Again: jax.distributed may have taken SIGTERM for itself.
+    if jax.default_backend() == "cpu":
+        # XLA:CPU compiles the partitionable threefry several times slower, and the
+        # parameter initialisers dominate start-up. It changes which random bits are
+        # drawn, not their quality; the per-device keys need no partitioning.
+        jax.config.update("jax_threefry_partitionable", False)
+    if _WORKDIR.value is None:
+        raise app.UsageError("--workdir is required.")
+    try:
+        _run_mode(_CONFIG.value, _WORKDIR.value, stop)
+    except _USER_ERRORS as e:
+        logging.error("%s", e)
+        sys.exit(f"error: {e}")
+    finally:
+        stop.ignore_until_exit()
 
 
 def run() -> None:

@@ -159,6 +159,16 @@ class StopRequest:
             self._previous.setdefault(signum, previous)
         return self
 
+    def ignore_until_exit(self) -> None:
+        """Ignores further signals for the rest of the process's life, once a run is over.
+
+        Python puts the default handlers back while the interpreter shuts down (but
+        leaves ignored signals ignored), so a signal then would kill a process whose
+        run has already finished cleanly.
+        """
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+
     def _handle(self, signum, frame) -> None:
         del frame
         self.signal_name = self.signal_name or signal.Signals(signum).name
