@@ -11,16 +11,21 @@ JAX_VERSION := $(shell sed -n 's/^jax==//p' constraints.txt)
 JAX_PLUGIN := $(if $(filter cpu,$(ACCELERATOR)),,'jax[$(ACCELERATOR)]==$(JAX_VERSION)')
 STAMP := $(VENV)/.installed-$(ACCELERATOR)
 EXP ?= resnet
-WORKDIR ?= runs/$(EXP)
+# EXP may name a variant of an experiment's config: EXP=resnet50:imagenet.
+CONFIG := experiments/$(subst :,.py:,$(EXP))$(if $(findstring :,$(EXP)),,.py)
+WORKDIR ?= runs/$(subst :,-,$(EXP))
 DEVICES ?= 2
 ARGS ?=
 # train-multiprocess: local processes joined by jax.distributed, DEVICES simulated CPU devices each.
 PROCESSES ?= 2
 PORT ?= 12345
+# prepare: convert FROM (imagefolder:DIR, cifar10:DIR or digits) to ArrayRecord shards in TO.
+FROM ?=
+TO ?=
 # Test processes: each simulates 4 CPU devices.
 TEST_WORKERS ?= 2
 
-.PHONY: install test train train-multiprocess eval bench bench-quick bench-plot lint format clean
+.PHONY: install test train train-multiprocess eval prepare bench bench-quick bench-plot lint format clean
 
 install: $(STAMP)
 
@@ -34,21 +39,24 @@ test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 train: install
-	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+	$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) $(ARGS)
 
 train-multiprocess: install
 	@status=0; pids=""; \
 	for k in $$(seq 0 $$(($(PROCESSES) - 1))); do \
-		$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+		$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 			--cpu_devices=$(DEVICES) --coordinator_address=127.0.0.1:$(PORT) \
 			--num_processes=$(PROCESSES) --process_id=$$k $(ARGS) & pids="$$pids $$!"; \
 	done; \
 	for pid in $$pids; do wait $$pid || status=1; done; exit $$status
 
 eval: install
-	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+	$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) --mode=eval $(ARGS)
+
+prepare: install
+	$(PY) -m haiku_state.prepare --from=$(FROM) --to=$(TO) $(ARGS)
 
 bench: install
 	$(PY) -m benchmarks.run $(ARGS)

@@ -40,7 +40,7 @@ from haiku_state import (
     replication,
     summaries,
 )
-from haiku_state.config import validate_config
+from haiku_state.config import training_steps, validate_config
 from haiku_state.updater import AugmentFn, LossFn, TrainState, Updater, step_of
 
 AXIS_NAME = replication.DEFAULT_AXIS_NAME
@@ -57,30 +57,47 @@ class Experiment(NamedTuple):
     loss_scale: jmp.LossScale | None
     updater: Updater
     learning_rate: optax.Schedule  # For the logs.
+    total_steps: int  # config.steps, or num_epochs epochs of the training split.
+    input_options: data.PipelineOptions
 
 
-def build_experiment(config: Any) -> Experiment:
-    """Loads the data and builds network, optimizer, loss and Updater from a config."""
-    data_config = config.data
+def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineOptions]:
+    """The dataset a config's `data` names, and how its host pipeline runs."""
     dataset = data.load_dataset(
         data_config.name,
         data_dir=data_config.get("dir") or None,
-        seed=config.seed,
+        image_size=data_config.get("image_size"),
+        seed=seed,
         **{
             k: data_config[k]
             for k in ("image_shape", "num_classes", "num_train", "num_test")
             if k in data_config
         },
     )
+    options = data.PipelineOptions(
+        workers=data_config.get("workers"),
+        prefetch=data_config.get("prefetch", 2),
+        skip_corrupt=data_config.get("skip_corrupt", False),
+    )
+    return dataset, options
+
+
+def build_experiment(config: Any) -> Experiment:
+    """Loads the data and builds network, optimizer, loss and Updater from a config."""
+    data_config = config.data
+    dataset, input_options = load_data(data_config, config.seed)
+    total_steps = training_steps(config, data.num_examples(dataset.train))
     model_options = {k: v for k, v in config.model.items() if k != "name"}
     network = models.make_network(
         config.model.name,
         dataset.num_classes,
         cross_replica_axis=AXIS_NAME,
         precision=config.precision,
+        image_mean=dataset.mean,
+        image_std=dataset.std,
         **model_options,
     )
-    optimizer = optim.make_optimizer(config.optimizer, config.steps)
+    optimizer = optim.make_optimizer(config.optimizer, total_steps)
     loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
     augment_fn = data.make_augment_fn(max_shift=data_config.max_shift, flip=data_config.flip)
     # float16's narrow range needs loss scaling; bfloat16 has float32's range.
@@ -94,9 +111,18 @@ def build_experiment(config: Any) -> Experiment:
         loss_scale=loss_scale,
         backend=config.backend,
     )
-    schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
+    schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     return Experiment(
-        dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule
+        dataset,
+        network,
+        optimizer,
+        loss_fn,
+        augment_fn,
+        loss_scale,
+        updater,
+        schedule,
+        total_steps,
+        input_options,
     )
 
 
@@ -108,7 +134,7 @@ def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
     local_batch_size = batch_size // jax.process_count()
     return replication.shard(
         {
-            "image": np.zeros((local_batch_size, *dataset.image_shape), np.float32),
+            "image": np.zeros((local_batch_size, *dataset.image_shape), dataset.image_dtype),
             "label": np.zeros((local_batch_size,), np.int32),
         }
     )
@@ -120,11 +146,15 @@ def _this_process() -> dict[str, int]:
 
 
 def evaluate_split(
-    updater: Updater, train_state: TrainState, split: data.Split, batch_size: int
+    updater: Updater,
+    train_state: TrainState,
+    split: data.Split | data.EncodedSplit,
+    batch_size: int,
+    options: data.PipelineOptions = data.DEFAULT_OPTIONS,
 ) -> dict[str, float]:
     """Exact mean metrics over every example of `split` (padding excluded)."""
     per_batch = []
-    batches = data.prefetch_to_device(data.eval_batches(split, batch_size, **_this_process()))
+    batches = data.sharded_eval_batches(split, batch_size, options=options, **_this_process())
     for batch in batches:
         if per_batch:
             jax.block_until_ready(per_batch[-1])  # At most two evaluations in flight.
@@ -190,8 +220,14 @@ class _EvalAction:
         self.latest: dict[str, float] | None = None
 
     def __call__(self, step: int, train_state: TrainState) -> None:
-        updater, test = self._experiment.updater, self._experiment.dataset.test
-        self.latest = evaluate_split(updater, train_state, test, self._batch_size)
+        experiment = self._experiment
+        self.latest = evaluate_split(
+            experiment.updater,
+            train_state,
+            experiment.dataset.test,
+            self._batch_size,
+            experiment.input_options,
+        )
         self._writer.write(step, "eval", self.latest)
 
 
@@ -222,10 +258,11 @@ def _initial_train_state(
     restored = checkpointer.restore(fresh)
     train_state = fresh if restored is None else restored
     logging.info(
-        "%s at step %d of %d on %d %s device(s) in %d process(es); workdir %s.",
+        "%s at step %d of %d%s on %d %s device(s) in %d process(es); workdir %s.",
         "Starting" if restored is None else "Resuming",
         step_of(train_state),
-        config.steps,
+        experiment.total_steps,
+        _epochs_note(config, experiment),
         jax.device_count(),
         jax.default_backend(),
         jax.process_count(),
@@ -235,6 +272,13 @@ def _initial_train_state(
     asserts.assert_train_state_invariants(train_state)
     _check_params_finite(train_state, step_of(train_state))
     return train_state
+
+
+def _epochs_note(config: Any, experiment: Experiment) -> str:
+    """` (90 epochs of 1251 steps)` when the run's length is given in epochs."""
+    if config.get("num_epochs") is None:
+        return ""
+    return f" ({config.num_epochs} epochs of {experiment.total_steps // config.num_epochs} steps)"
 
 
 def _periodic_actions(
@@ -285,13 +329,17 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         train_state = _initial_train_state(experiment, config, checkpointer)
         start_step = step_of(train_state)
         writer = stack.enter_context(
-            summaries.MetricWriter(workdir, config.steps, enabled=jax.process_index() == 0)
+            summaries.MetricWriter(
+                workdir, experiment.total_steps, enabled=jax.process_index() == 0
+            )
         )
         batches = data.sharded_train_batches(
             experiment.dataset.train,
             config.batch_size,
             seed=config.seed,
             start_step=start_step,
+            num_steps=max(0, experiment.total_steps - start_step),
+            options=experiment.input_options,
             **_this_process(),
         )
         stack.callback(batches.close)
@@ -306,7 +354,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                     train_state,
                     batches,
                     first_step=start_step,
-                    last_step=config.steps,
+                    last_step=experiment.total_steps,
                     window=window,
                     actions=actions,
                     stop=stop,
@@ -322,9 +370,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                     return {}
         if evaluate.latest is None:
             logging.info("Already trained to step %d; evaluating.", start_step)
-            test_split, batch_size = experiment.dataset.test, config.eval_batch_size
             evaluate.latest = evaluate_split(
-                experiment.updater, end.train_state, test_split, batch_size
+                experiment.updater,
+                end.train_state,
+                experiment.dataset.test,
+                config.eval_batch_size,
+                experiment.input_options,
             )
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
@@ -349,7 +400,11 @@ def evaluate_checkpoint(config: Any, workdir: str) -> dict[str, float]:
     if train_state is None:
         raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
     metrics = evaluate_split(
-        experiment.updater, train_state, experiment.dataset.test, config.eval_batch_size
+        experiment.updater,
+        train_state,
+        experiment.dataset.test,
+        config.eval_batch_size,
+        experiment.input_options,
     )
     if jax.process_index() == 0:
         print(
