@@ -25,6 +25,8 @@ Host memory is bounded by the batches in flight: each worker holds about
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +48,8 @@ READ_AHEAD = 1
 MAX_REPLACEMENTS = 64
 # Slots of an iterator with no last step: far more than any run takes.
 _ENDLESS_STEPS = 2**40
+# How often a worker checks that the process that started it is still there.
+ORPHAN_CHECK_S = 1.0
 
 
 def default_workers() -> int:
@@ -166,8 +170,12 @@ def _corrupt(split: EncodedSplit, index: int, when: str, error: Exception) -> Co
 
 
 def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iterator[Batch]:
-    """Batches of `local_size` loaded slots, decoded by `workers` processes (0: this one)."""
+    """Batches of `local_size` loaded slots, decoded by `workers` processes (0: this one).
+
+    Never more workers than batches: each worker decodes whole batches.
+    """
     dataset = grain.MapDataset.source(slots).map(load).batch(local_size)
+    workers = min(workers, len(dataset))
     if workers == 0:
         iterable = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     else:
@@ -177,12 +185,33 @@ def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iter
             flags.FLAGS.mark_as_parsed()
         read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=READ_AHEAD)
         processes = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=1)
-        iterable = dataset.to_iter_dataset(read).mp_prefetch(processes)
+        iterable = dataset.to_iter_dataset(read).mp_prefetch(
+            processes, worker_init_fn=exit_with_parent
+        )
     iterator = iter(iterable)
     try:
         yield from iterator
     finally:
         iterator.close()  # Stops the workers and frees their shared memory now.
+
+
+def exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """Makes this worker exit when the process that started it is gone (e.g. `kill -9`).
+
+    grain's workers are daemons of the training process, but a process killed
+    outright cannot stop them; they would block forever on a queue nobody reads,
+    holding their memory and the parent's pipes. A daemon thread polls the parent
+    instead.
+    """
+    del worker_index, worker_count  # The same for every worker.
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit_with_parent", daemon=True).start()
 
 
 def _check_workers(workers: int | None, where: str) -> int:
