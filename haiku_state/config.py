@@ -160,17 +160,18 @@ def training_steps(config: Any, num_train_examples: int) -> int:
 
     An epoch is `num_train_examples // batch_size` steps (the remainder of each
     epoch is dropped, as the batch order does).
+
+    Raises:
+      ValueError: if the global batch is larger than the training split.
     """
-    num_epochs = config.get("num_epochs")
-    if num_epochs is None:
-        return config.steps
     steps_per_epoch = num_train_examples // config.batch_size
     if steps_per_epoch < 1:
         raise ValueError(
             f"config.batch_size={config.batch_size} is larger than the {num_train_examples} "
             "training examples: an epoch holds no step."
         )
-    return num_epochs * steps_per_epoch
+    num_epochs = config.get("num_epochs")
+    return config.steps if num_epochs is None else num_epochs * steps_per_epoch
 
 
 def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> None:

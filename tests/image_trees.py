@@ -2,8 +2,8 @@
 
 `write_imagefolder` writes `train/<class>/*` and `val/<class>/*` with real JPEG
 and PNG files of varied sizes, and the oddities ImageNet has: a PNG named
-`.JPEG`, a CMYK JPEG, a grayscale JPEG, upper-case extensions, and a README in
-a class folder that is not an image.
+`.JPEG`, a CMYK JPEG, a grayscale JPEG, upper-case extensions, and files in a
+class folder that are not images (a README, a hidden `._x.JPEG` of macOS).
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def write_imagefolder(root, per_class=(6, 2), seed: int = 0) -> str:
                     file, data = f"{name}_{i}.JPEG", image_bytes(rng, width, height, "JPEG")
                 _write(os.path.join(folder, file), data)
     _write(os.path.join(root, "train", CLASSES[0], "README.txt"), b"not an image\n")
+    # What macOS leaves beside a copied file: hidden, and not an image despite its name.
+    _write(os.path.join(root, "train", CLASSES[1], f"._{CLASSES[1]}_0.JPEG"), b"\x00\x05\x16\x07")
     return str(root)
 
 

@@ -26,7 +26,8 @@ def test_labels_follow_the_sorted_class_folders_and_non_images_are_skipped(tree)
         path = records.describe(i)
         assert os.path.basename(os.path.dirname(path)) == CLASSES[records[i][1]]
         assert os.path.splitext(path)[1].lower() in (".jpeg", ".jpg", ".png")
-    assert not any("README" in records.describe(i) for i in range(len(records)))
+    names = [os.path.basename(records.describe(i)) for i in range(len(records))]
+    assert not any(name.startswith(".") or "README" in name for name in names)
     # Sorted: class by class, files by name within a class.
     paths = [records.describe(i) for i in range(len(records))]
     assert paths == sorted(paths, key=lambda p: (CLASSES.index(p.split(os.sep)[-2]), p))
@@ -60,7 +61,7 @@ def test_the_cache_is_keyed_by_the_trees_real_path_outside_the_tree(tree):
 def test_a_changed_class_folder_rebuilds_the_index(tree, change):
     data.load_dataset("imagefolder", data_dir=tree, image_size=16)
     folder = os.path.join(tree, "train", CLASSES[1])
-    victim = os.path.join(folder, sorted(os.listdir(folder))[0])
+    victim = os.path.join(folder, imagefolder.image_files(folder)[0])
     if change == "add":
         with open(os.path.join(folder, "zz_new.jpg"), "wb") as f:
             f.write(image_bytes(np.random.default_rng(0), 30, 30, "JPEG"))

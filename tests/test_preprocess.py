@@ -64,6 +64,15 @@ def test_decode_by_content_gives_rgb_uint8_of_the_crop_size(fmt, mode):
     assert np.abs(pixels.astype(int) - expected).max() <= 2
 
 
+def test_a_16_bit_grey_png_keeps_its_top_8_bits():
+    ramp = (np.arange(32 * 32, dtype=np.uint16).reshape(32, 32) * 64).astype(np.uint16)
+    buffer = io.BytesIO()
+    Image.fromarray(ramp).save(buffer, "PNG")
+    pixels = preprocess.decode_crop(buffer.getvalue(), lambda w, h: (0, 0, w, h), 32)
+    np.testing.assert_array_equal(pixels[..., 0], (ramp >> 8).astype(np.uint8))
+    np.testing.assert_array_equal(pixels[..., 0], pixels[..., 2])
+
+
 def test_libjpeg_turbo_and_pil_decode_a_jpeg_alike():
     data = image_bytes(np.random.default_rng(1), 300, 200, "JPEG")
     size = preprocess._turbo_size(data)

@@ -126,6 +126,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(finishe
         ({"optimizer.warmup_steps": 30}, r"warmup_steps=30 must be in \[0, steps=30\)"),
         ({"model.widht": 3}, r"Model 'mlp' does not take \['widht'\]"),
         ({"num_epochs": 0}, r"config.num_epochs=0 must be a positive integer"),
+        ({"batch_size": 2048}, r"batch_size=2048 is larger than the 1437 training examples"),
         ({"data.workers": -1}, r"config.data.workers=-1 must be >= 0"),
         ({"data.image_size": 32}, r"digits images are 8x8 and are not resized"),
         ({"data.name": "imagefolder"}, r"imagefolder needs data.image_size"),

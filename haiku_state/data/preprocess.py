@@ -40,6 +40,7 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 # The JPEG colour spaces libjpeg-turbo turns into RGB; CMYK and YCCK go to PIL.
 _TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")
 _DCT_SCALES = (8, 4, 2)
+_SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
 
 
 def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
@@ -143,9 +144,19 @@ def _decode_crop_pil(data: bytes, crop: CropFn, image_size: int) -> np.ndarray:
         scale = _dct_scale(box, image_size)
         if scale > 1:  # JPEG only; PIL ignores the draft of other formats.
             image.draft("RGB", (width // scale, height // scale))
-        rgb = image.convert("RGB")
+        rgb = _to_rgb(image)
         decoded = (rgb.width / width, rgb.height / height)
         return _resized(rgb, box, decoded, image_size)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB of any PIL mode; 16-bit grey keeps its top 8 bits (PIL would saturate it)."""
+    if image.mode in _SIXTEEN_BIT_MODES:
+        pixels = np.clip(np.asarray(image, np.int64) >> 8, 0, 255).astype(np.uint8)
+        return Image.fromarray(pixels, "L").convert("RGB")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")  # What PIL asks for before dropping the alpha.
+    return image.convert("RGB")
 
 
 def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.ndarray:
