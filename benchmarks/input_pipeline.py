@@ -107,10 +107,12 @@ def pipeline_rate(split: data.EncodedSplit, batch_size: int, workers: int, steps
 
 
 def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
-    config = config_lib.load_config_file(
-        os.path.join(EXPERIMENTS_DIR, f"{args.loop_experiment}.py")
-    )
+    """The experiment (`mlp`, `resnet50:imagenet`, ...) on the generated tree, for `loop_steps`."""
+    name, _, variant = args.loop_experiment.partition(":")
+    path = os.path.join(EXPERIMENTS_DIR, f"{name}.py" + (f":{variant}" if variant else ""))
+    config = config_lib.load_config_file(path)
     config.update(
+        num_epochs=None,
         steps=args.loop_steps,
         batch_size=args.loop_batch_size,
         eval_batch_size=args.loop_batch_size,
@@ -119,7 +121,7 @@ def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
         eval_every=args.loop_steps,
         checkpoint_every=args.loop_steps,
     )
-    config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, args.loop_steps // 4)
+    config.optimizer.warmup_steps = args.loop_steps // 4
     config.data.update(
         name="imagefolder",
         dir=root,
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=24, help="batches timed per worker count")
     parser.add_argument("--workers", default="", help="worker counts, e.g. 1,15 (1 and cores)")
     parser.add_argument("--decoder_seconds", type=float, default=3.0)
-    parser.add_argument("--loop_experiment", default="mlp")
+    parser.add_argument("--loop_experiment", default="mlp", help="or resnet50:imagenet, ...")
+    parser.add_argument("--loop_workers", type=int, default=None, help="default: cores - 1")
     parser.add_argument("--loop_image_size", type=int, default=64)
     parser.add_argument("--loop_batch_size", type=int, default=64)
     parser.add_argument("--loop_steps", type=int, default=120)
@@ -228,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "scaling_target": 0.8 * last / first if last != first else None,
         }
         if not args.no_loop:
-            record["loop"] = measure_loop(args, root, data.default_workers())
+            workers = data.default_workers() if args.loop_workers is None else args.loop_workers
+            record["loop"] = measure_loop(args, root, workers)
     record["machine"]["load_average_after"] = os.getloadavg()
     text = json.dumps(record, indent=1)
     print(text)

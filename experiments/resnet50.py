@@ -9,8 +9,9 @@
 
 The recipe is Goyal et al. (2017) as the Haiku and Flax ImageNet examples run
 it: 90 epochs, SGD with Nesterov momentum 0.9, the linear scaling rule
-(learning rate 0.1 per 256 examples of the global batch, followed when
-`batch_size` is overridden), 5 epochs of linear warmup then cosine decay,
+(learning rate 0.1 per 256 examples of the global batch: 0.4 at the default
+1024), 5 epochs of linear warmup then cosine decay (both follow an overridden
+`batch_size`, unless given themselves),
 label smoothing 0.1, weight decay 1e-4 on the weights of convolutions and
 linear layers only (not BatchNorm, not biases: `optim.haiku_weights`), and
 bfloat16 compute. Training crops are Inception-style random-resized crops
@@ -54,7 +55,6 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
 
 def _imagenet_recipe(config: ml_collections.ConfigDict) -> None:
-    batch_size = config.get_ref("batch_size")
     config.batch_size = 1024
     config.eval_batch_size = 1024
     config.num_epochs = 90
@@ -64,8 +64,12 @@ def _imagenet_recipe(config: ml_collections.ConfigDict) -> None:
     config.checkpoint_every = 1000
     config.eval_every = 5000
     config.max_to_keep = 3
-    config.optimizer.learning_rate = batch_size * (0.1 / 256)
-    config.optimizer.warmup_steps = 5 * (IMAGENET_TRAIN_EXAMPLES // batch_size)
+    # Both follow --config.batch_size (lazily: ml_collections references) unless set too.
+    batch_size = config.get_ref("batch_size")
+    del config.optimizer["learning_rate"], config.optimizer["warmup_steps"]
+    config.optimizer.learning_rate = ml_collections.FieldReference(0.1 / 256) * batch_size
+    steps_per_epoch = ml_collections.FieldReference(IMAGENET_TRAIN_EXAMPLES) // batch_size
+    config.optimizer.warmup_steps = steps_per_epoch * 5
     config.optimizer.weight_decay = 1e-4
     config.data.name = "imagefolder"  # Or arrayrecord: the same data, prepared.
     config.data.max_shift = 0

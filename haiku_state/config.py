@@ -71,12 +71,17 @@ def importable_directory(path: str) -> Iterator[None]:
 
 
 def load_config_file(path: str) -> Any:
-    """`get_config()` of the Python file at `path`."""
+    """`get_config()` of the Python file at `path`; `file.py:variant` calls `get_config(variant)`.
+
+    The same `path:argument` form `--config` takes on the command line.
+    """
+    path, _, variant = path.partition(".py:")
+    path = path if path.endswith(".py") else f"{path}.py"
     spec = importlib.util.spec_from_file_location("experiment_config", path)
     module = importlib.util.module_from_spec(spec)
     with importable_directory(path):
         spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(variant) if variant else module.get_config()
 
 
 def config_keys(config: Any, prefix: str = "") -> list[str]:
