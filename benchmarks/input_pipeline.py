@@ -80,10 +80,12 @@ def decoder_rates(root: str, image_size: int, seconds: float) -> dict[str, float
     split = data.load_dataset("imagefolder", data_dir=root, image_size=image_size).train
     images = [split.records[i][0] for i in range(min(64, len(split.records)))]
     decoders = {
-        "libjpeg-turbo": lambda jpeg, box: preprocess._decode_crop_turbo(
-            jpeg, (WIDTH, HEIGHT), box, image_size
+        "libjpeg-turbo": lambda jpeg, box: np.asarray(
+            preprocess._decode_crop_turbo(jpeg, (WIDTH, HEIGHT), box, image_size)
         ),
-        "pil": lambda jpeg, box: preprocess._decode_crop_pil(jpeg, lambda w, h: box, image_size),
+        "pil": lambda jpeg, box: np.asarray(
+            preprocess._decode_crop_pil(jpeg, lambda w, h: box, image_size)
+        ),
     }
     rates = {}
     for name, decode in decoders.items():
@@ -95,15 +97,67 @@ def decoder_rates(root: str, image_size: int, seconds: float) -> dict[str, float
     return rates
 
 
-def pipeline_rate(split: data.EncodedSplit, batch_size: int, workers: int, steps: int) -> float:
-    """Images/s of the host pipeline alone, once its workers are up (first batch excluded)."""
+def _children() -> list[str]:
+    """The pids of this process's live child processes (the workers), Linux."""
+    children = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    children.append(pid)
+        except OSError:
+            continue  # Gone meanwhile.
+    return children
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU time of this process's child processes."""
+    total = 0.0
+    for pid in _children():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _resident_mb(pids: list[str]) -> float:
+    """The summed resident memory of `pids` (shared pages counted in each)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+            line = next(line for line in f if line.startswith("VmRSS:"))
+            total += int(line.split()[1]) / 1024
+    return total
+
+
+def pipeline_rate(
+    split: data.EncodedSplit, batch_size: int, workers: int, steps: int
+) -> dict[str, float]:
+    """The host pipeline alone, once its workers are up (their first batches excluded).
+
+    Returns images/s of wall time, and images per CPU-second of the decoding
+    processes (the workers, or this one for 0 workers): the second does not
+    count the time other processes of a shared machine take from them.
+    """
+    warmup = max(workers, 1)
     batches = data.encoded_train_batches(
-        split, batch_size, seed=0, num_steps=steps + 1, workers=workers
+        split, batch_size, seed=0, num_steps=steps + warmup, workers=workers
     )
-    next(batches)
-    start = time.perf_counter()
-    count = sum(len(batch["label"]) for batch in batches)
-    return count / (time.perf_counter() - start)
+    for _ in range(warmup):
+        next(batches)
+    cpu = time.process_time if workers == 0 else _children_cpu_seconds
+    start, start_cpu = time.perf_counter(), cpu()
+    count = 0
+    for _ in range(steps):
+        count += len(next(batches)["label"])
+    seconds, cpu_seconds = time.perf_counter() - start, cpu() - start_cpu
+    resident_mb = _resident_mb(["self", *_children()])
+    batches.close()
+    return {
+        "images_per_s": count / seconds,
+        "images_per_cpu_s": count / cpu_seconds,
+        "resident_mb": resident_mb,
+    }
 
 
 def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
@@ -168,10 +222,14 @@ def loop_rate(config: Any, workdir: str) -> dict[str, float]:
 def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str, Any]:
     config = loop_config(args, root, workers)
     split = data.load_dataset("imagefolder", data_dir=root, image_size=args.loop_image_size).train
-    alone = pipeline_rate(split, config.batch_size, workers, args.loop_steps // 2)
+    # The pipeline alone on both sides of the loop: a shared machine's load drifts.
+    steps = args.loop_steps // 2
+    before = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
     with tempfile.TemporaryDirectory(prefix="bench_loop_") as workdir:
         loop = loop_rate(config, workdir)["examples_per_s"]
+    after = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
     update = bare_update_rate(config, args.loop_steps)
+    alone = (before + after) / 2
     bound = min(alone, update)
     return {
         "experiment": args.loop_experiment,
@@ -180,6 +238,7 @@ def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str,
         "steps": config.steps,
         "workers": workers,
         "pipeline_alone_images_per_s": alone,
+        "pipeline_alone_before_after": [before, after],
         "bare_update_examples_per_s": update,
         "loop_examples_per_s": loop,
         "ratio_vs_min": loop / bound,
@@ -220,13 +279,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             root, args.image_size, args.decoder_seconds
         )
         split = data.load_dataset("imagefolder", data_dir=root, image_size=args.image_size).train
-        rates = {w: pipeline_rate(split, args.batch_size, w, args.steps) for w in worker_counts}
+        runs = {w: pipeline_rate(split, args.batch_size, w, args.steps) for w in worker_counts}
+        rates = {w: run["images_per_s"] for w, run in runs.items()}
         first, last = worker_counts[0], worker_counts[-1]
         record["pipeline"] = {
             "image_size": args.image_size,
             "batch_size": args.batch_size,
             "images_per_s": {str(w): rate for w, rate in rates.items()},
             "images_per_s_per_worker": {str(w): rate / max(w, 1) for w, rate in rates.items()},
+            "images_per_worker_cpu_s": {str(w): run["images_per_cpu_s"] for w, run in runs.items()},
+            "resident_mb_with_workers": {str(w): run["resident_mb"] for w, run in runs.items()},
             "scaling": rates[last] / rates[first] if last != first else None,
             "scaling_target": 0.8 * last / first if last != first else None,
         }

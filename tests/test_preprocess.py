@@ -78,8 +78,8 @@ def test_libjpeg_turbo_and_pil_decode_a_jpeg_alike():
     size = preprocess._turbo_size(data)
     assert size == (300, 200)
     box = (20, 10, 250, 190)
-    turbo = preprocess._decode_crop_turbo(data, size, box, 32)
-    pil = preprocess._decode_crop_pil(data, lambda w, h: box, 32)
+    turbo = np.asarray(preprocess._decode_crop_turbo(data, size, box, 32))
+    pil = np.asarray(preprocess._decode_crop_pil(data, lambda w, h: box, 32))
     assert np.abs(turbo.astype(int) - pil).max() <= 2
 
 

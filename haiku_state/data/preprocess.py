@@ -92,6 +92,10 @@ def decode_crop(data: bytes, crop: CropFn, image_size: int) -> np.ndarray:
       Whatever PIL raises for bytes it cannot read (`PIL.UnidentifiedImageError`,
       `OSError` for a truncated file, ...).
     """
+    return np.asarray(_decode_crop_image(data, crop, image_size))
+
+
+def _decode_crop_image(data: bytes, crop: CropFn, image_size: int) -> Image.Image:
     size = _turbo_size(data)
     if size is None:
         return _decode_crop_pil(data, crop, image_size)
@@ -119,12 +123,13 @@ def _dct_scale(box: Box, image_size: int) -> int:
     return next((s for s in _DCT_SCALES if shortest / s >= image_size), 1)
 
 
-def _resized(image: Image.Image, box: Box, scale: tuple[float, float], image_size: int):
+def _resized(
+    image: Image.Image, box: Box, scale: tuple[float, float], image_size: int
+) -> Image.Image:
     """`box` (in pixels of the undecoded image) of `image` (decoded at `scale`), resized."""
     sx, sy = scale
     scaled_box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-    resized = image.resize((image_size, image_size), Image.Resampling.BILINEAR, box=scaled_box)
-    return np.asarray(resized)
+    return image.resize((image_size, image_size), Image.Resampling.BILINEAR, box=scaled_box)
 
 
 def _decode_crop_turbo(data: bytes, size: tuple[int, int], box: Box, image_size: int) -> np.ndarray:
@@ -137,7 +142,7 @@ def _decode_crop_turbo(data: bytes, size: tuple[int, int], box: Box, image_size:
     return _resized(Image.fromarray(pixels), box, decoded, image_size)
 
 
-def _decode_crop_pil(data: bytes, crop: CropFn, image_size: int) -> np.ndarray:
+def _decode_crop_pil(data: bytes, crop: CropFn, image_size: int) -> Image.Image:
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
         box = crop(width, height)
