@@ -12,7 +12,9 @@ r"""The input pipeline's throughput: decoding alone, and the training loop it fe
    this process may use cores; per worker, and the scaling between the two.
 4. The training loop (`train.train_and_evaluate`) fed by the pipeline, against
    the smaller of the pipeline alone and the bare update at the same settings
-   (a model and image size a CPU trains).
+   (a model and image size a CPU trains). On a CPU the update runs on the first
+   core and the workers on the others (`--pin_update_core`), as on an
+   accelerator host, where the update does not take the decoders' cores.
 
 Prints one JSON record (also written to `--out` if given). The figures are the
 machine's: on a shared machine, other processes' load moves them.
@@ -29,7 +31,9 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -76,9 +80,14 @@ def write_tree(root: str, num_images: int, num_distinct: int, seed: int = 0) -> 
 
 
 def decoder_rates(root: str, image_size: int, seconds: float) -> dict[str, float]:
-    """Images/s on one core (this thread) of decode + random crop + resize, per decoder."""
+    """Images/s on one core (this thread) of decode + random crop + resize, per decoder.
+
+    The decoders take turns in short rounds, and each keeps its median round, so a
+    change in the machine's load meanwhile touches both alike.
+    """
     split = data.load_dataset("imagefolder", data_dir=root, image_size=image_size).train
     images = [split.records[i][0] for i in range(min(64, len(split.records)))]
+    boxes = [preprocess.random_crop_box(WIDTH, HEIGHT, np.random.default_rng(i)) for i in range(64)]
     decoders = {
         "libjpeg-turbo": lambda jpeg, box: np.asarray(
             preprocess._decode_crop_turbo(jpeg, (WIDTH, HEIGHT), box, image_size)
@@ -87,14 +96,14 @@ def decoder_rates(root: str, image_size: int, seconds: float) -> dict[str, float
             preprocess._decode_crop_pil(jpeg, lambda w, h: box, image_size)
         ),
     }
-    rates = {}
-    for name, decode in decoders.items():
-        rng, count, start = np.random.default_rng(0), 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            decode(images[count % len(images)], preprocess.random_crop_box(WIDTH, HEIGHT, rng))
-            count += 1
-        rates[name] = count / (time.perf_counter() - start)
-    return rates
+    rounds = {name: [] for name in decoders}
+    for _ in range(max(1, int(seconds / 0.25))):
+        for name, decode in decoders.items():
+            start = time.perf_counter()
+            for image, box in zip(images, boxes, strict=True):
+                decode(image, box)
+            rounds[name].append(len(images) / (time.perf_counter() - start))
+    return {name: statistics.median(rates) for name, rates in rounds.items()}
 
 
 def _children() -> list[str]:
@@ -219,16 +228,53 @@ def loop_rate(config: Any, workdir: str) -> dict[str, float]:
     return {"examples_per_s": len(steady) * config.log_every * config.batch_size / seconds}
 
 
+@contextlib.contextmanager
+def update_core_apart(enabled: bool) -> Iterator[None]:
+    """This process (the loop, XLA:CPU's pool) on the first core, its workers on the others.
+
+    On a CPU the update and the decoding compete for the same cores; on an
+    accelerator host they do not. Pinning them apart makes the CPU loop figure
+    answer the question it is for: does feeding the loop cost it throughput.
+    """
+    if not enabled:
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    for thread_id in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(thread_id), {cores[0]})
+    stop = threading.Event()
+
+    def move_workers() -> None:  # Workers start on the first core, where they are spawned.
+        while not stop.wait(0.1):
+            for pid in _children():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(pid), set(cores[1:]))
+
+    mover = threading.Thread(target=move_workers, daemon=True)
+    mover.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        mover.join()
+        for thread_id in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(thread_id), set(cores))
+
+
 def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str, Any]:
     config = loop_config(args, root, workers)
     split = data.load_dataset("imagefolder", data_dir=root, image_size=args.loop_image_size).train
     # The pipeline alone on both sides of the loop: a shared machine's load drifts.
     steps = args.loop_steps // 2
-    before = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
-    with tempfile.TemporaryDirectory(prefix="bench_loop_") as workdir:
-        loop = loop_rate(config, workdir)["examples_per_s"]
-    after = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
-    update = bare_update_rate(config, args.loop_steps)
+    pinned = args.pin_update_core and len(os.sched_getaffinity(0)) > workers > 0
+    with update_core_apart(pinned):
+        before = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
+        with tempfile.TemporaryDirectory(prefix="bench_loop_") as workdir:
+            loop = loop_rate(config, workdir)["examples_per_s"]
+        after = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
+        update = bare_update_rate(config, args.loop_steps)
     alone = (before + after) / 2
     bound = min(alone, update)
     return {
@@ -237,6 +283,7 @@ def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str,
         "batch_size": config.batch_size,
         "steps": config.steps,
         "workers": workers,
+        "update_core_apart": pinned,
         "pipeline_alone_images_per_s": alone,
         "pipeline_alone_before_after": [before, after],
         "bare_update_examples_per_s": update,
@@ -254,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=24, help="batches timed per worker count")
     parser.add_argument("--workers", default="", help="worker counts, e.g. 1,15 (1 and cores)")
-    parser.add_argument("--decoder_seconds", type=float, default=3.0)
+    parser.add_argument("--decoder_seconds", type=float, default=4.0, help="rounds x 0.25 s")
     parser.add_argument("--loop_experiment", default="mlp", help="or resnet50:imagenet, ...")
     parser.add_argument("--loop_workers", type=int, default=None, help="default: cores - 1")
     parser.add_argument("--loop_image_size", type=int, default=64)
@@ -262,6 +309,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--loop_steps", type=int, default=120)
     parser.add_argument("--loop_log_every", type=int, default=20)
     parser.add_argument("--no_loop", action="store_true", help="skip the training loop")
+    parser.add_argument(
+        "--pin_update_core",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        default=True,
+        help="loop: this process on the first core, the workers on the others (true)",
+    )
     parser.add_argument("--out", default="", help="also write the JSON record here")
     args = parser.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
