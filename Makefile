@@ -56,7 +56,7 @@ eval: install
 		--cpu_devices=$(DEVICES) --mode=eval $(ARGS)
 
 prepare: install
-	$(PY) -m haiku_state.prepare --from=$(FROM) --to=$(TO) $(ARGS)
+	$(PY) -m haiku_state.prepare --from="$(FROM)" --to="$(TO)" $(ARGS)
 
 bench: install
 	$(PY) -m benchmarks.run $(ARGS)

@@ -55,3 +55,27 @@ def test_install_adds_the_plugin_at_the_pinned_jax_version(variables, accelerato
         assert plugins == [f"jax[{accelerator}]=={_pinned_jax_version()}"], install
     # One stamp per accelerator: installing for a GPU later is not skipped as done.
     assert f"touch .venv/.installed-{accelerator}" in commands, commands
+
+
+def _dry_run(*args: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in _CALLER_VARIABLES}
+    result = subprocess.run(
+        ["make", "--dry-run", *args], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    return result.stdout.splitlines()
+
+
+def test_train_takes_a_config_variant_and_prepare_a_path_with_spaces():
+    [train] = [
+        line for line in _dry_run("train", "EXP=resnet50:imagenet") if "haiku_state.train" in line
+    ]
+    assert "--config=experiments/resnet50.py:imagenet" in train
+    assert "--workdir=runs/resnet50-imagenet" in train
+    [plain] = [line for line in _dry_run("train", "EXP=mlp") if "haiku_state.train" in line]
+    assert "--config=experiments/mlp.py " in plain
+    [prepare] = [
+        line
+        for line in _dry_run("prepare", "FROM=imagefolder:/data/my photos", "TO=/out")
+        if "haiku_state.prepare" in line
+    ]
+    assert '--from="imagefolder:/data/my photos" --to="/out"' in prepare
