@@ -228,6 +228,25 @@ def loop_rate(config: Any, workdir: str) -> dict[str, float]:
     return {"examples_per_s": len(steady) * config.log_every * config.batch_size / seconds}
 
 
+def measure_pipeline(
+    split: data.EncodedSplit, batch_size: int, worker_counts: list[int], steps: int
+) -> dict[str, Any]:
+    """The pipeline alone for each worker count, and the scaling from the first to the last."""
+    runs = {w: pipeline_rate(split, batch_size, w, steps) for w in worker_counts}
+    rates = {w: run["images_per_s"] for w, run in runs.items()}
+    first, last = worker_counts[0], worker_counts[-1]
+    return {
+        "image_size": split.image_size,
+        "batch_size": batch_size,
+        "images_per_s": {str(w): rate for w, rate in rates.items()},
+        "images_per_s_per_worker": {str(w): rate / max(w, 1) for w, rate in rates.items()},
+        "images_per_worker_cpu_s": {str(w): run["images_per_cpu_s"] for w, run in runs.items()},
+        "resident_mb_with_workers": {str(w): run["resident_mb"] for w, run in runs.items()},
+        "scaling": rates[last] / rates[first] if last != first else None,
+        "scaling_target": 0.8 * last / first if last != first else None,
+    }
+
+
 @contextlib.contextmanager
 def update_core_apart(enabled: bool) -> Iterator[None]:
     """This process (the loop, XLA:CPU's pool) on the first core, its workers on the others.
@@ -332,19 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             root, args.image_size, args.decoder_seconds
         )
         split = data.load_dataset("imagefolder", data_dir=root, image_size=args.image_size).train
-        runs = {w: pipeline_rate(split, args.batch_size, w, args.steps) for w in worker_counts}
-        rates = {w: run["images_per_s"] for w, run in runs.items()}
-        first, last = worker_counts[0], worker_counts[-1]
-        record["pipeline"] = {
-            "image_size": args.image_size,
-            "batch_size": args.batch_size,
-            "images_per_s": {str(w): rate for w, rate in rates.items()},
-            "images_per_s_per_worker": {str(w): rate / max(w, 1) for w, rate in rates.items()},
-            "images_per_worker_cpu_s": {str(w): run["images_per_cpu_s"] for w, run in runs.items()},
-            "resident_mb_with_workers": {str(w): run["resident_mb"] for w, run in runs.items()},
-            "scaling": rates[last] / rates[first] if last != first else None,
-            "scaling_target": 0.8 * last / first if last != first else None,
-        }
+        record["pipeline"] = measure_pipeline(split, args.batch_size, worker_counts, args.steps)
         if not args.no_loop:
             workers = data.default_workers() if args.loop_workers is None else args.loop_workers
             record["loop"] = measure_loop(args, root, workers)

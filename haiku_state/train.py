@@ -313,6 +313,19 @@ def _naming_the_last_good_checkpoint(checkpointer: checkpoint.Checkpointer) -> I
         ) from None
 
 
+def _training_batches(experiment: Experiment, config: Any, start_step: int) -> Iterator[Any]:
+    """This process's device batches from `start_step` to the end of the run."""
+    return data.sharded_train_batches(
+        experiment.dataset.train,
+        config.batch_size,
+        seed=config.seed,
+        start_step=start_step,
+        num_steps=max(0, experiment.total_steps - start_step),
+        options=experiment.input_options,
+        **_this_process(),
+    )
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval.
 
@@ -333,15 +346,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                 workdir, experiment.total_steps, enabled=jax.process_index() == 0
             )
         )
-        batches = data.sharded_train_batches(
-            experiment.dataset.train,
-            config.batch_size,
-            seed=config.seed,
-            start_step=start_step,
-            num_steps=max(0, experiment.total_steps - start_step),
-            options=experiment.input_options,
-            **_this_process(),
-        )
+        batches = _training_batches(experiment, config, start_step)
         stack.callback(batches.close)
         window = loop.MetricWindow(start_step)
         evaluate = _EvalAction(experiment, config.eval_batch_size, writer)

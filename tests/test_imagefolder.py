@@ -140,3 +140,10 @@ def test_a_bad_tree_is_refused_naming_the_path(tree, name):
 def test_image_size_is_required_for_encoded_sources(tree):
     with pytest.raises(ValueError, match="imagefolder needs data.image_size"):
         data.load_dataset("imagefolder", data_dir=tree)
+
+
+def test_a_data_dir_under_the_home_folder_may_be_written_with_a_tilde(tree, monkeypatch):
+    home, name = os.path.split(tree)
+    monkeypatch.setenv("HOME", home)
+    dataset = data.load_dataset("imagefolder", data_dir=f"~/{name}", image_size=16)
+    assert data.num_examples(dataset.train) == 18

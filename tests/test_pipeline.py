@@ -21,7 +21,7 @@ NUM_DEVICES = 4
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
-    return write_imagefolder(tmp_path_factory.mktemp("tree"), per_class=(7, 3))
+    return write_imagefolder(tmp_path_factory.mktemp("tree") / "with spaces", per_class=(7, 3))
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ differently, and every step afresh. It works on the images as they arrive
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-Batch = dict[str, Any]
+from haiku_state.data.splits import Batch
 
 
 def random_shift(key: jax.Array, images: jax.Array, max_shift: int) -> jax.Array:

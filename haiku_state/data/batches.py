@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from haiku_state.data import order as order_lib
-from haiku_state.data.splits import Split
-
-Batch = dict[str, Any]
+from haiku_state.data.splits import Batch, Split
 
 
 def train_batches(

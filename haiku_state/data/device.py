@@ -20,10 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from haiku_state import replication
 from haiku_state.data import order as order_lib
-from haiku_state.data.splits import Split
+from haiku_state.data.splits import Batch, Split
 from haiku_state.replication import DEFAULT_AXIS_NAME, shard
-
-Batch = dict[str, Any]
 
 _END = object()
 # How long closing a prefetcher waits for its thread to close the source (e.g. to stop

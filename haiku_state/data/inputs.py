@@ -14,12 +14,10 @@ as a pmapped step takes them.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from haiku_state.data import batches, device, pipeline
-from haiku_state.data.splits import AnySplit, EncodedSplit
-
-Batch = dict[str, Any]
+from haiku_state.data.splits import AnySplit, Batch, EncodedSplit
 
 
 class PipelineOptions(NamedTuple):

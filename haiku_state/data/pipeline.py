@@ -36,9 +36,7 @@ from absl import flags, logging
 
 from haiku_state.data import order as order_lib
 from haiku_state.data import preprocess
-from haiku_state.data.splits import CorruptImageError, DataError, EncodedSplit
-
-Batch = dict[str, Any]
+from haiku_state.data.splits import Batch, CorruptImageError, DataError, EncodedSplit
 
 MAX_DEFAULT_WORKERS = 16
 # Batches a worker decodes ahead of the one it is handing over.

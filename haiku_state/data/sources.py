@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from haiku_state.data import arrayrecord, imagefolder, in_memory
 from haiku_state.data.splits import Dataset
 
@@ -49,6 +51,7 @@ def load_dataset(
     """
     if name not in DATASETS:
         raise ValueError(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
+    data_dir = os.path.expanduser(data_dir) if data_dir else data_dir  # The shell leaves `=~/`.
     if name in ENCODED_DATASETS:
         if image_size is None or image_size < 1:
             raise ValueError(

@@ -10,7 +10,7 @@ or float32 already standardised for synthetic data) and `Dataset.mean` /
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -18,6 +18,11 @@ import numpy as np
 # (0..255): the usual constants, used for any ImageFolder or ArrayRecord tree of photos.
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
+
+
+# A batch of examples: `{"image": [B, ...], "label": [B], ...}`, numpy on the host or
+# device arrays laid out per device.
+Batch = dict[str, Any]
 
 
 class DataError(ValueError):
