@@ -170,6 +170,7 @@ def test_sigkill_with_decoding_workers_resumes_bit_identically(image_tree, tmp_p
     process = start(workdir, "--config.checkpoint_every=10", flags=flags)
     wait_for_logged_step(workdir, 40, process)
     process.kill()
+    # The workers hold the killed run's stdout: this returns only once they have exited too.
     process.communicate(timeout=60)
     assert process.returncode == -signal.SIGKILL
     output = run_to_end(workdir, "--config.checkpoint_every=10", flags=flags)
