@@ -11,11 +11,11 @@ The recipe is Goyal et al. (2017) as the Haiku and Flax ImageNet examples run
 it: 90 epochs, SGD with Nesterov momentum 0.9, the linear scaling rule
 (learning rate 0.1 per 256 examples of the global batch: 0.4 at the default
 1024), 5 epochs of linear warmup then cosine decay (both follow an overridden
-`batch_size`, unless given themselves),
-label smoothing 0.1, weight decay 1e-4 on the weights of convolutions and
-linear layers only (not BatchNorm, not biases: `optim.haiku_weights`), and
-bfloat16 compute. Training crops are Inception-style random-resized crops
-with flips, made on the host; evaluation takes the centre 87.5%.
+`batch_size`, unless given themselves), label smoothing 0.1, weight decay 1e-4
+on the weights of convolutions and linear layers only (not BatchNorm, not
+biases: `optim.haiku_weights`). It computes in bfloat16 (the library's mixed
+precision). Training crops are Inception-style random-resized crops with
+flips, made on the host; evaluation takes the centre 87.5%.
 """
 
 import _base
