@@ -59,7 +59,9 @@ JAX_PLUGIN = $(if $(filter cpu,$(ACCELERATOR)),,'jax[$(ACCELERATOR)]==$(JAX_VERS
 STAMP_PREFIX := $(VENV)/.installed-py$(STACK)-$(ACCELERATOR)-
 installed = $(if $(VENV),$(STAMP_PREFIX)$(1))
 EXP ?= resnet
-WORKDIR ?= runs/$(EXP)
+# EXP may name a variant of an experiment's config: EXP=resnet50:imagenet.
+CONFIG := experiments/$(subst :,.py:,$(EXP))$(if $(findstring :,$(EXP)),,.py)
+WORKDIR ?= runs/$(subst :,-,$(EXP))
 DEVICES ?= 2
 ARGS ?=
 # bench: the curated record to write (see the bench target); none by default.
@@ -67,11 +69,15 @@ RECORD ?=
 # train-multiprocess: local processes joined by jax.distributed, DEVICES simulated CPU devices each.
 PROCESSES ?= 2
 PORT ?= 12345
-# Test processes: each simulates 4 CPU devices.
+# prepare: convert FROM (imagefolder:DIR, cifar10:DIR or digits) to ArrayRecord shards in TO.
+FROM ?=
+TO ?=
+# Test processes: each simulates 4 CPU devices and takes whole test modules (loadfile), so
+# a module's fixtures are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: install test train train-multiprocess eval bench bench-quick bench-plot lint format \
-	lock stacks which-python clean
+.PHONY: install test train train-multiprocess eval prepare bench bench-quick bench-plot \
+	lint format lock stacks which-python clean
 
 install: $(call installed,test+bench+plots)
 
@@ -86,24 +92,27 @@ $(STAMP_PREFIX)%: setup.cfg pyproject.toml $(wildcard $(LOCK))
 endif
 
 test: $(call installed,test+bench+plots)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 train: $(call installed,plots)
-	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+	$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) $(ARGS)
 
 train-multiprocess: $(call installed,plots)
 	@status=0; pids=""; \
 	for k in $$(seq 0 $$(($(PROCESSES) - 1))); do \
-		$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+		$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 			--cpu_devices=$(DEVICES) --coordinator_address=127.0.0.1:$(PORT) \
 			--num_processes=$(PROCESSES) --process_id=$$k $(ARGS) & pids="$$pids $$!"; \
 	done; \
 	for pid in $$pids; do wait $$pid || status=1; done; exit $$status
 
 eval: $(call installed,plots)
-	$(PY) -m haiku_state.train --config=experiments/$(EXP).py --workdir=$(WORKDIR) \
+	$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) --mode=eval $(ARGS)
+
+prepare: $(call installed,plots)
+	$(PY) -m haiku_state.prepare --from="$(FROM)" --to="$(TO)" $(ARGS)
 
 # RECORD=benchmarks/results/<platform>.json also keeps the run as the platform's curated
 # record and writes its table into benchmarks/README.md.

@@ -11,6 +11,8 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0
     config.steps = 600
+    # Instead of `steps` when set: this many epochs of the training split (the log says both).
+    config.num_epochs = ml_collections.config_dict.placeholder(int)
     config.batch_size = 128  # Global, split over every device of every process.
     config.eval_batch_size = 256
     config.log_every = 50
@@ -39,8 +41,18 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.nesterov = True
 
     config.data = ml_collections.ConfigDict()
-    config.data.name = "digits"
+    config.data.name = "digits"  # Or cifar10, synthetic, imagefolder, arrayrecord.
     config.data.dir = ""
+    # The side of the square crops of imagefolder / arrayrecord images (224 for ImageNet);
+    # the sources held in memory keep their own size.
+    config.data.image_size = ml_collections.config_dict.placeholder(int)
+    # Decoding processes (None: the cores this process may use, less one, at most 16;
+    # 0: decode in the training process) and batches kept ready on the devices.
+    config.data.workers = ml_collections.config_dict.placeholder(int)
+    config.data.prefetch = 2
+    # False: an unreadable image stops the run naming the file and the step. True: it is
+    # replaced deterministically and counted in the train metrics (corrupt_fraction).
+    config.data.skip_corrupt = False
     config.data.max_shift = 1  # On-device random shifts of up to this many pixels.
     config.data.flip = False  # Digits must not be mirrored.
 

@@ -67,8 +67,15 @@ class Evaluate:
         self.latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
 
     def __call__(self, step: int, train_state: TrainState) -> None:
-        updater, test = self._experiment.updater, self._experiment.dataset.test
-        metrics = evaluate_split(updater, train_state, test, self._batch_size, self._stop)
+        experiment = self._experiment
+        metrics = evaluate_split(
+            experiment.updater,
+            train_state,
+            experiment.dataset.test,
+            self._batch_size,
+            options=experiment.input_options,
+            stop=self._stop,
+        )
         if metrics is not None:  # None: a signal interrupted it.
             self.latest = (step, metrics)
             self._writer.write(step, "eval", metrics)

@@ -80,12 +80,17 @@ def importable_directory(path: str) -> Iterator[None]:
 
 
 def load_config_file(path: str) -> Any:
-    """`get_config()` of the Python file at `path`."""
+    """`get_config()` of the Python file at `path`; `file.py:variant` calls `get_config(variant)`.
+
+    The same `path:argument` form `--config` takes on the command line.
+    """
+    path, _, variant = path.partition(".py:")
+    path = path if path.endswith(".py") else f"{path}.py"
     spec = importlib.util.spec_from_file_location("experiment_config", path)
     module = importlib.util.module_from_spec(spec)
     with importable_directory(path):
         spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(variant) if variant else module.get_config()
 
 
 def config_keys(config: Any, prefix: str = "") -> list[str]:
@@ -159,12 +164,17 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
         raise ValueError(
             f"config.optimizer.learning_rate={config.optimizer.learning_rate} must be positive."
         )
-    if not 0 <= config.optimizer.warmup_steps < config.steps:
+    num_epochs = config.get("num_epochs")
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"config.num_epochs={num_epochs} must be a positive integer or None.")
+    # With num_epochs the run's length is known once the data is: optim checks it then.
+    if num_epochs is None and not 0 <= config.optimizer.warmup_steps < config.steps:
         raise ValueError(
             f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
             f"in [0, steps={config.steps})."
         )
     _check_run_controls(config)
+    _check_data_options(config.data)
 
 
 def _check_numbers(config: Any) -> None:
@@ -197,6 +207,40 @@ def _check_run_controls(config: Any) -> None:
         raise ValueError(f"config.init_skip={config.init_skip!r} is not a regex: {e}.") from None
     if config.init_skip and not config.init_from:
         raise ValueError("config.init_skip is set but config.init_from is empty.")
+
+
+def _check_data_options(data_config: Any) -> None:
+    """The input pipeline's settings: workers >= 0 (or None), prefetch and image_size >= 1."""
+    workers = data_config.get("workers")
+    if workers is not None and workers < 0:
+        raise ValueError(
+            f"config.data.workers={workers} must be >= 0 (0: decode in the training process) "
+            "or None (the cores this process may use, less one)."
+        )
+    if data_config.get("prefetch", 1) < 1:
+        raise ValueError(f"config.data.prefetch={data_config.prefetch} must be >= 1.")
+    image_size = data_config.get("image_size")
+    if image_size is not None and image_size < 1:
+        raise ValueError(f"config.data.image_size={image_size} must be positive or None.")
+
+
+def training_steps(config: Any, num_train_examples: int) -> int:
+    """The run's length: `config.steps`, or `num_epochs` full epochs when that is set.
+
+    An epoch is `num_train_examples // batch_size` steps (the remainder of each
+    epoch is dropped, as the batch order does).
+
+    Raises:
+      ValueError: if the global batch is larger than the training split.
+    """
+    steps_per_epoch = num_train_examples // config.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"config.batch_size={config.batch_size} is larger than the {num_train_examples} "
+            "training examples: an epoch holds no step."
+        )
+    num_epochs = config.get("num_epochs")
+    return config.steps if num_epochs is None else num_epochs * steps_per_epoch
 
 
 def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> None:

@@ -30,8 +30,10 @@ FOLLOW_POLL_SECS = 1.0
 def evaluate_split(
     updater: Updater,
     train_state: TrainState,
-    split: data.Split,
+    split: data.Split | data.EncodedSplit,
     batch_size: int,
+    *,
+    options: data.PipelineOptions = data.DEFAULT_OPTIONS,
     stop: loop.StopRequest | None = None,
 ) -> dict[str, float] | None:
     """Exact mean metrics over every example of `split` (padding excluded).
@@ -40,7 +42,7 @@ def evaluate_split(
     does not wait for a whole evaluation.
     """
     per_batch = []
-    batches = data.prefetch_to_device(data.eval_batches(split, batch_size, **this_process()))
+    batches = data.sharded_eval_batches(split, batch_size, options=options, **this_process())
     try:
         for batch in batches:
             if per_batch:
@@ -87,7 +89,12 @@ def _evaluate_and_record(
     stop: loop.StopRequest | None,
 ) -> dict[str, float] | None:
     metrics = evaluate_split(
-        experiment.updater, train_state, experiment.dataset.test, config.eval_batch_size, stop
+        experiment.updater,
+        train_state,
+        experiment.dataset.test,
+        config.eval_batch_size,
+        options=experiment.input_options,
+        stop=stop,
     )
     if metrics is not None:
         writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
@@ -130,7 +137,7 @@ def evaluate_checkpoint(
 def follow_checkpoints(
     config: Any, workdir: str, *, stop: loop.StopRequest, poll_secs: float = FOLLOW_POLL_SECS
 ) -> dict[int, dict[str, float]]:
-    """Evaluates every new complete checkpoint until the one of step `config.steps`.
+    """Evaluates every new complete checkpoint until the one of the run's last step.
 
     A checkpoint that is gone (retention deleted it) or damaged by the time it
     is read is skipped with a warning. Returns the metrics by step.
@@ -155,7 +162,7 @@ def follow_checkpoints(
                 if metrics is None:
                     break
                 results[step] = metrics
-            done = max(results, default=-1) >= config.steps
+            done = max(results, default=-1) >= experiment.total_steps
     return {step: metrics for step, metrics in results.items() if metrics}
 
 

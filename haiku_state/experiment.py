@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from haiku_state import data, losses, models, optim, replication
+from haiku_state.config import training_steps
 from haiku_state.updater import AugmentFn, LossFn, Updater
 
 AXIS_NAME = replication.DEFAULT_AXIS_NAME
@@ -32,30 +33,47 @@ class Experiment(NamedTuple):
     loss_scale: jmp.LossScale | None
     updater: Updater
     learning_rate: optax.Schedule  # For the logs.
+    total_steps: int  # config.steps, or num_epochs epochs of the training split.
+    input_options: data.PipelineOptions
 
 
-def build_experiment(config: Any) -> Experiment:
-    """Loads the data and builds network, optimizer, loss and Updater from a config."""
-    data_config = config.data
+def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineOptions]:
+    """The dataset a config's `data` names, and how its host pipeline runs."""
     dataset = data.load_dataset(
         data_config.name,
         data_dir=data_config.get("dir") or None,
-        seed=config.seed,
+        image_size=data_config.get("image_size"),
+        seed=seed,
         **{
             k: data_config[k]
             for k in ("image_shape", "num_classes", "num_train", "num_test")
             if k in data_config
         },
     )
+    options = data.PipelineOptions(
+        workers=data_config.get("workers"),
+        prefetch=data_config.get("prefetch", 2),
+        skip_corrupt=data_config.get("skip_corrupt", False),
+    )
+    return dataset, options
+
+
+def build_experiment(config: Any) -> Experiment:
+    """Loads the data and builds network, optimizer, loss and Updater from a config."""
+    data_config = config.data
+    dataset, input_options = load_data(data_config, config.seed)
+    total_steps = training_steps(config, data.num_examples(dataset.train))
     model_options = {k: v for k, v in config.model.items() if k != "name"}
     network = models.make_network(
         config.model.name,
         dataset.num_classes,
         cross_replica_axis=AXIS_NAME,
         precision=config.precision,
+        image_mean=dataset.mean,
+        image_std=dataset.std,
         **model_options,
     )
-    optimizer = optim.make_optimizer(config.optimizer, config.steps)
+    optimizer = optim.make_optimizer(config.optimizer, total_steps)
     loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
     augment_fn = data.make_augment_fn(max_shift=data_config.max_shift, flip=data_config.flip)
     # float16's narrow range needs loss scaling; bfloat16 has float32's range.
@@ -69,9 +87,18 @@ def build_experiment(config: Any) -> Experiment:
         loss_scale=loss_scale,
         backend=config.backend,
     )
-    schedule = optim.learning_rate_schedule(config.optimizer, config.steps)
+    schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     return Experiment(
-        dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule
+        dataset,
+        network,
+        optimizer,
+        loss_fn,
+        augment_fn,
+        loss_scale,
+        updater,
+        schedule,
+        total_steps,
+        input_options,
     )
 
 
@@ -83,7 +110,7 @@ def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
     local_batch_size = batch_size // jax.process_count()
     return replication.shard(
         {
-            "image": np.zeros((local_batch_size, *dataset.image_shape), np.float32),
+            "image": np.zeros((local_batch_size, *dataset.image_shape), dataset.image_dtype),
             "label": np.zeros((local_batch_size,), np.int32),
         }
     )

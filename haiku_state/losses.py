@@ -18,7 +18,10 @@ def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossF
     batch size. When the batch carries a `mask` (evaluation batches padded to a
     full batch), padded examples count zero and the metrics gain `weight`, the
     fraction of real examples: summing each metric over batches and dividing by
-    the summed weight gives the exact mean over the real examples.
+    the summed weight gives the exact mean over the real examples. When a
+    training batch carries `replaced` (an encoded dataset read with
+    `data.skip_corrupt`: 1.0 where an example stands in for an unreadable image),
+    the metrics gain `corrupt_fraction`, the fraction of such examples.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
@@ -33,7 +36,10 @@ def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossF
         correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
         batch_size = labels.shape[0]
         if "mask" not in batch:
-            return jnp.mean(per_example_loss), {"accuracy": jnp.mean(correct)}
+            metrics = {"accuracy": jnp.mean(correct)}
+            if "replaced" in batch:
+                metrics["corrupt_fraction"] = jnp.mean(batch["replaced"].astype(jnp.float32))
+            return jnp.mean(per_example_loss), metrics
         mask = batch["mask"].astype(jnp.float32)
         metrics = {
             "accuracy": jnp.sum(correct * mask) / batch_size,

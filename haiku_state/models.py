@@ -1,9 +1,11 @@
 """The networks of the experiments, as Haiku modules, and their transformed forms.
 
 Every network maps `(batch, is_training) -> logits` and reads `batch["image"]`
-(NHWC). BatchNorm layers take `cross_replica_axis`: set to the Updater's axis
-name, the training-mode statistics are those of the global batch, so the result
-does not depend on how many devices the batch is split over.
+(NHWC) as the input pipeline delivers it: uint8 pixels are standardised with the
+dataset's mean and std first, on the device (`standardize_images`). BatchNorm
+layers take `cross_replica_axis`: set to the Updater's axis name, the
+training-mode statistics are those of the global batch, so the result does not
+depend on how many devices the batch is split over.
 """
 
 from __future__ import annotations
@@ -142,12 +144,26 @@ class SmallImageResNet(hk.Module):
         return hk.Linear(self._num_classes, w_init=jnp.zeros, name="logits")(x)
 
 
+def standardize_images(images: jax.Array, mean: Sequence[float], std: Sequence[float]) -> jax.Array:
+    """`(images - mean) / std` in float32, per channel (or one scalar for all).
+
+    Args:
+      images: `[..., C]` as stored, e.g. uint8 pixels.
+      mean: `C` numbers (or one) in the units of `images`.
+      std: the matching standard deviations.
+    """
+    mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
+    return (images.astype(jnp.float32) - mean) / std
+
+
 def make_network(
     name: str,
     num_classes: int,
     *,
     cross_replica_axis: str | None = None,
     precision: str = "float32",
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
     **model_kwargs: Any,
 ) -> hk.TransformedWithState:
     """Transforms the named network into `init`/`apply` with params and state.
@@ -162,6 +178,10 @@ def make_network(
         computes in half and returns float32 logits, and BatchNorm computes and
         keeps its statistics in float32 (its output is cast back to half).
         float16 needs loss scaling in the Updater; bfloat16 does not.
+      image_mean: the dataset's `mean` (`data.Dataset.mean`): images are
+        standardised with it and `image_std` before the first layer, the same in
+        training and evaluation. None takes the images as they are.
+      image_std: the dataset's `std`; None exactly when `image_mean` is.
       **model_kwargs: the module's own options (`hidden_sizes`, `width`, ...).
 
     Raises:
@@ -171,13 +191,18 @@ def make_network(
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}; expected one of {PRECISIONS}.")
+    if (image_mean is None) != (image_std is None):
+        raise ValueError("make_network: give both image_mean and image_std, or neither.")
     network_class = _NETWORKS[name]
     module_options = _module_options(name, cross_replica_axis, model_kwargs)
 
     def forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
+        images = batch["image"]
+        if image_mean is not None:
+            images = standardize_images(images, image_mean, image_std)
         with _mixed_precision(network_class, precision):
             net = network_class(num_classes, **module_options)
-            return net(batch["image"], is_training)
+            return net(images, is_training)
 
     return hk.transform_with_state(forward)
 

@@ -96,7 +96,16 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     return warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
 
 
-def _resume(first: TrainState, config: Any, checkpointer: checkpoint.Checkpointer) -> TrainState:
+def _epochs_note(config: Any, experiment: Experiment) -> str:
+    """` (90 epochs of 1251 steps)` when the run's length is given in epochs."""
+    if config.get("num_epochs") is None:
+        return ""
+    return f" ({config.num_epochs} epochs of {experiment.total_steps // config.num_epochs} steps)"
+
+
+def _resume(
+    first: TrainState, experiment: Experiment, config: Any, checkpointer: checkpoint.Checkpointer
+) -> TrainState:
     """The latest complete checkpoint, else `first`; checked before training."""
     train_state = checkpointer.restore(first)
     how = "Resuming"
@@ -104,10 +113,11 @@ def _resume(first: TrainState, config: Any, checkpointer: checkpoint.Checkpointe
         how = f"Starting from {config.init_from}" if config.init_from else "Starting"
         train_state = first
     logging.info(
-        "%s at step %d of %d on %d %s device(s) in %d process(es); workdir %s.",
+        "%s at step %d of %d%s on %d %s device(s) in %d process(es); workdir %s.",
         how,
         step_of(train_state),
-        config.steps,
+        experiment.total_steps,
+        _epochs_note(config, experiment),
         jax.device_count(),
         jax.default_backend(),
         jax.process_count(),
@@ -197,7 +207,7 @@ def _take_over(
         lambda: workdir_lib.record_config(workdir, config, allow_change=allow_config_change),
     )
     checkpointer = stack.enter_context(_checkpointer(config, workdir))
-    return checkpointer, _resume(first, config, checkpointer)
+    return checkpointer, _resume(first, experiment, config, checkpointer)
 
 
 def _train(
@@ -213,7 +223,10 @@ def _train(
     start_step = step_of(train_state)
     writer = stack.enter_context(
         summaries.MetricWriter(
-            workdir, config.steps, enabled=jax.process_index() == 0, resume_step=start_step
+            workdir,
+            experiment.total_steps,
+            enabled=jax.process_index() == 0,
+            resume_step=start_step,
         )
     )
     batches = data.sharded_train_batches(
@@ -221,6 +234,8 @@ def _train(
         config.batch_size,
         seed=config.seed,
         start_step=start_step,
+        num_steps=max(0, experiment.total_steps - start_step),
+        options=experiment.input_options,
         **this_process(),
     )
     stack.callback(batches.close)
@@ -245,7 +260,7 @@ def _train(
             train_state,
             batches,
             first_step=start_step,
-            last_step=config.steps,
+            last_step=experiment.total_steps,
             window=window,
             actions=run_actions,
             stop=stop,
@@ -296,8 +311,13 @@ def train_and_evaluate(
         final = evaluate.metrics_at(end.step)
         if final is None:
             logging.info("Already trained to step %d; evaluating.", end.step)
-            test_split, batch_size = experiment.dataset.test, config.eval_batch_size
-            final = evaluate_split(experiment.updater, end.train_state, test_split, batch_size)
+            final = evaluate_split(
+                experiment.updater,
+                end.train_state,
+                experiment.dataset.test,
+                config.eval_batch_size,
+                options=experiment.input_options,
+            )
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(

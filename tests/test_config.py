@@ -59,3 +59,21 @@ def test_importing_the_library_defines_no_flags():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
+
+
+def test_the_resnet50_imagenet_recipe_scales_the_learning_rate_and_warmup_with_the_batch():
+    path = os.path.join(REPO, "experiments", "resnet50.py:imagenet")
+    config = config_lib.load_config_file(path)
+    assert (config.num_epochs, config.batch_size, config.label_smoothing) == (90, 1024, 0.1)
+    assert config.data.name == "imagefolder" and config.data.image_size == 224
+    assert config.optimizer.learning_rate == pytest.approx(0.4)
+    assert config.optimizer.warmup_steps == 5 * (1_281_167 // 1024)
+    config.batch_size = 4096
+    assert config.optimizer.learning_rate == pytest.approx(1.6)
+    assert config.optimizer.warmup_steps == 5 * (1_281_167 // 4096)
+    config_lib.validate_config(config, num_devices=8)
+    config.optimizer.learning_rate = 0.3  # Given explicitly, it no longer follows the batch.
+    config.batch_size = 2048
+    assert config.optimizer.learning_rate == 0.3
+    with pytest.raises(ValueError, match="Unknown resnet50 variant 'imagnet'"):
+        config_lib.load_config_file(os.path.join(REPO, "experiments", "resnet50.py:imagnet"))

@@ -39,6 +39,7 @@ _TARGET_EXTRAS = {
     "train": "plots",
     "train-multiprocess": "plots",
     "eval": "plots",
+    "prepare": "plots",
     "bench": "bench,plots",
     "bench-quick": "bench,plots",
     "bench-plot": "bench,plots",
@@ -248,3 +249,18 @@ def test_every_lock_pins_every_requirement_of_setup_cfg():
         assert pins["jaxlib"] == pins["jax"], stack
     # One ruff, so `make lint` says the same on every stack.
     assert len({_pins(stack)["ruff"] for stack in STACKS}) == 1
+
+
+def test_train_takes_a_config_variant_and_prepare_a_path_with_spaces():
+    def command(module, *variables):
+        [line] = [c for c in _dry_run(*variables) if f"-m {module}" in c]
+        return line
+
+    train = command("haiku_state.train", "train", "EXP=resnet50:imagenet")
+    assert "--config=experiments/resnet50.py:imagenet" in train
+    assert "--workdir=runs/resnet50-imagenet" in train
+    assert "--config=experiments/mlp.py " in command("haiku_state.train", "train", "EXP=mlp")
+    prepare = command(
+        "haiku_state.prepare", "prepare", "FROM=imagefolder:/data/my photos", "TO=/out"
+    )
+    assert '--from="imagefolder:/data/my photos" --to="/out"' in prepare

@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from image_trees import write_imagefolder
 
 from haiku_state import checkpoint, train
 from haiku_state import config as config_lib
@@ -35,11 +36,11 @@ FLAGS = [
 ]
 
 
-def start(workdir, *extra):
+def start(workdir, *extra, flags=FLAGS):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "haiku_state.train", f"--workdir={workdir}", *FLAGS, *extra],
+        [sys.executable, "-m", "haiku_state.train", f"--workdir={workdir}", *flags, *extra],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -48,8 +49,8 @@ def start(workdir, *extra):
     )
 
 
-def run_to_end(workdir, *extra):
-    process = start(workdir, *extra)
+def run_to_end(workdir, *extra, flags=FLAGS):
+    process = start(workdir, *extra, flags=flags)
     output, _ = process.communicate(timeout=240)
     assert process.returncode == 0, output
     return output
@@ -70,18 +71,19 @@ def wait_for_logged_step(workdir, min_step, process, timeout=120):
     raise TimeoutError(f"no train event at step >= {min_step} within {timeout} s")
 
 
-def final_state(workdir):
+def final_state(workdir, steps=STEPS, **data_options):
     config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
     config.model.hidden_sizes = (32,)
     config.batch_size = 64
-    config.steps = STEPS
+    config.steps = steps
     config.optimizer.warmup_steps = 10
+    config.data.update(data_options)
     experiment = train.build_experiment(config)
     like = experiment.updater.init(
         config.seed, train.placeholder_batch(experiment.dataset, config.batch_size)
     )
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
-        assert checkpointer.latest_step() == STEPS
+        assert checkpointer.latest_step() == steps
         return checkpointer.restore(like)
 
 
@@ -131,3 +133,46 @@ def test_sigkill_at_any_moment_resumes_from_last_complete_checkpoint(uninterrupt
     output = run_to_end(workdir, "--config.checkpoint_every=10", "--config.max_to_keep=2")
     assert "Resuming at step" in output
     assert_bit_identical(final_state(workdir), uninterrupted)
+
+
+# The same on an ImageFolder tree decoded by 2 worker processes: the input is a pure
+# function of (seed, step), so the resumed run rebuilds it at the checkpoint's step.
+IMAGEFOLDER_STEPS = 150
+
+
+@pytest.fixture(scope="module")
+def image_tree(tmp_path_factory):
+    return write_imagefolder(tmp_path_factory.mktemp("tree"), per_class=(30, 4))
+
+
+def imagefolder_flags(tree, workers):
+    return [
+        *FLAGS,
+        f"--config.steps={IMAGEFOLDER_STEPS}",
+        "--config.data.name=imagefolder",
+        f"--config.data.dir={tree}",
+        "--config.data.image_size=12",
+        f"--config.data.workers={workers}",
+        f"--config.eval_every={IMAGEFOLDER_STEPS}",
+        "--config.eval_batch_size=16",
+    ]
+
+
+def test_sigkill_with_decoding_workers_resumes_bit_identically(image_tree, tmp_path):
+    options = {"name": "imagefolder", "dir": image_tree, "image_size": 12}
+    uninterrupted = str(tmp_path / "uninterrupted")
+    # In-process decoding for the reference: the batches do not depend on the workers.
+    run_to_end(uninterrupted, flags=imagefolder_flags(image_tree, 0))
+    reference = final_state(uninterrupted, IMAGEFOLDER_STEPS, **options)
+
+    workdir = str(tmp_path / "killed")
+    flags = imagefolder_flags(image_tree, 2)
+    process = start(workdir, "--config.checkpoint_every=10", flags=flags)
+    wait_for_logged_step(workdir, 40, process)
+    process.kill()
+    # The workers hold the killed run's stdout: this returns only once they have exited too.
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    output = run_to_end(workdir, "--config.checkpoint_every=10", flags=flags)
+    assert "Resuming at step" in output
+    assert_bit_identical(final_state(workdir, IMAGEFOLDER_STEPS, **options), reference)

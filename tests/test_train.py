@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from image_trees import CORRUPTIONS, write_imagefolder
 
 from haiku_state import config as config_lib
-from haiku_state import evaluation, summaries, train
+from haiku_state import data, evaluation, prepare, summaries, train
+from haiku_state.data import order
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,6 +135,23 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(finishe
         ({"profile_steps": (5, 2)}, r"config.profile_steps=\(5, 2\) must be"),
         ({"keep_best_mode": "best"}, r"Unknown config.keep_best_mode 'best'"),
         ({"init_skip": "("}, r"config.init_skip='\(' is not a regex"),
+        ({"num_epochs": 0}, r"config.num_epochs=0 must be a positive integer"),
+        ({"batch_size": 2048}, r"batch_size=2048 is larger than the 1437 training examples"),
+        ({"data.workers": -1}, r"config.data.workers=-1 must be >= 0"),
+        ({"data.image_size": 32}, r"digits images are 8x8 and are not resized"),
+        ({"data.name": "imagefolder"}, r"imagefolder needs data.image_size"),
+        (
+            {"data.name": "imagefolder", "data.image_size": 16},
+            r"data.name='imagefolder' needs data.dir",
+        ),
+        (
+            {"data.name": "imagefolder", "data.image_size": 16, "data.dir": "/no/such/tree"},
+            r"ImageFolder data.dir '/no/such/tree' is not a directory",
+        ),
+        (
+            {"data.name": "arrayrecord", "data.image_size": 16, "data.dir": "/no/such/shards"},
+            r"ArrayRecord data.dir '/no/such/shards' is not a directory",
+        ),
     ],
 )
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides, message):
@@ -164,3 +184,84 @@ def test_cli_bad_value_type_is_refused(tmp_path):
     assert result.returncode != 0
     assert "--config.steps=many" in result.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_num_epochs_gives_the_steps_of_that_many_epochs_of_the_training_split():
+    # 1,437 training digits in batches of 64: 22 steps per epoch.
+    config = mlp_config(num_epochs=3, steps=5, **{"optimizer.warmup_steps": 40})
+    experiment = train.build_experiment(config)
+    assert experiment.total_steps == 66
+    assert train._epochs_note(config, experiment) == " (3 epochs of 22 steps)"
+    assert float(experiment.learning_rate(40)) == pytest.approx(config.optimizer.learning_rate)
+    too_long_warmup = mlp_config(num_epochs=1, **{"optimizer.warmup_steps": 22})
+    with pytest.raises(ValueError, match=r"warmup_steps=22 must be in \[0, steps=22\)"):
+        train.build_experiment(too_long_warmup)
+
+
+def _imagefolder_config(tree, **overrides):
+    settings = {
+        "steps": 12,
+        "log_every": 4,
+        "eval_every": 12,
+        "check_every": 12,
+        "checkpoint_every": 4,
+        "batch_size": 16,
+        "eval_batch_size": 16,
+        "data.name": "imagefolder",
+        "data.dir": tree,
+        "data.image_size": 12,
+        "data.workers": 0,
+        "optimizer.warmup_steps": 2,
+    }
+    return mlp_config(**{**settings, **overrides})
+
+
+def _records(workdir):
+    """The metrics of a run, without its timings."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k != "examples_per_s"} for r in records]
+
+
+def test_an_imagefolder_and_its_arrayrecord_shards_train_to_identical_metrics(tmp_path):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(12, 4))
+    shards = str(tmp_path / "shards")
+    prepare.convert(f"imagefolder:{tree}", shards, examples_per_shard=10)
+    folder_final = train.train_and_evaluate(_imagefolder_config(tree), str(tmp_path / "folder"))
+    shards_config = _imagefolder_config(shards, **{"data.name": "arrayrecord"})
+    shards_final = train.train_and_evaluate(shards_config, str(tmp_path / "shards_run"))
+    assert shards_final == folder_final
+    assert _records(tmp_path / "shards_run") == _records(tmp_path / "folder")
+
+
+def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_checkpoint(
+    tmp_path,
+):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(8, 2))
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(_imagefolder_config(tree, steps=4), workdir)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    before = {n: os.path.getmtime(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)}
+    # Overwrite one image in place: the file index (names and labels) stays the same.
+    split = data.load_dataset("imagefolder", data_dir=tree, image_size=12).train
+    path = split.records.describe(5)
+    with open(path, "wb") as f:
+        f.write(CORRUPTIONS["truncated"](np.random.default_rng(0)))
+    with pytest.raises(data.CorruptImageError) as error:
+        train.train_and_evaluate(_imagefolder_config(tree), workdir)
+    # 24 examples in batches of 16: each step (an epoch) holds 16 of them.
+    split_order = order.batch_order(24, 16, 0, 0, 0, 1, "test")
+    holding = [s + 1 for s in range(12) if 5 in order.step_indices(split_order, s)]
+    first = next(s for s in holding if s > 4)
+    assert f"{path} (example 5) for step {first}:" in str(error.value)
+    after = {n: os.path.getmtime(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)}
+    assert after == before
+    skipping = _imagefolder_config(tree, **{"data.skip_corrupt": True})
+    train.train_and_evaluate(skipping, workdir)
+    # Replaced at every step that holds it: once among the 16 examples of such a step.
+    logged = {
+        r["step"]: r["corrupt_fraction"] for r in _records(workdir) if "corrupt_fraction" in r
+    }
+    for end in (8, 12):
+        steps_holding = len([s for s in holding if end - 4 < s <= end])
+        assert logged[end] == pytest.approx(steps_holding / 4 / 16)

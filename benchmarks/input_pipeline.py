@@ -1,0 +1,368 @@
+r"""The input pipeline's throughput: decoding alone, and the training loop it feeds.
+
+    python -m benchmarks.input_pipeline [--images=2048] [--image_size=224] \
+        [--loop_experiment=mlp --loop_image_size=64 --loop_batch_size=64 --loop_steps=120]
+
+1. Writes ImageNet-like JPEGs (500x375, about 100 KB: smooth noise at several
+   scales plus grain, so they compress as photos do) into a temporary ImageFolder.
+2. One core, one image at a time: decode + random crop + resize to
+   `image_size` squared, by libjpeg-turbo (simplejpeg) and by PIL.
+3. The pipeline alone (`data.encoded_train_batches`): images/s into
+   `image_size` squared uint8 batches, for 1 worker and for as many workers as
+   this process may use cores; per worker, and the scaling between the two.
+4. The training loop (`train.train_and_evaluate`) fed by the pipeline, against
+   the smaller of the pipeline alone and the bare update at the same settings
+   (a model and image size a CPU trains). On a CPU the update runs on the first
+   core and the workers on the others (`--pin_update_core`), as on an
+   accelerator host, where the update does not take the decoders' cores.
+
+Prints one JSON record (also written to `--out` if given). The figures are the
+machine's: on a shared machine, other processes' load moves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from PIL import Image
+
+from haiku_state import config as config_lib
+from haiku_state import data, summaries, train
+from haiku_state.data import preprocess
+
+EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
+WIDTH, HEIGHT = 500, 375
+JPEG_QUALITY = 90
+NUM_CLASSES = 10
+
+
+def photo_like(rng: np.random.Generator) -> np.ndarray:
+    """An RGB image with structure at every scale, as photos have: its JPEG is photo-sized."""
+    image = np.zeros((HEIGHT, WIDTH, 3), np.float32)
+    for cells, amplitude in ((6, 70.0), (25, 40.0), (100, 30.0), (250, 25.0)):
+        coarse = rng.integers(0, 256, (max(2, HEIGHT * cells // WIDTH), cells, 3), dtype=np.uint8)
+        smooth = Image.fromarray(coarse).resize((WIDTH, HEIGHT), Image.Resampling.BICUBIC)
+        image += (np.asarray(smooth, np.float32) / 127.5 - 1.0) * amplitude
+    image += rng.normal(0.0, 7.0, (HEIGHT, WIDTH, 1))
+    return np.clip(image + 128.0, 0, 255).astype(np.uint8)
+
+
+def write_tree(root: str, num_images: int, num_distinct: int, seed: int = 0) -> dict[str, Any]:
+    """An ImageFolder of `num_images` training JPEGs (cycling `num_distinct` contents)."""
+    rng = np.random.default_rng(seed)
+    encoded = []
+    for _ in range(num_distinct):
+        buffer = io.BytesIO()
+        Image.fromarray(photo_like(rng)).save(buffer, "JPEG", quality=JPEG_QUALITY)
+        encoded.append(buffer.getvalue())
+    for split, count in (("train", num_images), ("val", 4 * NUM_CLASSES)):
+        for i in range(count):
+            folder = os.path.join(root, split, f"class_{i % NUM_CLASSES:02d}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"{i:07d}.JPEG"), "wb") as f:
+                f.write(encoded[i % num_distinct])
+    sizes = [len(e) for e in encoded]
+    return {"images": num_images, "distinct": num_distinct, "mean_kb": statistics.mean(sizes) / 1e3}
+
+
+def decoder_rates(root: str, image_size: int, seconds: float) -> dict[str, float]:
+    """Images/s on one core (this thread) of decode + random crop + resize, per decoder.
+
+    The decoders take turns in short rounds, and each keeps its median round, so a
+    change in the machine's load meanwhile touches both alike.
+    """
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=image_size).train
+    images = [split.records[i][0] for i in range(min(64, len(split.records)))]
+    boxes = [preprocess.random_crop_box(WIDTH, HEIGHT, np.random.default_rng(i)) for i in range(64)]
+    decoders = {
+        "libjpeg-turbo": lambda jpeg, box: np.asarray(
+            preprocess._decode_crop_turbo(jpeg, (WIDTH, HEIGHT), box, image_size)
+        ),
+        "pil": lambda jpeg, box: np.asarray(
+            preprocess._decode_crop_pil(jpeg, lambda w, h: box, image_size)
+        ),
+    }
+    rounds = {name: [] for name in decoders}
+    for _ in range(max(1, int(seconds / 0.25))):
+        for name, decode in decoders.items():
+            start = time.perf_counter()
+            for image, box in zip(images, boxes, strict=True):
+                decode(image, box)
+            rounds[name].append(len(images) / (time.perf_counter() - start))
+    return {name: statistics.median(rates) for name, rates in rounds.items()}
+
+
+def _children() -> list[str]:
+    """The pids of this process's live child processes (the workers), Linux."""
+    children = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    children.append(pid)
+        except OSError:
+            continue  # Gone meanwhile.
+    return children
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU time of this process's child processes."""
+    total = 0.0
+    for pid in _children():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _resident_mb(pids: list[str]) -> float:
+    """The summed resident memory of `pids` (shared pages counted in each)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+            line = next(line for line in f if line.startswith("VmRSS:"))
+            total += int(line.split()[1]) / 1024
+    return total
+
+
+def pipeline_rate(
+    split: data.EncodedSplit, batch_size: int, workers: int, steps: int
+) -> dict[str, float]:
+    """The host pipeline alone, once its workers are up (their first batches excluded).
+
+    Returns images/s of wall time, and images per CPU-second of the decoding
+    processes (the workers, or this one for 0 workers): the second does not
+    count the time other processes of a shared machine take from them.
+    """
+    warmup = max(workers, 1)
+    batches = data.encoded_train_batches(
+        split, batch_size, seed=0, num_steps=steps + warmup, workers=workers
+    )
+    for _ in range(warmup):
+        next(batches)
+    cpu = time.process_time if workers == 0 else _children_cpu_seconds
+    start, start_cpu = time.perf_counter(), cpu()
+    count = 0
+    for _ in range(steps):
+        count += len(next(batches)["label"])
+    seconds, cpu_seconds = time.perf_counter() - start, cpu() - start_cpu
+    resident_mb = _resident_mb(["self", *_children()])
+    batches.close()
+    return {
+        "images_per_s": count / seconds,
+        "images_per_cpu_s": count / cpu_seconds,
+        "resident_mb": resident_mb,
+    }
+
+
+def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
+    """The experiment (`mlp`, `resnet50:imagenet`, ...) on the generated tree, for `loop_steps`."""
+    name, _, variant = args.loop_experiment.partition(":")
+    path = os.path.join(EXPERIMENTS_DIR, f"{name}.py" + (f":{variant}" if variant else ""))
+    config = config_lib.load_config_file(path)
+    config.update(
+        num_epochs=None,
+        steps=args.loop_steps,
+        batch_size=args.loop_batch_size,
+        eval_batch_size=args.loop_batch_size,
+        log_every=args.loop_log_every,
+        check_every=args.loop_steps,
+        eval_every=args.loop_steps,
+        checkpoint_every=args.loop_steps,
+    )
+    config.optimizer.warmup_steps = args.loop_steps // 4
+    config.data.update(
+        name="imagefolder",
+        dir=root,
+        image_size=args.loop_image_size,
+        workers=workers,
+        max_shift=0,
+        flip=False,
+    )
+    return config
+
+
+def bare_update_rate(config: Any, steps: int) -> float:
+    """Examples/s of `Updater.update` on one device batch, at most two steps in flight."""
+    experiment = train.build_experiment(config)
+    batch = train.placeholder_batch(experiment.dataset, config.batch_size)
+    state = experiment.updater.init(config.seed, batch)
+    update = experiment.updater.update
+    for _ in range(3):  # Compiles.
+        state, metrics = update(state, batch)
+    jax.block_until_ready(metrics)
+    start, previous = time.perf_counter(), None
+    for _ in range(steps):
+        state, metrics = update(state, batch)
+        if previous is not None:
+            jax.block_until_ready(previous)
+        previous = metrics
+    jax.block_until_ready(previous)
+    return steps * config.batch_size / (time.perf_counter() - start)
+
+
+def loop_rate(config: Any, workdir: str) -> dict[str, float]:
+    """The training loop's steady examples/s: every logged window but the first (compiles)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        train.train_and_evaluate(config, workdir)
+    records = sorted(
+        (r for r in summaries.read_metrics(workdir) if r["split"] == "train"),
+        key=lambda r: r["step"],
+    )
+    steady = records[1:]
+    seconds = sum(config.log_every * config.batch_size / r["examples_per_s"] for r in steady)
+    return {"examples_per_s": len(steady) * config.log_every * config.batch_size / seconds}
+
+
+def measure_pipeline(
+    split: data.EncodedSplit, batch_size: int, worker_counts: list[int], steps: int
+) -> dict[str, Any]:
+    """The pipeline alone for each worker count, and the scaling from the first to the last."""
+    runs = {w: pipeline_rate(split, batch_size, w, steps) for w in worker_counts}
+    rates = {w: run["images_per_s"] for w, run in runs.items()}
+    first, last = worker_counts[0], worker_counts[-1]
+    return {
+        "image_size": split.image_size,
+        "batch_size": batch_size,
+        "images_per_s": {str(w): rate for w, rate in rates.items()},
+        "images_per_s_per_worker": {str(w): rate / max(w, 1) for w, rate in rates.items()},
+        "images_per_worker_cpu_s": {str(w): run["images_per_cpu_s"] for w, run in runs.items()},
+        "resident_mb_with_workers": {str(w): run["resident_mb"] for w, run in runs.items()},
+        "scaling": rates[last] / rates[first] if last != first else None,
+        "scaling_target": 0.8 * last / first if last != first else None,
+    }
+
+
+@contextlib.contextmanager
+def update_core_apart(enabled: bool) -> Iterator[None]:
+    """This process (the loop, XLA:CPU's pool) on the first core, its workers on the others.
+
+    On a CPU the update and the decoding compete for the same cores; on an
+    accelerator host they do not. Pinning them apart makes the CPU loop figure
+    answer the question it is for: does feeding the loop cost it throughput.
+    """
+    if not enabled:
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    for thread_id in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(thread_id), {cores[0]})
+    stop = threading.Event()
+
+    def move_workers() -> None:  # Workers start on the first core, where they are spawned.
+        while not stop.wait(0.1):
+            for pid in _children():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(pid), set(cores[1:]))
+
+    mover = threading.Thread(target=move_workers, daemon=True)
+    mover.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        mover.join()
+        for thread_id in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(thread_id), set(cores))
+
+
+def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str, Any]:
+    config = loop_config(args, root, workers)
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=args.loop_image_size).train
+    # The pipeline alone on both sides of the loop: a shared machine's load drifts.
+    steps = args.loop_steps // 2
+    pinned = args.pin_update_core and len(os.sched_getaffinity(0)) > workers > 0
+    with update_core_apart(pinned):
+        before = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
+        with tempfile.TemporaryDirectory(prefix="bench_loop_") as workdir:
+            loop = loop_rate(config, workdir)["examples_per_s"]
+        after = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
+        update = bare_update_rate(config, args.loop_steps)
+    alone = (before + after) / 2
+    bound = min(alone, update)
+    return {
+        "experiment": args.loop_experiment,
+        "image_size": args.loop_image_size,
+        "batch_size": config.batch_size,
+        "steps": config.steps,
+        "workers": workers,
+        "update_core_apart": pinned,
+        "pipeline_alone_images_per_s": alone,
+        "pipeline_alone_before_after": [before, after],
+        "bare_update_examples_per_s": update,
+        "loop_examples_per_s": loop,
+        "ratio_vs_min": loop / bound,
+        "bound": "pipeline" if alone <= update else "update",
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.input_pipeline")
+    parser.add_argument("--images", type=int, default=2048, help="training JPEGs written")
+    parser.add_argument("--distinct", type=int, default=256, help="distinct contents among them")
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=24, help="batches timed per worker count")
+    parser.add_argument("--workers", default="", help="worker counts, e.g. 1,15 (1 and cores)")
+    parser.add_argument("--decoder_seconds", type=float, default=4.0, help="rounds x 0.25 s")
+    parser.add_argument("--loop_experiment", default="mlp", help="or resnet50:imagenet, ...")
+    parser.add_argument("--loop_workers", type=int, default=None, help="default: cores - 1")
+    parser.add_argument("--loop_image_size", type=int, default=64)
+    parser.add_argument("--loop_batch_size", type=int, default=64)
+    parser.add_argument("--loop_steps", type=int, default=120)
+    parser.add_argument("--loop_log_every", type=int, default=20)
+    parser.add_argument("--no_loop", action="store_true", help="skip the training loop")
+    parser.add_argument(
+        "--pin_update_core",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        default=True,
+        help="loop: this process on the first core, the workers on the others (true)",
+    )
+    parser.add_argument("--out", default="", help="also write the JSON record here")
+    args = parser.parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
+    worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else [1, cores]
+    record: dict[str, Any] = {
+        "machine": {
+            "cores": cores,
+            "load_average": os.getloadavg(),
+            "python": platform.python_version(),
+        }
+    }
+    with tempfile.TemporaryDirectory(prefix="bench_imagefolder_") as root:
+        record["data"] = write_tree(root, args.images, args.distinct)
+        record["decoders_one_core_images_per_s"] = decoder_rates(
+            root, args.image_size, args.decoder_seconds
+        )
+        split = data.load_dataset("imagefolder", data_dir=root, image_size=args.image_size).train
+        record["pipeline"] = measure_pipeline(split, args.batch_size, worker_counts, args.steps)
+        if not args.no_loop:
+            workers = data.default_workers() if args.loop_workers is None else args.loop_workers
+            record["loop"] = measure_loop(args, root, workers)
+    record["machine"]["load_average_after"] = os.getloadavg()
+    text = json.dumps(record, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The input pipeline: sources, batch order, host decoding, batches onto the devices, augmentation.
+
+Nothing here touches the network. The modules, in the order data flows:
+
+- `sources`: `load_dataset` by name. `in_memory`: the embedded digits,
+  CIFAR-10's python release and synthetic data, held as arrays. `imagefolder`:
+  `DIR/train/<class>/*` trees, their file index cached. `arrayrecord`: the same
+  examples in the shards `python -m haiku_state.prepare` writes.
+- `order`: which examples each step sees, a pure function of `(seed, step)`;
+  each process takes its contiguous slice of every global batch.
+- `preprocess`: decoding by content and the host's random crops and flips,
+  seeded by each example's place in the global batch.
+- `pipeline`: grain's workers decoding the batches of encoded splits.
+- `batches`: host batches of splits in memory.
+- `device`: batches onto the devices (`prefetch_to_device`), or drawn there for
+  small splits (`device_train_batches`).
+- `inputs`: the pipeline a split takes (`sharded_train_batches`,
+  `sharded_eval_batches`).
+- `augment`: on-device random shifts and flips inside the step.
+
+Images travel as stored: uint8 pixels (float32 for synthetic data), never
+standardised on the host. The network standardises them on the device with
+the dataset's `mean` and `std`.
+
+Because the batches (and every host-side random choice) are a pure function of
+`(seed, step)`, a checkpoint needs to hold nothing about the input: resuming at
+step `k` rebuilds the pipeline at step `k`.
+"""
+
+from haiku_state.data.augment import make_augment_fn, random_flip, random_shift
+from haiku_state.data.batches import eval_batches, train_batches
+from haiku_state.data.device import (
+    DEVICE_RESIDENT_MAX_BYTES,
+    device_train_batches,
+    fits_on_device,
+    prefetch_to_device,
+)
+from haiku_state.data.in_memory import CIFAR10_MEAN, CIFAR10_STD, DIGITS_NUM_TEST
+from haiku_state.data.inputs import (
+    DEFAULT_OPTIONS,
+    PipelineOptions,
+    sharded_eval_batches,
+    sharded_train_batches,
+)
+from haiku_state.data.order import steps_per_epoch
+from haiku_state.data.pipeline import (
+    default_workers,
+    encoded_eval_batches,
+    encoded_train_batches,
+)
+from haiku_state.data.sources import DATASETS, ENCODED_DATASETS, load_dataset
+from haiku_state.data.splits import (
+    CorruptImageError,
+    DataError,
+    Dataset,
+    EncodedSplit,
+    MissingDataError,
+    Split,
+    num_examples,
+)
+
+__all__ = [
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "DATASETS",
+    "DEFAULT_OPTIONS",
+    "DEVICE_RESIDENT_MAX_BYTES",
+    "DIGITS_NUM_TEST",
+    "ENCODED_DATASETS",
+    "CorruptImageError",
+    "DataError",
+    "Dataset",
+    "EncodedSplit",
+    "MissingDataError",
+    "PipelineOptions",
+    "Split",
+    "default_workers",
+    "device_train_batches",
+    "encoded_eval_batches",
+    "encoded_train_batches",
+    "eval_batches",
+    "fits_on_device",
+    "load_dataset",
+    "make_augment_fn",
+    "num_examples",
+    "prefetch_to_device",
+    "random_flip",
+    "random_shift",
+    "sharded_eval_batches",
+    "sharded_train_batches",
+    "steps_per_epoch",
+    "train_batches",
+]

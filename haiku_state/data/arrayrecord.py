@@ -1,0 +1,168 @@
+"""ArrayRecord shards: the same examples as an ImageFolder tree, in a few large files.
+
+`python -m haiku_state.prepare` writes them. A prepared folder holds
+`dataset.json` (written last: a folder without it is an unfinished conversion)
+and the shards of each split, `train-00000-of-01252.array_record`, ...,
+`val-...`. Example `i` of a split is record `i` of its shards taken in order,
+and the examples are in the order of the source (an ImageFolder's sorted
+index), so both forms of the same data give the same batches.
+
+Each record is one example, the encoded image exactly as the source stored it:
+
+    int32 label | uint16 n | n bytes: UTF-8 name of the source file | image bytes
+
+all little-endian. Shards are written uncompressed (the images are compressed
+already) with `group_size:1`, the layout grain reads one record at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+from haiku_state.data.splits import DataError, Dataset, EncodedSplit, MissingDataError
+
+FORMAT = "haiku_state.arrayrecord/1"
+DATASET_FILE = "dataset.json"
+SPLITS = ("train", "val")
+WRITER_OPTIONS = "group_size:1,uncompressed"
+_HEADER = struct.Struct("<iH")
+
+
+def encode_example(image: bytes, label: int, name: str) -> bytes:
+    """One record: the label, the source's name for the example, the encoded image."""
+    encoded_name = name.encode()[:65535]
+    return _HEADER.pack(label, len(encoded_name)) + encoded_name + image
+
+
+def decode_example(record: bytes) -> tuple[bytes, int, str]:
+    """`(image, label, name)` of a record; ValueError if it is too short to be one."""
+    if len(record) < _HEADER.size:
+        raise ValueError(f"a record of {len(record)} bytes holds no example")
+    label, name_length = _HEADER.unpack_from(record)
+    name_end = _HEADER.size + name_length
+    if len(record) < name_end:
+        raise ValueError(f"a record of {len(record)} bytes is cut short")
+    return record[name_end:], label, record[_HEADER.size : name_end].decode(errors="replace")
+
+
+def shard_name(split: str, shard: int, num_shards: int) -> str:
+    return f"{split}-{shard:05d}-of-{num_shards:05d}.array_record"
+
+
+def write_shard(path: str, records: Iterable[bytes]) -> int:
+    """Writes `records` to `path` whole or not at all (a temporary file renamed); their count."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    temporary = f"{path}.incomplete"
+    writer = ArrayRecordWriter(temporary, WRITER_OPTIONS)
+    count = 0
+    try:
+        for record in records:
+            writer.write(record)
+            count += 1
+    finally:
+        writer.close()
+    os.replace(temporary, path)
+    return count
+
+
+class ShardRecords:
+    """The examples of one split of a prepared folder: `(image bytes, label)` by index.
+
+    Args:
+      directory: the prepared folder.
+      shards: `[(file name, number of records)]` in order, from `dataset.json`.
+    """
+
+    def __init__(self, directory: str, shards: list[tuple[str, int]]):
+        self._directory, self._shards = directory, [tuple(s) for s in shards]
+        self._source = None  # Opened on first use, in the process that reads.
+
+    def __len__(self) -> int:
+        return sum(count for _, count in self._shards)
+
+    def _read(self, index: int) -> bytes:
+        if self._source is None:
+            from array_record.python.array_record_data_source import ArrayRecordDataSource
+
+            # `path[0:n]`: the counts are known, so no shard is opened to count it.
+            paths = [f"{os.path.join(self._directory, f)}[0:{n}]" for f, n in self._shards]
+            self._source = ArrayRecordDataSource(paths)
+        return self._source[index]
+
+    def __getitem__(self, index: int) -> tuple[bytes, int]:
+        image, label, _ = decode_example(self._read(index))
+        return image, label
+
+    def describe(self, index: int) -> str:
+        shard, position = self._shard_of(index)
+        where = f"record {position} of {os.path.join(self._directory, shard)}"
+        try:
+            return f"{where} ({decode_example(self._read(index))[2]})"
+        except Exception:  # The record itself is unreadable: its place is all there is.
+            return where
+
+    def _shard_of(self, index: int) -> tuple[str, int]:
+        for name, count in self._shards:
+            if index < count:
+                return name, index
+            index -= count
+        raise IndexError(index)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": self._directory, "shards": self._shards}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"], state["shards"])
+
+
+def read_metadata(data_dir: str) -> dict[str, Any]:
+    """The `dataset.json` of a prepared folder, refusing a missing or unfinished one."""
+    if not data_dir or not os.path.isdir(data_dir):
+        raise MissingDataError(
+            f"ArrayRecord data.dir {data_dir!r} is not a directory; write one with "
+            "`python -m haiku_state.prepare --from=imagefolder:DIR --to=OUT`."
+        )
+    path = os.path.join(data_dir, DATASET_FILE)
+    if not os.path.isfile(path):
+        raise MissingDataError(
+            f"{data_dir} has no {DATASET_FILE}: not a prepared folder, or its conversion did "
+            "not finish (run the same `python -m haiku_state.prepare` again to complete it)."
+        )
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except ValueError as e:
+        raise DataError(f"{path} is not valid JSON: {e}") from None
+    if metadata.get("format") != FORMAT:
+        raise DataError(f"{path} is format {metadata.get('format')!r}; expected {FORMAT!r}.")
+    return metadata
+
+
+def load_arrayrecord(data_dir: str, image_size: int) -> Dataset:
+    """A prepared folder as a `Dataset` of encoded splits; every shard checked to be there."""
+    metadata = read_metadata(data_dir)
+    records = {}
+    for split in SPLITS:
+        shards = [(s["file"], s["num_examples"]) for s in metadata["splits"][split]["shards"]]
+        missing = [f for f, _ in shards if not os.path.isfile(os.path.join(data_dir, f))]
+        if missing:
+            raise MissingDataError(
+                f"{data_dir} lacks {len(missing)} shard(s) its {DATASET_FILE} lists, the "
+                f"first {missing[0]}."
+            )
+        records[split] = ShardRecords(data_dir, shards)
+    num_classes = metadata["num_classes"]
+    return Dataset(
+        train=EncodedSplit(records["train"], image_size, num_classes),
+        test=EncodedSplit(records["val"], image_size, num_classes),
+        num_classes=num_classes,
+        image_shape=(image_size, image_size, 3),
+        name="arrayrecord",
+        mean=tuple(metadata["mean"]),
+        std=tuple(metadata["std"]),
+    )

@@ -1,0 +1,207 @@
+"""Batches onto the devices: a background thread for host batches, a gather for small splits.
+
+`prefetch_to_device` shards host batches (numpy) onto the local devices in a
+background thread, a few steps ahead. A split small enough to keep a copy on
+every device (`fits_on_device`) skips the host instead: `device_train_batches`
+draws the batches of `batches.train_batches` there with one jitted gather per
+several steps.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from haiku_state import replication
+from haiku_state.data import order as order_lib
+from haiku_state.data.splits import Batch, Split
+from haiku_state.replication import DEFAULT_AXIS_NAME, shard
+
+_END = object()
+# How long closing a prefetcher waits for its thread to close the source (e.g. to stop
+# grain's workers) before leaving it to finish alone.
+CLOSE_TIMEOUT_S = 30.0
+
+
+def prefetch_to_device(
+    batches: Iterator[Batch], *, size: int = 2, axis_name: str = DEFAULT_AXIS_NAME
+) -> Iterator[Batch]:
+    """Shards upcoming host batches onto the local devices in a background thread.
+
+    While the devices run step `k`, the thread slices and transfers the batches of
+    the next steps, keeping up to `size` of them queued. Each yielded batch has
+    leaves `[local_devices, B // local_devices, ...]` laid out as `replication.shard`
+    lays them, ready for a pmapped step.
+
+    The result is a generator: it ends when `batches` ends, re-raises in the
+    consumer any exception the source or `shard` raised, and `close()` on it (or
+    its garbage collection) stops the thread, which polls a stop flag while it
+    waits on the full queue and is a daemon in any case. The thread closes
+    `batches` when it stops (a generator of decoding workers stops them), and
+    `close()` waits for that, up to `CLOSE_TIMEOUT_S`.
+
+    Args:
+      batches: host batches, e.g. from `train_batches` or `eval_batches`.
+      size: how many device batches to keep ready.
+      axis_name: the pmap axis name the batches are sharded along.
+
+    Returns:
+      An iterator of device batches.
+    """
+    if size < 1:
+        raise ValueError(f"prefetch_to_device: size must be positive, got {size}.")
+    return _prefetch_to_device(iter(batches), size, axis_name)
+
+
+def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> Iterator[Batch]:
+    ready: queue.Queue = queue.Queue(maxsize=size)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if not put(shard(batch, axis_name)):
+                    return
+            put(_END)
+        except BaseException as error:  # Handed to the consumer, which re-raises it.
+            put(error)
+        finally:
+            if hasattr(batches, "close"):
+                batches.close()
+
+    thread = threading.Thread(target=produce, name="prefetch_to_device", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(CLOSE_TIMEOUT_S)
+
+
+# `inputs.sharded_train_batches` keeps a training split of at most this many bytes (images
+# and labels) on every device and draws its batches there (`device_train_batches`); larger
+# splits go through the host pipeline (`train_batches` + `prefetch_to_device`).
+DEVICE_RESIDENT_MAX_BYTES = 128 * 2**20
+# `device_train_batches` gathers the batches of several steps per launch: at most this many
+# bytes of them per device, and at most this many steps (the gather's compile time grows
+# with the step count).
+GATHER_BYTES = 16 * 2**20
+MAX_STEPS_PER_GATHER = 16
+
+
+def fits_on_device(split: Split, max_bytes: int = DEVICE_RESIDENT_MAX_BYTES) -> bool:
+    """Whether `split` is small enough to keep a copy on every local device."""
+    return split.images.nbytes + split.labels.nbytes <= max_bytes
+
+
+def device_train_batches(
+    split: Split,
+    batch_size: int,
+    *,
+    seed: int,
+    start_step: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    axis_name: str = DEFAULT_AXIS_NAME,
+    steps_per_gather: int | None = None,
+) -> Iterator[Batch]:
+    """The batches of `train_batches`, drawn on device from a device-resident split.
+
+    The split is transferred once, a full copy to every local device. Then, for
+    every `steps_per_gather` steps, the host transfers their example indices (the
+    order `train_batches` draws, this process's slice of each batch) and one
+    jitted gather, dispatched asynchronously, builds their batches, each device
+    its own slice of each batch. No host gather, no host-to-device copy of images,
+    no background thread: on a small machine those compete with the step for the
+    cores and the GIL, and one launch per several steps keeps the gather's own
+    dispatch cost off most steps (`benchmarks/` measures both).
+
+    Batch `k` holds exactly the examples of batch `k` of `train_batches` with the
+    same arguments, in the same order, laid out as `prefetch_to_device` lays them
+    out, so a run gives the same results with either pipeline. Use it for splits
+    that fit in device memory next to the model (`fits_on_device`).
+
+    Args:
+      split: the examples to draw from.
+      batch_size: the global batch size, over all processes; this process's share
+        must be a multiple of its local device count.
+      seed: fixes the shuffle of every epoch, as in `train_batches`.
+      start_step: the first step to yield.
+      process_index: this process's index, `jax.process_index()`.
+      process_count: the number of processes, `jax.process_count()`.
+      axis_name: the pmap axis name the batches are sharded along.
+      steps_per_gather: how many steps' batches one gather builds (and holds on
+        the devices until they are consumed); None: as many as take at most
+        `GATHER_BYTES` per device, between 1 and `MAX_STEPS_PER_GATHER` (16 for
+        the digits).
+
+    Returns:
+      An iterator of device batches `{"image": [devices, B / P / devices, H, W, C],
+      "label": [devices, B / P / devices]}`.
+
+    Raises:
+      ValueError: for the arguments `train_batches` refuses, a process share not
+        divisible by the local device count, or a `steps_per_gather` that is not
+        positive (raised here, not at the first `next`).
+    """
+    where, num_examples = "device_train_batches", len(split.labels)
+    order = order_lib.batch_order(
+        num_examples, batch_size, seed, start_step, process_index, process_count, where
+    )
+    num_devices, local_size = jax.local_device_count(), order.local_size
+    if local_size % num_devices:
+        raise ValueError(
+            f"{where}: batch_size={batch_size} gives this process {local_size} examples, "
+            f"not divisible by the {num_devices} local devices."
+        )
+    if steps_per_gather is None:
+        example_bytes = split.images[0].nbytes + split.labels[0].nbytes
+        batch_bytes = example_bytes * (local_size // num_devices)
+        steps_per_gather = int(np.clip(GATHER_BYTES // batch_bytes, 1, MAX_STEPS_PER_GATHER))
+    if steps_per_gather < 1:
+        raise ValueError(f"{where}: steps_per_gather must be positive, got {steps_per_gather}.")
+    indices = order_lib.indices_from(order, start_step)
+    return _device_train_batches(split, indices, axis_name, steps_per_gather)
+
+
+def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> list[Batch]:
+    """The batches of `index` (`[steps, devices, per_device]` example indices), one per step."""
+    return [{"image": images[i], "label": labels[i]} for i in index]
+
+
+def _device_train_batches(
+    split: Split, indices: Iterator[np.ndarray], axis_name: str, steps_per_gather: int
+) -> Iterator[Batch]:
+    num_devices = jax.local_device_count()
+    mesh = replication.local_mesh(axis_name)
+    images, labels = jax.device_put(
+        (split.images, split.labels), NamedSharding(mesh, PartitionSpec())
+    )
+    # Each device's slice of every batch: the layout a pmapped step takes as it is.
+    gather = jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding(axis_name))
+    index_sharding = NamedSharding(mesh, PartitionSpec(None, axis_name))
+    while True:
+        index = np.stack([next(indices) for _ in range(steps_per_gather)]).astype(np.int32)
+        index = index.reshape(steps_per_gather, num_devices, -1)
+        yield from gather(images, labels, jax.device_put(index, index_sharding))

@@ -1,0 +1,319 @@
+"""ImageFolder trees: `DIR/train/<class>/*` and `DIR/val/<class>/*`, indexed once and cached.
+
+The class index of an image is the position of its folder's name among the
+sorted class folders of `train/` (`val/` must have the same ones), as
+`torchvision.datasets.ImageFolder` numbers them and as ILSVRC-2012 is usually
+extracted. Images are the files directly inside a class folder whose names end
+in `.jpeg`, `.jpg` or `.png` in any case; other files (a README, a hidden
+`._x.JPEG` of macOS) are skipped. The extension only selects files: every image
+is decoded by its content.
+
+**The file index** (every file's path and label, a few bytes per file plus the
+names; never pixels) is built by listing the tree once and cached in
+`$HAIKU_STATE_CACHE/imagefolder/<key>/` (default `~/.cache/haiku_state`), where
+`<key>` is a hash of the tree's absolute real path, so a read-only data folder
+needs no write access. A later start checks the cache with one `stat` per
+folder (`train/`, `val/` and every class folder): adding, removing or renaming
+an image changes its folder's modification time, and any such change rebuilds
+the index. Processes that start together on one host may each build it; every
+build is written apart and committed by renaming its manifest, so a reader
+sees one complete index or none (the files of replaced builds are removed
+once they are a day old). The index arrays are memory-mapped, so the
+decoding workers share one copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from typing import Any, NamedTuple
+
+import numpy as np
+from absl import logging
+
+from haiku_state.data.splits import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DataError,
+    Dataset,
+    EncodedSplit,
+    MissingDataError,
+)
+
+IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
+SPLITS = ("train", "val")
+CACHE_ENV = "HAIKU_STATE_CACHE"
+_CACHE_VERSION = 1
+_ARRAYS = ("names", "offsets", "labels")
+
+
+class FileIndex(NamedTuple):
+    """The files of one split: their paths relative to the split folder, and labels.
+
+    Attributes:
+      names: uint8, the UTF-8 paths `<class>/<file>` one after another.
+      offsets: int64 `[N + 1]`: path `i` is `names[offsets[i]:offsets[i + 1]]`.
+      labels: int32 `[N]`.
+    """
+
+    names: np.ndarray
+    offsets: np.ndarray
+    labels: np.ndarray
+
+
+def pack_index(names: list[str], labels: list[int]) -> FileIndex:
+    """The compact form of a list of relative paths and their labels."""
+    encoded = [os.fsencode(name) for name in names]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum([len(name) for name in encoded], out=offsets[1:])
+    blob = np.frombuffer(b"".join(encoded), np.uint8)
+    return FileIndex(blob, offsets, np.asarray(labels, np.int32))
+
+
+class FileRecords:
+    """The examples of one split of an ImageFolder tree: `(file bytes, label)` by index.
+
+    Args:
+      folder: the split's folder (`DIR/train`).
+      index: its file index.
+      cache_files: where the index arrays are stored, if they are: workers then
+        memory-map them instead of receiving a copy.
+    """
+
+    def __init__(self, folder: str, index: FileIndex, cache_files: dict[str, str] | None = None):
+        self._folder, self._index, self._cache_files = folder, index, cache_files
+
+    def __len__(self) -> int:
+        return len(self._index.labels)
+
+    def path(self, index: int) -> str:
+        start, end = self._index.offsets[index], self._index.offsets[index + 1]
+        return os.path.join(self._folder, os.fsdecode(self._index.names[start:end].tobytes()))
+
+    def __getitem__(self, index: int) -> tuple[bytes, int]:
+        with open(self.path(index), "rb") as f:
+            return f.read(), int(self._index.labels[index])
+
+    def describe(self, index: int) -> str:
+        return self.path(index)
+
+    def name(self, index: int) -> str:
+        """The path of example `index` relative to the tree: `train/<class>/<file>`."""
+        return os.path.relpath(self.path(index), os.path.dirname(self._folder))
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._cache_files is None:
+            return {"folder": self._folder, "index": self._index}
+        return {"folder": self._folder, "cache_files": self._cache_files}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._folder, self._cache_files = state["folder"], state.get("cache_files")
+        self._index = state["index"] if self._cache_files is None else _map_index(self._cache_files)
+
+
+def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
+    """An ImageFolder tree as a `Dataset` of encoded splits, checked before anything is read.
+
+    Args:
+      data_dir: the folder holding `train/` and `val/`.
+      image_size: the side of the square crops the pipeline makes.
+
+    Raises:
+      MissingDataError: for a missing `data_dir`, `train/` or `val/`.
+      DataError: for a class folder without images, or class folders that differ
+        between `train/` and `val/`.
+    """
+    classes, records = index_tree(data_dir)
+    return Dataset(
+        train=EncodedSplit(records["train"], image_size, len(classes)),
+        test=EncodedSplit(records["val"], image_size, len(classes)),
+        num_classes=len(classes),
+        image_shape=(image_size, image_size, 3),
+        name="imagefolder",
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+    )
+
+
+def _checked_root(data_dir: str) -> str:
+    """The real path of an ImageFolder tree that has `train/` and `val/`."""
+    if not data_dir:
+        raise MissingDataError(
+            "data.name='imagefolder' needs data.dir: the folder holding train/<class>/* "
+            "and val/<class>/*."
+        )
+    root = os.path.realpath(data_dir)
+    if not os.path.isdir(root):
+        raise MissingDataError(f"ImageFolder data.dir {data_dir!r} is not a directory.")
+    for split in SPLITS:
+        if not os.path.isdir(os.path.join(root, split)):
+            raise MissingDataError(
+                f"ImageFolder {data_dir!r} has no {split}/ folder; expected "
+                f"{os.path.join(data_dir, split, '<class>', '<image>')}."
+            )
+    return root
+
+
+def class_folders(split_dir: str) -> list[str]:
+    """The sorted names of the (non-hidden) folders of `split_dir`."""
+    with os.scandir(split_dir) as entries:
+        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+
+
+def image_files(class_dir: str) -> list[str]:
+    """The sorted names of the image files of `class_dir`, chosen by extension."""
+    with os.scandir(class_dir) as entries:
+        return sorted(
+            e.name
+            for e in entries
+            if not e.name.startswith(".")
+            and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS
+            and e.is_file()
+        )
+
+
+def check_classes(root: str, classes_by_split: dict[str, list[str]]) -> list[str]:
+    """The class names, refusing a tree whose splits disagree or have none."""
+    train, val = classes_by_split["train"], classes_by_split["val"]
+    if not train:
+        raise DataError(f"ImageFolder {os.path.join(root, 'train')} has no class folders.")
+    if train != val:
+        only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+        raise DataError(
+            f"ImageFolder {root}: train/ and val/ have different class folders: "
+            f"only in train/: {only_train[:10]}, only in val/: {only_val[:10]}."
+        )
+    return train
+
+
+def build_index(split_dir: str, classes: list[str]) -> FileIndex:
+    """Lists every class folder of `split_dir`; refuses one without images."""
+    names, labels = [], []
+    for label, name in enumerate(classes):
+        files = image_files(os.path.join(split_dir, name))
+        if not files:
+            raise DataError(
+                f"Class folder {os.path.join(split_dir, name)} holds no images (files "
+                f"ending in {', '.join(IMAGE_EXTENSIONS)}, any case)."
+            )
+        names += [f"{name}/{file}" for file in files]
+        labels += [label] * len(files)
+    return pack_index(names, labels)
+
+
+# -- The cache ------------------------------------------------------------------------------
+
+
+def cache_dir(root: str) -> str:
+    """Where the index of the tree at `root` (a real absolute path) is cached."""
+    base = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "haiku_state"
+    )
+    key = hashlib.sha256(root.encode()).hexdigest()[:24]
+    return os.path.join(base, "imagefolder", key)
+
+
+def _folder_mtimes(root: str, classes: list[str]) -> dict[str, int]:
+    """The modification time of every folder whose listing the index reflects."""
+    folders = [*SPLITS, *(f"{split}/{name}" for split in SPLITS for name in classes)]
+    return {folder: os.stat(os.path.join(root, folder)).st_mtime_ns for folder in folders}
+
+
+def _map_index(files: dict[str, str]) -> FileIndex:
+    return FileIndex(*(np.load(files[name], mmap_mode="r") for name in _ARRAYS))
+
+
+def _read_cache(root: str) -> tuple[list[str], dict[str, dict[str, str]]] | None:
+    """The classes and cached array files of `root`, if the cache is complete and current."""
+    try:
+        with open(os.path.join(cache_dir(root), "manifest.json")) as f:
+            manifest = json.load(f)
+        if manifest["version"] != _CACHE_VERSION or manifest["root"] != root:
+            return None
+        if _folder_mtimes(root, manifest["classes"]) != manifest["mtimes"]:
+            return None
+        files = manifest["files"]
+        if not all(os.path.isfile(path) for split in SPLITS for path in files[split].values()):
+            return None
+        return manifest["classes"], files
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _write_cache(root: str, classes: list[str], indexes: dict[str, FileIndex], mtimes) -> dict:
+    """Writes one build of the index; the manifest's rename commits it. Returns its files."""
+    directory = cache_dir(root)
+    os.makedirs(directory, exist_ok=True)
+    build = uuid.uuid4().hex[:12]
+    files = {}
+    for split, index in indexes.items():
+        files[split] = {}
+        for name, array in zip(_ARRAYS, index, strict=True):
+            path = os.path.join(directory, f"{build}-{split}-{name}.npy")
+            np.save(path, array)
+            files[split][name] = path
+    manifest = {
+        "version": _CACHE_VERSION,
+        "root": root,
+        "classes": classes,
+        "mtimes": mtimes,
+        "files": files,
+    }
+    temporary = os.path.join(directory, f"manifest.{build}.tmp")
+    with open(temporary, "w") as f:
+        json.dump(manifest, f)
+    os.replace(temporary, os.path.join(directory, "manifest.json"))
+    _remove_other_builds(directory, build)
+    return files
+
+
+def _remove_other_builds(directory: str, build: str) -> None:
+    """Removes the files of earlier builds, once they are a day old.
+
+    Not younger ones: a process that started at the same time may be about to
+    commit its own build, or be reading the one it built.
+    """
+    day_ago = time.time() - 24 * 3600
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(build) or name == "manifest.json":
+            continue
+        try:
+            if os.path.getmtime(path) < day_ago:
+                os.remove(path)
+        except OSError:
+            pass  # Another process removed it first.
+
+
+def index_tree(data_dir: str) -> tuple[list[str], dict[str, FileRecords]]:
+    """The class names and the records of every split, from the cache or by listing the tree.
+
+    Raises:
+      MissingDataError: for a missing `data_dir`, `train/` or `val/`.
+      DataError: for a class folder without images, or class folders that differ
+        between `train/` and `val/`.
+    """
+    root = _checked_root(data_dir)
+    cached = _read_cache(root)
+    if cached is not None:
+        classes, files = cached
+        logging.info("ImageFolder %s: file index from the cache %s.", root, cache_dir(root))
+    else:
+        classes = check_classes(root, {s: class_folders(os.path.join(root, s)) for s in SPLITS})
+        mtimes = _folder_mtimes(root, classes)  # Before listing: a change meanwhile rebuilds.
+        indexes = {split: build_index(os.path.join(root, split), classes) for split in SPLITS}
+        try:
+            files = _write_cache(root, classes, indexes, mtimes)
+        except OSError as e:
+            logging.warning("Cannot cache the file index of %s (%s); it stays in memory.", root, e)
+            return classes, {
+                split: FileRecords(os.path.join(root, split), index)
+                for split, index in indexes.items()
+            }
+    return classes, {
+        split: FileRecords(os.path.join(root, split), _map_index(files[split]), files[split])
+        for split in SPLITS
+    }

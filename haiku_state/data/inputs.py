@@ -1,0 +1,115 @@
+"""The batches a run's devices get, by the cheapest pipeline for the split.
+
+- a split in memory that fits on the devices: kept there, batched by a jitted
+  gather (`device.device_train_batches`);
+- a larger split in memory: gathered on the host (`batches.train_batches`) and
+  sharded onto the devices by `device.prefetch_to_device`'s thread;
+- an encoded split (ImageFolder, ArrayRecord): read, decoded and cropped by
+  grain's workers (`pipeline.encoded_train_batches`), then sharded the same way.
+
+All three yield the batches of the same order (`order`), laid out per device
+as a pmapped step takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from haiku_state.data import batches, device, pipeline
+from haiku_state.data.splits import AnySplit, Batch, EncodedSplit
+
+
+class PipelineOptions(NamedTuple):
+    """How the host side of the input runs (`config.data.workers`, `prefetch`, `skip_corrupt`).
+
+    None of them changes which batches a run sees, except `skip_corrupt` where an
+    image is unreadable.
+
+    Attributes:
+      workers: decoding processes for encoded splits; 0 decodes in the prefetch
+        thread; None: `pipeline.default_workers()`.
+      prefetch: host batches kept ready on the devices.
+      skip_corrupt: replace (training) or leave out (evaluation) unreadable images
+        instead of stopping with an error naming the file.
+    """
+
+    workers: int | None = None
+    prefetch: int = 2
+    skip_corrupt: bool = False
+
+
+DEFAULT_OPTIONS = PipelineOptions()
+
+
+def sharded_train_batches(
+    split: AnySplit,
+    batch_size: int,
+    *,
+    seed: int,
+    start_step: int = 0,
+    num_steps: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    options: PipelineOptions = DEFAULT_OPTIONS,
+) -> Iterator[Batch]:
+    """The training batches of `split` from `start_step`, on the devices.
+
+    Args:
+      split: the examples.
+      batch_size: the global batch size, over all processes.
+      seed: fixes the order (and an encoded split's crops and flips).
+      start_step: the first step to yield.
+      num_steps: for an encoded split, how many steps to decode; None: until closed.
+        Splits in memory are endless.
+      process_index: this process's index, `jax.process_index()`.
+      process_count: the number of processes, `jax.process_count()`.
+      options: the host pipeline's settings.
+
+    Returns:
+      A generator of device batches; close it to stop its thread and workers.
+    """
+    this_process = {"process_index": process_index, "process_count": process_count}
+    if isinstance(split, EncodedSplit):
+        host_batches = pipeline.encoded_train_batches(
+            split,
+            batch_size,
+            seed=seed,
+            start_step=start_step,
+            num_steps=num_steps,
+            workers=options.workers,
+            skip_corrupt=options.skip_corrupt,
+            **this_process,
+        )
+    elif device.fits_on_device(split):
+        return device.device_train_batches(
+            split, batch_size, seed=seed, start_step=start_step, **this_process
+        )
+    else:
+        host_batches = batches.train_batches(
+            split, batch_size, seed=seed, start_step=start_step, **this_process
+        )
+    return device.prefetch_to_device(host_batches, size=options.prefetch)
+
+
+def sharded_eval_batches(
+    split: AnySplit,
+    batch_size: int,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    options: PipelineOptions = DEFAULT_OPTIONS,
+) -> Iterator[Batch]:
+    """One pass over `split` in padded, masked batches (`batches.eval_batches`), on the devices."""
+    this_process = {"process_index": process_index, "process_count": process_count}
+    if isinstance(split, EncodedSplit):
+        host_batches = pipeline.encoded_eval_batches(
+            split,
+            batch_size,
+            workers=options.workers,
+            skip_corrupt=options.skip_corrupt,
+            **this_process,
+        )
+    else:
+        host_batches = batches.eval_batches(split, batch_size, **this_process)
+    return device.prefetch_to_device(host_batches, size=options.prefetch)

@@ -1,0 +1,154 @@
+"""Which examples every step sees: the batch order, each process's slice, evaluation padding.
+
+The order is a pure function of `(seed, step)`: epoch `e` visits the examples in
+the order `default_rng([seed, e]).permutation(N)`, in `N // batch_size` full
+batches (the remainder is dropped), and step `k` is batch `k % steps_per_epoch`
+of epoch `k // steps_per_epoch`. Starting at any step computes only that
+epoch's permutation, so a run resumed at step `k` sees exactly the batches an
+uninterrupted run would have seen, without replaying the earlier ones.
+
+In a multi-process run each process takes its contiguous slice of every global
+batch (process `p` gets positions `[p * B / P, (p + 1) * B / P)`) and nothing
+else, so global device `g` sees the same examples whatever the process count.
+Every position of a global batch has a fixed place in this scheme, which is
+what the host preprocessing seeds its randomness from (`example_seed`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+# Tells the preprocessing's random streams apart from the epoch permutations, which are
+# seeded by `[seed, epoch]` alone (numpy pads shorter seed lists with zeros).
+_EXAMPLE_STREAM = 0x7072_6570  # "prep"
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """The number of full batches in one epoch (the remainder is dropped)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}.")
+    return num_examples // batch_size
+
+
+def check_process(batch_size: int, process_index: int, process_count: int, where: str) -> int:
+    """Validates a process's share of a global batch and returns its size."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"{where}: process_index={process_index} must be in [0, process_count={process_count})."
+        )
+    if batch_size % process_count:
+        raise ValueError(
+            f"{where}: batch_size={batch_size} is not divisible by the {process_count} "
+            "processes; every process loads an equal slice of each global batch."
+        )
+    return batch_size // process_count
+
+
+class BatchOrder(NamedTuple):
+    """The training order of one process: its slice of every global batch.
+
+    Attributes:
+      num_examples: the size of the split.
+      batch_size: the global batch size.
+      seed: fixes the permutation of every epoch.
+      offset: the position of this process's slice in the global batch.
+      local_size: the size of this process's slice.
+    """
+
+    num_examples: int
+    batch_size: int
+    seed: int
+    offset: int
+    local_size: int
+
+
+def batch_order(
+    num_examples: int,
+    batch_size: int,
+    seed: int,
+    start_step: int,
+    process_index: int,
+    process_count: int,
+    where: str,
+) -> BatchOrder:
+    """Validates the arguments of a training pipeline (now) and returns its order."""
+    if not 1 <= batch_size <= num_examples:
+        raise ValueError(
+            f"{where}: batch_size={batch_size} must be between 1 and the "
+            f"{num_examples} examples of the split."
+        )
+    if start_step < 0:
+        raise ValueError(f"{where}: start_step must be >= 0, got {start_step}.")
+    local_size = check_process(batch_size, process_index, process_count, where)
+    return BatchOrder(num_examples, batch_size, seed, process_index * local_size, local_size)
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the examples (read-only, cached per process)."""
+    permutation = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    permutation.flags.writeable = False
+    return permutation
+
+
+def step_indices(order: BatchOrder, step: int) -> np.ndarray:
+    """This process's example indices at `step`, in batch order."""
+    epoch, step_in_epoch = divmod(step, steps_per_epoch(order.num_examples, order.batch_size))
+    start = step_in_epoch * order.batch_size + order.offset
+    return epoch_permutation(order.seed, epoch, order.num_examples)[
+        start : start + order.local_size
+    ]
+
+
+def indices_from(order: BatchOrder, start_step: int) -> Iterator[np.ndarray]:
+    """`step_indices` of every step from `start_step` on, endlessly."""
+    return (step_indices(order, step) for step in itertools.count(start_step))
+
+
+def example_seed(seed: int, step: int, position: int) -> list[int]:
+    """The seed of the host preprocessing of one example: its step and place in the global batch.
+
+    Not a worker's or a process's state: the crop an example gets is the same
+    whichever worker of whichever process decodes it.
+    """
+    return [seed, step, position, _EXAMPLE_STREAM]
+
+
+class EvalOrder(NamedTuple):
+    """One ordered pass over a split in global batches of `batch_size`, this process's slices.
+
+    The last global batch is padded by repeating the split's last example;
+    `mask` tells real examples from padding.
+    """
+
+    num_examples: int
+    batch_size: int
+    offset: int
+    local_size: int
+
+    @property
+    def num_batches(self) -> int:
+        return -(-self.num_examples // self.batch_size)
+
+
+def eval_order(
+    num_examples: int, batch_size: int, process_index: int, process_count: int, where: str
+) -> EvalOrder:
+    """Validates the arguments of an evaluation pass (now) and returns its order."""
+    if batch_size < 1:
+        raise ValueError(f"{where}: batch_size must be positive, got {batch_size}.")
+    local_size = check_process(batch_size, process_index, process_count, where)
+    return EvalOrder(num_examples, batch_size, process_index * local_size, local_size)
+
+
+def eval_positions(order: EvalOrder, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The example indices of this process's slice of global batch `batch`, and its mask."""
+    start = batch * order.batch_size + order.offset
+    positions = np.arange(start, start + order.local_size)
+    is_real = positions < order.num_examples
+    return np.minimum(positions, order.num_examples - 1), is_real.astype(np.float32)

@@ -1,0 +1,289 @@
+"""The reading and decoding workers: grain over the "slots" of this process's batches.
+
+A training run of this process is a sequence of slots, one per example of its
+slice of every global batch from the start step on: slot `j` is position
+`offset + j % local_size` of global step `start_step + j // local_size`. A slot
+names everything its example depends on: the example index (from the epoch
+permutation, `order.step_indices`) and the seed of its random crop and flip
+(`order.example_seed(seed, step, position)`). A grain `MapDataset` over the
+slots reads, decodes and crops each one, and batches `local_size` of them.
+
+grain's `mp_prefetch` deals whole batches round-robin to `workers` processes
+and hands them back in order. Since a batch is a pure function of its slots,
+what comes out does not depend on the number of workers (0, 1 or 16), on the
+number of processes, or on whether the run was resumed: resuming at step `k`
+starts the slots at step `k`, with nothing replayed and nothing to checkpoint.
+
+The workers are started with `spawn`: everything they run is defined at
+module level here and in `preprocess`, and they receive the split's records
+(a small picklable object) rather than data.
+
+Host memory is bounded by the batches in flight: each worker holds about
+`READ_AHEAD + 1` batches, whatever the size of the dataset.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import numpy as np
+from absl import flags, logging
+
+from haiku_state.data import order as order_lib
+from haiku_state.data import preprocess
+from haiku_state.data.splits import Batch, CorruptImageError, DataError, EncodedSplit
+
+MAX_DEFAULT_WORKERS = 16
+# Batches a worker decodes ahead of the one it is handing over.
+READ_AHEAD = 1
+# A corrupt training image is replaced by the next example of the split that reads; after
+# this many unreadable ones in a row, the split is taken to be broken.
+MAX_REPLACEMENTS = 64
+# Slots of an iterator with no last step: far more than any run takes.
+_ENDLESS_STEPS = 2**40
+# How often a worker checks that the process that started it is still there.
+ORPHAN_CHECK_S = 1.0
+
+
+def default_workers() -> int:
+    """The cores this process may run on, less one for the training loop, at most 16."""
+    return max(0, min(len(os.sched_getaffinity(0)) - 1, MAX_DEFAULT_WORKERS))
+
+
+class TrainSlots:
+    """The slots of this process's training batches from `start_step`: `(step, position, index)`."""
+
+    def __init__(self, order: order_lib.BatchOrder, start_step: int, num_steps: int):
+        self._order, self._start_step, self._num_steps = order, start_step, num_steps
+
+    def __len__(self) -> int:
+        return self._num_steps * self._order.local_size
+
+    def __getitem__(self, slot: int) -> tuple[int, int, int]:
+        step = self._start_step + slot // self._order.local_size
+        local_position = slot % self._order.local_size
+        index = order_lib.step_indices(self._order, step)[local_position]
+        return step, self._order.offset + local_position, int(index)
+
+
+class EvalSlots:
+    """The slots of this process's evaluation batches: `(example index, mask)`."""
+
+    def __init__(self, order: order_lib.EvalOrder):
+        self._order = order
+
+    def __len__(self) -> int:
+        return self._order.num_batches * self._order.local_size
+
+    def __getitem__(self, slot: int) -> tuple[int, float]:
+        batch, local_position = divmod(slot, self._order.local_size)
+        index, mask = order_lib.eval_positions(self._order, batch)
+        return int(index[local_position]), float(mask[local_position])
+
+
+def _check_label(split: EncodedSplit, index: int, label: int) -> None:
+    """A label out of range is a broken dataset, never skipped."""
+    if not 0 <= label < split.num_classes:
+        raise DataError(
+            f"{split.records.describe(index)}: label {label} outside [0, {split.num_classes})."
+        )
+
+
+class LoadTrainExample:
+    """Slot -> `{"image": uint8 [S, S, 3], "label": int32}` (and `"replaced"` if skipping).
+
+    Args:
+      split: the records and the crop size.
+      seed: the run's seed.
+      skip_corrupt: replace an unreadable image by the next readable example of the
+        split (the same one whichever worker reads it) instead of stopping.
+    """
+
+    def __init__(self, split: EncodedSplit, seed: int, skip_corrupt: bool):
+        self._split, self._seed, self._skip_corrupt = split, seed, skip_corrupt
+
+    def __call__(self, slot: tuple[int, int, int]) -> dict[str, np.ndarray]:
+        step, position, index = slot
+        example_seed = order_lib.example_seed(self._seed, step, position)
+        records, size = self._split.records, self._split.image_size
+        for attempt in range(MAX_REPLACEMENTS + 1):
+            candidate = (index + attempt) % len(records)
+            try:
+                data, label = records[candidate]
+                image = preprocess.train_image(data, np.random.default_rng(example_seed), size)
+            except Exception as e:  # Any failure to read or decode is the file's.
+                if not self._skip_corrupt or attempt == MAX_REPLACEMENTS:
+                    raise _corrupt(self._split, candidate, f"for step {step + 1}", e) from None
+                logging.warning(
+                    "Step %d: replacing unreadable %s (%s).",
+                    step + 1,
+                    records.describe(candidate),
+                    e,
+                )
+                continue
+            _check_label(self._split, candidate, label)
+            example = {"image": image, "label": np.int32(label)}
+            if self._skip_corrupt:
+                example["replaced"] = np.float32(attempt > 0)
+            return example
+        raise AssertionError("unreachable")
+
+
+class LoadEvalExample:
+    """Slot -> `{"image", "label", "mask"}`; an unreadable image is masked out if skipping."""
+
+    def __init__(self, split: EncodedSplit, skip_corrupt: bool):
+        self._split, self._skip_corrupt = split, skip_corrupt
+
+    def __call__(self, slot: tuple[int, float]) -> dict[str, np.ndarray]:
+        index, mask = slot
+        records, size = self._split.records, self._split.image_size
+        try:
+            data, label = records[index]
+            image = preprocess.eval_image(data, size)
+        except Exception as e:  # Any failure to read or decode is the file's.
+            if not self._skip_corrupt:
+                raise _corrupt(self._split, index, "in evaluation", e) from None
+            logging.warning("Evaluation leaves out unreadable %s (%s).", records.describe(index), e)
+            return {
+                "image": np.zeros((size, size, 3), np.uint8),
+                "label": np.int32(0),
+                "mask": np.float32(0.0),
+            }
+        _check_label(self._split, index, label)
+        return {"image": image, "label": np.int32(label), "mask": np.float32(mask)}
+
+
+def _corrupt(split: EncodedSplit, index: int, when: str, error: Exception) -> CorruptImageError:
+    return CorruptImageError(
+        f"Cannot decode the image {split.records.describe(index)} (example {index}) {when}: "
+        f"{type(error).__name__}: {error}. Set config.data.skip_corrupt=True to replace "
+        "unreadable training images deterministically (counted as corrupt_fraction)."
+    )
+
+
+def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iterator[Batch]:
+    """Batches of `local_size` loaded slots, decoded by `workers` processes (0: this one).
+
+    Never more workers than batches: each worker decodes whole batches.
+    """
+    dataset = grain.MapDataset.source(slots).map(load).batch(local_size)
+    workers = min(workers, len(dataset))
+    if workers == 0:
+        iterable = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    else:
+        if not flags.FLAGS.is_parsed():
+            # grain reads absl flags to set up its workers; outside an absl program (a
+            # notebook, a test) nothing has parsed them: take their defaults.
+            flags.FLAGS.mark_as_parsed()
+        read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=READ_AHEAD)
+        processes = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=1)
+        iterable = dataset.to_iter_dataset(read).mp_prefetch(
+            processes, worker_init_fn=exit_with_parent
+        )
+    iterator = iter(iterable)
+    try:
+        yield from iterator
+    finally:
+        iterator.close()  # Stops the workers and frees their shared memory now.
+
+
+def exit_with_parent(worker_index: int, worker_count: int) -> None:
+    """Makes this worker exit when the process that started it is gone (e.g. `kill -9`).
+
+    grain's workers are daemons of the training process, but a process killed
+    outright cannot stop them; they would block forever on a queue nobody reads,
+    holding their memory and the parent's pipes. A daemon thread polls the parent
+    instead.
+    """
+    del worker_index, worker_count  # The same for every worker.
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit_with_parent", daemon=True).start()
+
+
+def _check_workers(workers: int | None, where: str) -> int:
+    if workers is None:
+        return default_workers()
+    if workers < 0:
+        raise ValueError(
+            f"{where}: workers must be >= 0 (0: decode in this process), got {workers}."
+        )
+    return workers
+
+
+def encoded_train_batches(
+    split: EncodedSplit,
+    batch_size: int,
+    *,
+    seed: int,
+    start_step: int = 0,
+    num_steps: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    workers: int | None = None,
+    skip_corrupt: bool = False,
+) -> Iterator[Batch]:
+    """This process's training batches of an encoded split, decoded and cropped on the host.
+
+    Args:
+      split: the encoded examples.
+      batch_size: the global batch size, over all processes.
+      seed: fixes the order of every epoch and every example's crop and flip.
+      start_step: the first step to yield.
+      num_steps: how many steps to yield; None: until closed.
+      process_index: this process's index, `jax.process_index()`.
+      process_count: the number of processes, `jax.process_count()`.
+      workers: decoding processes; 0 decodes in the thread that iterates; None:
+        `default_workers()`.
+      skip_corrupt: replace unreadable images (see `LoadTrainExample`); the batches
+        then carry `"replaced"`, 1.0 where an example stands in for a corrupt one.
+
+    Returns:
+      A generator of `{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}`;
+      close it to stop the workers.
+
+    Raises:
+      ValueError: for the arguments `train_batches` refuses (raised here).
+      CorruptImageError: from `next`, naming the file and the step, unless
+        `skip_corrupt`.
+    """
+    where = "encoded_train_batches"
+    order = order_lib.batch_order(
+        len(split.records), batch_size, seed, start_step, process_index, process_count, where
+    )
+    slots = TrainSlots(order, start_step, _ENDLESS_STEPS if num_steps is None else num_steps)
+    load = LoadTrainExample(split, seed, skip_corrupt)
+    return _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
+
+
+def encoded_eval_batches(
+    split: EncodedSplit,
+    batch_size: int,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    workers: int | None = None,
+    skip_corrupt: bool = False,
+) -> Iterator[Batch]:
+    """One pass over an encoded split in centre crops, padded and masked as `eval_batches` is.
+
+    With `skip_corrupt`, an unreadable image is masked out (and logged) instead
+    of stopping the evaluation.
+    """
+    where = "encoded_eval_batches"
+    order = order_lib.eval_order(
+        len(split.records), batch_size, process_index, process_count, where
+    )
+    load = LoadEvalExample(split, skip_corrupt)
+    return _grain_batches(EvalSlots(order), load, order.local_size, _check_workers(workers, where))

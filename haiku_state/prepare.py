@@ -1,0 +1,217 @@
+"""Converts a dataset to ArrayRecord shards: `python -m haiku_state.prepare --from=... --to=OUT`.
+
+    python -m haiku_state.prepare --from=imagefolder:/data/imagenet --to=/data/imagenet-ar
+    python -m haiku_state.prepare --from=cifar10:/data/cifar-10-batches-py --to=/data/c10-ar
+    python -m haiku_state.prepare --from=digits --to=/tmp/digits-ar
+
+Train on the result with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
+same examples in the same order as the source (so an ImageFolder tree and its
+shards give identical batches), in a few large files, which is what a network
+filesystem reads fast. Images are stored as the source encodes them (the JPEG
+bytes of an ImageFolder; CIFAR-10 and the digits as lossless PNG).
+
+The conversion is resumable: each shard is written to a temporary name and
+renamed when complete, a rerun skips the shards already there, and
+`dataset.json`, written last, marks the folder complete. `OUT/prepare.json`
+records what the conversion is of, so a rerun with another source is refused
+instead of mixing the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import io
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from PIL import Image
+
+from haiku_state.data import arrayrecord, imagefolder, in_memory
+from haiku_state.data.splits import IMAGENET_MEAN, IMAGENET_STD, DataError, Split
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer")
+CIFAR10_CLASSES += ("dog", "frog", "horse", "ship", "truck")
+PLAN_FILE = "prepare.json"
+
+
+class SourceSplit(NamedTuple):
+    """One split to convert: its size, and `read(i) -> (encoded image, label, name)`."""
+
+    num_examples: int
+    read: Callable[[int], tuple[bytes, int, str]]
+
+
+class Source(NamedTuple):
+    """What a conversion reads: the splits (`train`, `val`) and what `dataset.json` records."""
+
+    splits: dict[str, SourceSplit]
+    classes: list[str]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def open_source(spec: str) -> Source:
+    """`imagefolder:DIR`, `cifar10:DIR` or `digits` as a `Source`."""
+    kind, _, path = spec.partition(":")
+    if kind == "imagefolder":
+        classes, records = imagefolder.index_tree(path)
+        splits = {
+            split: SourceSplit(len(r), lambda i, r=r: (*r[i], r.name(i)))
+            for split, r in records.items()
+        }
+        return Source(splits, classes, IMAGENET_MEAN, IMAGENET_STD)
+    if kind in ("cifar10", "digits"):
+        if kind == "cifar10":
+            dataset, classes = in_memory.load_cifar10(path), list(CIFAR10_CLASSES)
+        else:
+            dataset, classes = in_memory.load_digits(), [str(d) for d in range(10)]
+        splits = {
+            "train": _png_split(dataset.train, "train"),
+            "val": _png_split(dataset.test, "val"),
+        }
+        return Source(splits, classes, dataset.mean, dataset.std)
+    raise ValueError(f"--from={spec!r}: expected imagefolder:DIR, cifar10:DIR or digits.")
+
+
+def _png_split(split: Split, name: str) -> SourceSplit:
+    def read(index: int) -> tuple[bytes, int, str]:
+        pixels = split.images[index]
+        buffer = io.BytesIO()
+        Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(buffer, "PNG")
+        return buffer.getvalue(), int(split.labels[index]), f"{name}/{index:06d}"
+
+    return SourceSplit(len(split.labels), read)
+
+
+def _plan(spec: str, source: Source, examples_per_shard: int) -> dict[str, Any]:
+    """What the output folder will hold; a rerun must make the same plan to resume."""
+    return {
+        "source": spec,
+        "examples_per_shard": examples_per_shard,
+        "classes": source.classes,
+        "num_examples": {split: s.num_examples for split, s in source.splits.items()},
+    }
+
+
+def _check_plan(out_dir: str, plan: dict[str, Any]) -> None:
+    """Records the plan, or refuses to resume a conversion made with another one."""
+    path = os.path.join(out_dir, PLAN_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            previous = json.load(f)
+        if previous != plan:
+            differ = sorted(key for key in plan if previous.get(key) != plan[key])
+            raise DataError(
+                f"{out_dir} holds a conversion of another source or layout ({', '.join(differ)} "
+                f"differ from {path}); choose another --to, or remove it."
+            )
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+
+
+def _read_ahead(read: Callable[[int], Any], indices: range, pool, window: int) -> Iterator[Any]:
+    """`read(i)` for each index in order, at most `window` reads running ahead."""
+    pending = [pool.submit(read, i) for i in indices[:window]]
+    for position in range(len(indices)):
+        if position + window < len(indices):
+            pending.append(pool.submit(read, indices[position + window]))
+        yield pending[position].result()
+        pending[position] = None  # Frees the bytes once written.
+
+
+def convert_split(
+    out_dir: str, split: str, source: SourceSplit, examples_per_shard: int, threads: int
+) -> list[dict[str, Any]]:
+    """Writes the shards of one split that are not there yet; returns every shard's entry."""
+    from tqdm import tqdm
+
+    num_shards = max(1, -(-source.num_examples // examples_per_shard))
+    bounds = [
+        range(s * examples_per_shard, min((s + 1) * examples_per_shard, source.num_examples))
+        for s in range(num_shards)
+    ]
+    names = [arrayrecord.shard_name(split, s, num_shards) for s in range(num_shards)]
+    done = sum(len(b) for b, n in zip(bounds, names, strict=True) if _exists(out_dir, n))
+    with (
+        tqdm(total=source.num_examples, initial=done, desc=split, unit="img") as progress,
+        concurrent.futures.ThreadPoolExecutor(threads) as pool,
+    ):
+        for indices, name in zip(bounds, names, strict=True):
+            if _exists(out_dir, name):
+                continue
+
+            def records(indices=indices) -> Iterator[bytes]:
+                for image, label, example_name in _read_ahead(
+                    source.read, indices, pool, 4 * threads
+                ):
+                    progress.update()
+                    yield arrayrecord.encode_example(image, label, example_name)
+
+            arrayrecord.write_shard(os.path.join(out_dir, name), records())
+    return [{"file": n, "num_examples": len(b)} for b, n in zip(bounds, names, strict=True)]
+
+
+def _exists(out_dir: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(out_dir, name))
+
+
+def convert(spec: str, out_dir: str, *, examples_per_shard: int = 10_000, threads: int = 16):
+    """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped.
+
+    Returns:
+      The `dataset.json` written.
+    """
+    if examples_per_shard < 1:
+        raise ValueError(f"--examples_per_shard={examples_per_shard} must be positive.")
+    source = open_source(spec)
+    _check_plan(out_dir, _plan(spec, source, examples_per_shard))
+    splits = {}
+    for split in arrayrecord.SPLITS:
+        shards = convert_split(out_dir, split, source.splits[split], examples_per_shard, threads)
+        splits[split] = {"num_examples": source.splits[split].num_examples, "shards": shards}
+    metadata = {
+        "format": arrayrecord.FORMAT,
+        "source": spec,
+        "classes": source.classes,
+        "num_classes": len(source.classes),
+        "mean": list(source.mean),
+        "std": list(source.std),
+        "splits": splits,
+    }
+    path = os.path.join(out_dir, arrayrecord.DATASET_FILE)
+    with open(f"{path}.incomplete", "w") as f:
+        json.dump(metadata, f, indent=1)
+    os.replace(f"{path}.incomplete", path)
+    return metadata
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m haiku_state.prepare", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--from", dest="source", required=True, help="imagefolder:DIR, ...")
+    parser.add_argument("--to", dest="out_dir", required=True, help="the output folder")
+    parser.add_argument("--examples_per_shard", type=int, default=10_000)
+    parser.add_argument("--threads", type=int, default=16, help="files read at once")
+    args = parser.parse_args(argv)
+    try:
+        metadata = convert(
+            args.source,
+            args.out_dir,
+            examples_per_shard=args.examples_per_shard,
+            threads=args.threads,
+        )
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    sizes = {split: s["num_examples"] for split, s in metadata["splits"].items()}
+    print(f"Wrote {args.out_dir}: {sizes} examples, {metadata['num_classes']} classes.")
+
+
+if __name__ == "__main__":
+    main()

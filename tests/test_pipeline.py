@@ -1,0 +1,186 @@
+"""Tests of haiku_state.data.pipeline: grain's workers decoding ImageFolder batches.
+
+The batches are a pure function of `(seed, step)` and each example's place in the
+global batch: the same for 0, 1 or 2 workers, for 1 process or 2, resumed or not.
+Most tests decode in-process (`workers=0`, which runs the same code); the worker
+tests start real worker processes.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from image_trees import CORRUPTIONS, add_corrupt_file, write_imagefolder
+
+from haiku_state import data, replication
+from haiku_state.data import order
+
+IMAGE_SIZE = 16
+NUM_DEVICES = 4
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    return write_imagefolder(tmp_path_factory.mktemp("tree") / "with spaces", per_class=(7, 3))
+
+
+@pytest.fixture(scope="module")
+def dataset(tree):
+    return data.load_dataset("imagefolder", data_dir=tree, image_size=IMAGE_SIZE)
+
+
+def _plain(batch):
+    """Host copies, so no batch keeps grain's shared memory alive."""
+    return {name: np.array(leaf) for name, leaf in batch.items()}
+
+
+def _train(split, batch_size=6, *, steps=4, **kwargs):
+    kwargs.setdefault("workers", 0)
+    batches = data.encoded_train_batches(split, batch_size, seed=3, num_steps=steps, **kwargs)
+    return [_plain(batch) for batch in batches]
+
+
+def _assert_same_batches(actual, expected):
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected, strict=True):
+        assert set(got) == set(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_train_batches_are_uint8_crops_with_the_labels_of_the_order(dataset):
+    batches = _train(dataset.train, steps=5)
+    split_order = order.batch_order(21, 6, 3, 0, 0, 1, "test")
+    for step, batch in enumerate(batches):
+        assert batch["image"].shape == (6, IMAGE_SIZE, IMAGE_SIZE, 3)
+        assert batch["image"].dtype == np.uint8 and batch["label"].dtype == np.int32
+        indices = order.step_indices(split_order, step)
+        expected = [dataset.train.records[i][1] for i in indices]
+        np.testing.assert_array_equal(batch["label"], expected)
+    # Random crops: the same example gets another crop at another step.
+    assert len({b["image"].tobytes() for b in batches}) == 5
+
+
+def test_workers_0_1_and_2_decode_identical_batches_with_a_corrupt_file(tmp_path):
+    root = write_imagefolder(tmp_path / "tree", per_class=(4, 2))
+    add_corrupt_file(root, "truncated")
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=IMAGE_SIZE).train
+    runs = {
+        workers: _train(split, steps=6, start_step=1, workers=workers, skip_corrupt=True)
+        for workers in (0, 1, 2)
+    }
+    assert sum(float(b["replaced"].sum()) for b in runs[0]) > 0  # The corrupt file was met.
+    _assert_same_batches(runs[1], runs[0])
+    _assert_same_batches(runs[2], runs[0])
+
+
+@pytest.mark.parametrize("process_count", [2, 3])
+def test_each_process_decodes_its_slice_of_the_global_batch(dataset, process_count):
+    global_batches = _train(dataset.train, steps=3, start_step=2)
+    per_process = [
+        _train(dataset.train, steps=3, start_step=2, process_index=p, process_count=process_count)
+        for p in range(process_count)
+    ]
+    for step, expected in enumerate(global_batches):
+        for name in expected:
+            got = np.concatenate([batches[step][name] for batches in per_process])
+            np.testing.assert_array_equal(got, expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize("start_step", [1, 3, 4])
+def test_resuming_at_a_step_sees_the_batches_of_an_uninterrupted_run(dataset, start_step):
+    # 21 examples in batches of 6: 3 steps per epoch, so steps 3 and 4 are in epoch 1.
+    uninterrupted = _train(dataset.train, steps=start_step + 3)[start_step:]
+    _assert_same_batches(_train(dataset.train, steps=3, start_step=start_step), uninterrupted)
+
+
+def test_sharded_train_batches_of_an_encoded_split_are_the_host_batches_on_the_devices(dataset):
+    expected = _train(dataset.train, batch_size=8, steps=2)
+    options = data.PipelineOptions(workers=0)
+    batches = data.sharded_train_batches(dataset.train, 8, seed=3, num_steps=2, options=options)
+    for want, batch in zip(expected, batches, strict=True):
+        for name, leaf in batch.items():
+            assert leaf.sharding == replication.device_axis_sharding()
+            assert leaf.shape == (NUM_DEVICES, 2, *want[name].shape[1:])
+            np.testing.assert_array_equal(np.asarray(leaf), want[name].reshape(leaf.shape))
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_evaluation_covers_every_example_once_on_any_process_count(dataset, process_count):
+    # 9 examples in global batches of 4: the third is padded with 3 masked copies.
+    per_process = [
+        [
+            _plain(b)
+            for b in data.encoded_eval_batches(
+                dataset.test, 4, process_index=p, process_count=process_count, workers=0
+            )
+        ]
+        for p in range(process_count)
+    ]
+    assert all(len(batches) == 3 for batches in per_process)
+    labels, masks, images = (
+        np.concatenate([b[name] for step in zip(*per_process, strict=True) for b in step])
+        for name in ("label", "mask", "image")
+    )
+    records = dataset.test.records
+    np.testing.assert_array_equal(labels[masks == 1], [records[i][1] for i in range(9)])
+    assert masks.sum() == 9 and images.shape[1:] == (IMAGE_SIZE, IMAGE_SIZE, 3)
+    # Evaluation crops are the centre: the same every pass.
+    again = [_plain(b) for b in data.encoded_eval_batches(dataset.test, 4, workers=0)]
+    np.testing.assert_array_equal(np.concatenate([b["image"] for b in again]), images)
+
+
+def _first_step_holding(split, index, batch_size=6):
+    split_order = order.batch_order(len(split.records), batch_size, 3, 0, 0, 1, "test")
+    return next(s for s in range(100) if index in order.step_indices(split_order, s))
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_an_unreadable_image_stops_naming_the_file_and_the_step(tmp_path, kind):
+    root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
+    path = add_corrupt_file(root, kind)
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=IMAGE_SIZE).train
+    index = next(i for i in range(len(split.records)) if split.records.describe(i) == path)
+    step = _first_step_holding(split, index)
+    with pytest.raises(data.CorruptImageError) as error:
+        _train(split, steps=step + 1)
+    message = str(error.value)
+    assert path in message and f"for step {step + 1}:" in message
+    assert "skip_corrupt=True" in message
+
+
+def test_skip_corrupt_replaces_an_unreadable_image_by_the_next_example(tmp_path):
+    root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
+    path = add_corrupt_file(root, "random-bytes")
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=IMAGE_SIZE).train
+    index = next(i for i in range(len(split.records)) if split.records.describe(i) == path)
+    step = _first_step_holding(split, index)
+    batch = _train(split, steps=step + 1, skip_corrupt=True)[step]
+    indices = list(order.step_indices(order.batch_order(16, 6, 3, 0, 0, 1, "t"), step))
+    position = indices.index(index)
+    np.testing.assert_array_equal(batch["replaced"], np.eye(6)[position])
+    assert batch["label"][position] == split.records[index + 1][1]
+    again = _train(split, steps=step + 1, skip_corrupt=True)[step]
+    np.testing.assert_array_equal(again["image"], batch["image"])
+
+
+def test_evaluation_with_skip_corrupt_masks_the_unreadable_image_out(tmp_path):
+    root = write_imagefolder(tmp_path / "tree", per_class=(2, 2))
+    path = add_corrupt_file(root, "zero-bytes", split="val")
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=IMAGE_SIZE).test
+    with pytest.raises(data.CorruptImageError, match=f"{path}.*in evaluation"):
+        list(data.encoded_eval_batches(split, 4, workers=0))
+    batches = [_plain(b) for b in data.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True)]
+    masks = np.concatenate([b["mask"] for b in batches])
+    assert masks.sum() == len(split.records) - 1
+
+
+def test_default_workers_leave_a_core_to_the_training_loop(dataset, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert data.default_workers() == 7
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert data.default_workers() == 16
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert data.default_workers() == 0
+    with pytest.raises(ValueError, match="workers must be >= 0"):
+        data.encoded_train_batches(dataset.train, 4, seed=0, workers=-1)

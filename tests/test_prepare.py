@@ -1,0 +1,178 @@
+"""Tests of haiku_state.prepare and haiku_state.data.arrayrecord: shards of the same examples."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from image_trees import write_cifar10_batch, write_imagefolder
+
+from haiku_state import data, prepare
+from haiku_state.data import arrayrecord, preprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGE_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    return write_imagefolder(tmp_path_factory.mktemp("tree"), per_class=(7, 3))
+
+
+@pytest.fixture(scope="module")
+def prepared(tree, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("shards"))
+    prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8)
+    return out
+
+
+def _read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _batches(iterator):
+    return [{name: np.array(leaf) for name, leaf in batch.items()} for batch in iterator]
+
+
+def test_the_shards_hold_every_example_in_the_order_of_the_tree(tree, prepared):
+    with open(os.path.join(prepared, arrayrecord.DATASET_FILE)) as f:
+        metadata = json.load(f)
+    assert metadata["num_classes"] == 3 and metadata["classes"] == ["cat", "dog", "eel"]
+    train_shards = metadata["splits"]["train"]["shards"]
+    assert [s["num_examples"] for s in train_shards] == [8, 8, 5]
+    assert train_shards[0]["file"] == "train-00000-of-00003.array_record"
+    folder = data.load_dataset("imagefolder", data_dir=tree, image_size=IMAGE_SIZE)
+    shards = data.load_dataset("arrayrecord", data_dir=prepared, image_size=IMAGE_SIZE)
+    assert (shards.num_classes, shards.mean, shards.std) == (3, folder.mean, folder.std)
+    for split in ("train", "test"):
+        a, b = getattr(folder, split).records, getattr(shards, split).records
+        assert len(a) == len(b)
+        for i in range(len(a)):
+            assert a[i] == b[i]
+            assert b.describe(i).endswith(f"({a.name(i)})")
+
+
+def test_an_imagefolder_and_its_shards_give_identical_batches(tree, prepared):
+    folder = data.load_dataset("imagefolder", data_dir=tree, image_size=IMAGE_SIZE)
+    shards = data.load_dataset("arrayrecord", data_dir=prepared, image_size=IMAGE_SIZE)
+
+    def train(dataset):
+        return _batches(
+            data.encoded_train_batches(dataset.train, 6, seed=5, num_steps=5, workers=0)
+        )
+
+    def evaluate(dataset):
+        return _batches(data.encoded_eval_batches(dataset.test, 4, workers=0))
+
+    expected_batches = train(folder) + evaluate(folder)
+    for expected, got in zip(expected_batches, train(shards) + evaluate(shards), strict=True):
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_an_interrupted_conversion_resumes_writing_only_the_missing_shards(
+    tree, tmp_path, monkeypatch
+):
+    out = str(tmp_path / "out")
+    prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8)
+    complete = {name: _read(os.path.join(out, name)) for name in os.listdir(out)}
+    # As if killed while writing the last training shard: it is a temporary file, and the
+    # conversion never got to dataset.json.
+    last = arrayrecord.shard_name("train", 2, 3)
+    os.rename(os.path.join(out, last), os.path.join(out, f"{last}.incomplete"))
+    os.remove(os.path.join(out, arrayrecord.DATASET_FILE))
+    with pytest.raises(data.MissingDataError, match="did not finish"):
+        data.load_dataset("arrayrecord", data_dir=out, image_size=IMAGE_SIZE)
+    written = []
+    write_shard = arrayrecord.write_shard
+    monkeypatch.setattr(
+        arrayrecord,
+        "write_shard",
+        lambda path, records: written.append(path) or write_shard(path, records),
+    )
+    prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8)
+    assert written == [os.path.join(out, last)]
+    for name, content in complete.items():
+        assert _read(os.path.join(out, name)) == content, name
+
+
+def test_resuming_a_conversion_of_another_source_is_refused(tree, tmp_path):
+    out = str(tmp_path / "out")
+    prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8)
+    with pytest.raises(data.DataError, match="examples_per_shard differ"):
+        prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=4)
+    with pytest.raises(data.DataError, match="num_examples, source differ"):
+        prepare.convert("digits", out, examples_per_shard=8)
+
+
+def test_digits_and_cifar10_convert_to_pngs_of_the_same_pixels(tmp_path):
+    out = str(tmp_path / "digits")
+    prepare.convert("digits", out, examples_per_shard=500)
+    digits = data.load_dataset("digits")
+    shards = data.load_dataset("arrayrecord", data_dir=out, image_size=8)
+    assert data.num_examples(shards.train) == len(digits.train.labels)
+    assert shards.mean == digits.mean
+    image, label = shards.train.records[5]
+    np.testing.assert_array_equal(preprocess.eval_image(image, 8)[..., 0].shape, (8, 8))
+    assert label == digits.train.labels[5]
+
+    cifar = tmp_path / "cifar-10-batches-py"
+    cifar.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        images = rng.integers(0, 256, (2, 3, 32, 32), dtype=np.uint8)
+        write_cifar10_batch(cifar / name, images, [1, 9], b"x")
+    prepare.convert(f"cifar10:{cifar}", str(tmp_path / "c10"))
+    shards = data.load_dataset("arrayrecord", data_dir=str(tmp_path / "c10"), image_size=32)
+    source = data.load_dataset("cifar10", data_dir=str(cifar))
+    image, label = shards.test.records[1]
+    np.testing.assert_array_equal(
+        preprocess.decode_crop(image, lambda w, h: (0, 0, w, h), 32), source.test.images[1]
+    )
+    assert label == 9
+
+
+def test_a_record_with_a_label_outside_the_classes_is_refused_naming_it(tree, tmp_path):
+    out = str(tmp_path / "out")
+    prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=100)
+    image, _ = data.load_dataset("imagefolder", data_dir=tree, image_size=IMAGE_SIZE).test.records[
+        0
+    ]
+    name = arrayrecord.shard_name("val", 0, 1)
+    records = [
+        arrayrecord.encode_example(image, label, f"val/x/{i}") for i, label in enumerate([0, 7])
+    ]
+    arrayrecord.write_shard(os.path.join(out, name), records)
+    path = os.path.join(out, arrayrecord.DATASET_FILE)
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata["splits"]["val"] = {"num_examples": 2, "shards": [{"file": name, "num_examples": 2}]}
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    split = data.load_dataset("arrayrecord", data_dir=out, image_size=IMAGE_SIZE).test
+    with pytest.raises(
+        data.DataError, match=rf"record 1 of {out}/{name} \(val/x/1\): label 7 outside \[0, 3\)"
+    ):
+        list(data.encoded_eval_batches(split, 2, workers=0))
+
+
+def test_the_command_line_names_a_bad_source_in_one_line(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "haiku_state.prepare",
+            f"--from=imagefolder:{tmp_path}/none",
+            f"--to={tmp_path}/out",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ImageFolder data.dir")
+    assert not (tmp_path / "out").exists()
