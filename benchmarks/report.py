@@ -97,7 +97,39 @@ def _run_notes(record: dict[str, Any]) -> list[str]:
         for note in run.get("skipped", []):
             skipped.setdefault(note, []).append(str(run["num_devices"]))
     skips = [f"skipped ({', '.join(counts)} dev): {note}" for note, counts in skipped.items()]
-    return peaks + skips + [f"note: {note}" for note in record.get("notes", [])]
+    notes = [f"note: {note}" for note in record.get("notes", [])]
+    return peaks + input_pipeline_lines(record.get("input_pipeline")) + skips + notes
+
+
+def input_pipeline_lines(result: dict[str, Any] | None) -> list[str]:
+    """`benchmarks.input_pipeline`'s figures: decoders, workers, and the loop they feed."""
+    if not result:
+        return []
+    if "skipped" in result:
+        return [f"input pipeline skipped: {result['skipped']}"]
+    decoders = ", ".join(
+        f"{name} {rate:,.0f}" for name, rate in result["decoders_one_core_images_per_s"].items()
+    )
+    pipeline = result["pipeline"]
+    rates = ", ".join(
+        f"{workers} worker(s) {rate:,.0f}" for workers, rate in pipeline["images_per_s"].items()
+    )
+    lines = [
+        f"input pipeline ({pipeline['image_size']}^2 uint8 batches of {pipeline['batch_size']}, "
+        f"{result['machine']['cores']} cores): one core decodes+crops {decoders} images/s; "
+        f"pipeline {rates} images/s"
+        + ("" if pipeline["scaling"] is None else f", scaling {pipeline['scaling']:.2f}")
+    ]
+    loop = result.get("loop")
+    if loop:
+        lines.append(
+            f"input pipeline loop ({loop['experiment']}, {loop['image_size']}^2, "
+            f"{loop['workers']} worker(s)): {loop['loop_examples_per_s']:,.0f} examples/s, "
+            f"{loop['ratio_vs_min']:.2f} of min(pipeline alone "
+            f"{loop['pipeline_alone_images_per_s']:,.0f}, bare update "
+            f"{loop['bare_update_examples_per_s']:,.0f})"
+        )
+    return lines
 
 
 def format_table(record: dict[str, Any]) -> str:

@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
         help="CI smoke run: mlp (every precision) and a small resnet, 2 devices, tiny step counts.",
     )
     flag(
+        "--no_input_pipeline",
+        action="store_true",
+        help="Skip benchmarks.input_pipeline (JPEG decoding workers, and the loop they feed).",
+    )
+    flag(
         "--full",
         action="store_true",
         help="ResNet-50 on CPU at its own batch size, every device count, with the loop.",
@@ -435,6 +440,30 @@ def _notes(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+# benchmarks.input_pipeline's settings: its defaults for a full run; for --quick, a smoke run
+# of the decoders and the workers on a few images, without the loop.
+QUICK_INPUT_PIPELINE = ("--images=64", "--distinct=16", "--steps=3", "--decoder_seconds=0.5",
+                        "--no_loop")  # fmt: skip
+
+
+def _run_input_pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    """`benchmarks.input_pipeline` in a subprocess of its own (one device), its JSON record."""
+    if args.no_input_pipeline:
+        return {"skipped": "--no_input_pipeline"}
+    with tempfile.TemporaryDirectory() as scratch:
+        output = os.path.join(scratch, "input_pipeline.json")
+        command = [sys.executable, "-m", "benchmarks.input_pipeline", f"--out={output}"]
+        command += list(QUICK_INPUT_PIPELINE if args.quick else ())
+        print("== input pipeline ==", file=sys.stderr, flush=True)
+        completed = subprocess.run(
+            command, env=subprocess_env(1), cwd=record.REPO_ROOT, stdout=sys.stderr, check=False
+        )
+        if completed.returncode or not os.path.exists(output):
+            return {"skipped": f"benchmarks.input_pipeline exited with {completed.returncode}"}
+        with open(output) as f:
+            return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_args(argv)
@@ -443,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     runs = [_run_device_count(args, argv, n) for n in args.devices]
+    input_pipeline = _run_input_pipeline(args)
     settings = {
         key: value
         for key, value in vars(args).items()
@@ -455,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         wall_s=time.perf_counter() - start,
         notes=_notes(args, runs),
     )
+    run_record["input_pipeline"] = input_pipeline
     path = record.write_run_record(run_record, args.output_dir)
     print(report.format_table(run_record))
     print(f"wrote {path} ({run_record['wall_s']:.0f} s)")

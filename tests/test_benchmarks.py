@@ -443,3 +443,32 @@ def test_readme_shows_the_table_of_the_curated_cpu_record():
 def test_plot_draws_the_curated_record(tmp_path):
     paths = plot.plot_all(record.curated_record_path("cpu"), tmp_path)
     assert [p.parent for p in paths] == [tmp_path] * 3
+
+
+def test_the_input_pipeline_figures_are_reported_beside_the_table():
+    result = {
+        "machine": {"cores": 2},
+        "decoders_one_core_images_per_s": {"simplejpeg": 520.0, "pil": 440.0},
+        "pipeline": {
+            "image_size": 224,
+            "batch_size": 64,
+            "images_per_s": {"1": 300.0, "2": 560.0},
+            "scaling": 1.87,
+        },
+        "loop": {
+            "experiment": "mlp",
+            "image_size": 64,
+            "workers": 1,
+            "loop_examples_per_s": 950.0,
+            "ratio_vs_min": 0.95,
+            "pipeline_alone_images_per_s": 1000.0,
+            "bare_update_examples_per_s": 2000.0,
+        },
+    }
+    first, second = report.input_pipeline_lines(result)
+    assert "simplejpeg 520, pil 440 images/s" in first and "2 worker(s) 560" in first
+    assert "scaling 1.87" in first and "0.95 of min(pipeline alone 1,000" in second
+    assert report.input_pipeline_lines({"skipped": "--no_input_pipeline"}) == [
+        "input pipeline skipped: --no_input_pipeline"
+    ]
+    assert run.QUICK_INPUT_PIPELINE and "--no_loop" in run.QUICK_INPUT_PIPELINE

@@ -170,9 +170,9 @@ def test_a_stop_request_interrupts_an_evaluation_between_batches(trained):
         train_state = reader.restore(like)
     stop = loop.StopRequest()
     args = (experiment.updater, train_state, experiment.dataset.test, 64)
-    assert evaluation.evaluate_split(*args, stop) is not None
+    assert evaluation.evaluate_split(*args, stop=stop) is not None
     stop.signal_name = "SIGTERM"
-    assert evaluation.evaluate_split(*args, stop) is None
+    assert evaluation.evaluate_split(*args, stop=stop) is None
 
 
 def test_eval_of_an_empty_workdir_is_one_line_and_creates_nothing(tmp_path):

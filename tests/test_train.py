@@ -248,7 +248,7 @@ def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_check
     with open(path, "wb") as f:
         f.write(CORRUPTIONS["truncated"](np.random.default_rng(0)))
     with pytest.raises(data.CorruptImageError) as error:
-        train.train_and_evaluate(_imagefolder_config(tree), workdir)
+        train.train_and_evaluate(_imagefolder_config(tree), workdir, allow_config_change=True)
     # 24 examples in batches of 16: each step (an epoch) holds 16 of them.
     split_order = order.batch_order(24, 16, 0, 0, 0, 1, "test")
     holding = [s + 1 for s in range(12) if 5 in order.step_indices(split_order, s)]
@@ -257,7 +257,7 @@ def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_check
     after = {n: os.path.getmtime(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)}
     assert after == before
     skipping = _imagefolder_config(tree, **{"data.skip_corrupt": True})
-    train.train_and_evaluate(skipping, workdir)
+    train.train_and_evaluate(skipping, workdir, allow_config_change=True)
     # Replaced at every step that holds it: once among the 16 examples of such a step.
     logged = {
         r["step"]: r["corrupt_fraction"] for r in _records(workdir) if "corrupt_fraction" in r
