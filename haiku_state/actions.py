@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from haiku_state import asserts, checkpoint, loop, summaries
-from haiku_state.evaluation import evaluate_split
+from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import Experiment
 from haiku_state.updater import TrainState
 
@@ -67,15 +67,7 @@ class Evaluate:
         self.latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
 
     def __call__(self, step: int, train_state: TrainState) -> None:
-        experiment = self._experiment
-        metrics = evaluate_split(
-            experiment.updater,
-            train_state,
-            experiment.dataset.test,
-            self._batch_size,
-            options=experiment.input_options,
-            stop=self._stop,
-        )
+        metrics = evaluate_test_split(self._experiment, train_state, self._batch_size, self._stop)
         if metrics is not None:  # None: a signal interrupted it.
             self.latest = (step, metrics)
             self._writer.write(step, "eval", metrics)

@@ -61,6 +61,23 @@ def evaluate_split(
     }
 
 
+def evaluate_test_split(
+    experiment: Experiment,
+    train_state: TrainState,
+    batch_size: int,
+    stop: loop.StopRequest | None = None,
+) -> dict[str, float] | None:
+    """`evaluate_split` of the experiment's test split, with its input pipeline's options."""
+    return evaluate_split(
+        experiment.updater,
+        train_state,
+        experiment.dataset.test,
+        batch_size,
+        options=experiment.input_options,
+        stop=stop,
+    )
+
+
 def _prepare(
     config: Any, workdir: str, *, wait: loop.StopRequest | None = None
 ) -> tuple[Experiment, TrainState, str]:
@@ -88,14 +105,7 @@ def _evaluate_and_record(
     writer: summaries.MetricWriter,
     stop: loop.StopRequest | None,
 ) -> dict[str, float] | None:
-    metrics = evaluate_split(
-        experiment.updater,
-        train_state,
-        experiment.dataset.test,
-        config.eval_batch_size,
-        options=experiment.input_options,
-        stop=stop,
-    )
+    metrics = evaluate_test_split(experiment, train_state, config.eval_batch_size, stop)
     if metrics is not None:
         writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
     return metrics

@@ -29,7 +29,7 @@ from haiku_state import workdir as workdir_lib
 from haiku_state.checkpoint import layout
 from haiku_state.checkpoint.warm_start import warm_start
 from haiku_state.config import validate_config
-from haiku_state.evaluation import evaluate_split
+from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import (
     AXIS_NAME,
     Experiment,
@@ -311,13 +311,7 @@ def train_and_evaluate(
         final = evaluate.metrics_at(end.step)
         if final is None:
             logging.info("Already trained to step %d; evaluating.", end.step)
-            final = evaluate_split(
-                experiment.updater,
-                end.train_state,
-                experiment.dataset.test,
-                config.eval_batch_size,
-                options=experiment.input_options,
-            )
+            final = evaluate_test_split(experiment, end.train_state, config.eval_batch_size)
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(
