@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from trees import replicated_tree, with_replica_changed
 
 import haiku_state as hs
 from haiku_state import asserts
@@ -14,41 +15,16 @@ from haiku_state import asserts
 NUM_DEVICES = 4
 
 
-def _replicated_tree() -> dict:
-    """A params-like tree with float, int and typed-key leaves, replicated on every device."""
-    tree = {
-        "mlp/linear": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(3)},
-        "mlp/linear_1": {"w": jnp.ones((3, 2)), "b": jnp.full((2,), 0.5)},
-        "counter": jnp.array(7, jnp.int32),
-        "key": jax.random.key(0),
-    }
-    return hs.replicate(tree)
-
-
-def _is_typed_key(x) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _with_replica_changed(tree, path: tuple, device: int, new_value):
-    """A host copy of `tree` in which replica `device` of the leaf at `path` is `new_value`."""
-    copy = jax.tree.map(lambda x: x if _is_typed_key(x) else np.array(x), tree)
-    leaf = copy
-    for name in path[:-1]:
-        leaf = leaf[name]
-    leaf[path[-1]][device] = new_value
-    return copy
-
-
 class AssertReplicasIdenticalTest(chex.TestCase):
     def test_replicas_identical_passes_on_replicated_tree_with_keys_and_nans(self):
-        tree = _replicated_tree()
+        tree = replicated_tree()
         hs.assert_replicas_identical(tree)
         # Bit equality: the same NaN on every device is identical.
         hs.assert_replicas_identical(hs.replicate({"nan": jnp.full((3,), jnp.nan)}))
 
     def test_replicas_identical_fails_naming_the_leaf_path_and_device(self):
-        tree = _replicated_tree()
-        perturbed = _with_replica_changed(
+        tree = replicated_tree()
+        perturbed = with_replica_changed(
             tree, ("mlp/linear_1", "b"), 2, np.nextafter(np.float32(0.5), np.float32(1.0))
         )
         with self.assertRaisesRegex(
@@ -59,8 +35,8 @@ class AssertReplicasIdenticalTest(chex.TestCase):
         hs.assert_replicas_identical(tree)
 
     def test_replicas_identical_names_the_first_differing_leaf_and_all_bad_devices(self):
-        tree = _replicated_tree()
-        perturbed = _with_replica_changed(tree, ("mlp/linear", "w"), 1, np.zeros((2, 3)))
+        tree = replicated_tree()
+        perturbed = with_replica_changed(tree, ("mlp/linear", "w"), 1, np.zeros((2, 3)))
         perturbed["mlp/linear"]["w"][3] = -1.0
         perturbed["mlp/linear_1"]["w"][2] = 0.0
         with self.assertRaisesRegex(AssertionError, r"\['mlp/linear'\]\['w'\].*devices \[1, 3\]"):
@@ -73,8 +49,8 @@ class AssertReplicasIdenticalTest(chex.TestCase):
             hs.assert_replicas_identical({"bn": zeros})
 
     def test_replicas_identical_fails_naming_an_int_leaf(self):
-        tree = _replicated_tree()
-        perturbed = _with_replica_changed(tree, ("counter",), 0, 8)
+        tree = replicated_tree()
+        perturbed = with_replica_changed(tree, ("counter",), 0, 8)
         # Device 0 is the reference: every other device now differs from it.
         with self.assertRaisesRegex(AssertionError, r"\['counter'\].*devices \[1, 2, 3\]"):
             hs.assert_replicas_identical(perturbed)
@@ -87,10 +63,10 @@ class AssertReplicasIdenticalTest(chex.TestCase):
     def test_cross_process_comparison_flags_the_devices_the_local_one_flags(self):
         # Multi-process runs compare every device with global device 0 inside a pmap
         # over all processes' devices; in one process that pmap spans the 4 local ones.
-        tree = _replicated_tree()
+        tree = replicated_tree()
         tree["flags"] = hs.replicate(jnp.array([True, False]))
         tree["half"] = hs.replicate(jnp.ones((2,), jnp.bfloat16))
-        perturbed = _with_replica_changed(tree, ("mlp/linear", "w"), 3, np.zeros((2, 3)))
+        perturbed = with_replica_changed(tree, ("mlp/linear", "w"), 3, np.zeros((2, 3)))
         perturbed["counter"][1] = 8
         perturbed["flags"][2] = np.array([True, True])
         perturbed["half"][1] = np.array([1, 2], jnp.bfloat16)

@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from trees import replicated_tree
 
 import haiku_state as hs
 from haiku_state import replication
@@ -20,31 +21,6 @@ def _host_batch(batch_size: int = 32) -> dict[str, np.ndarray]:
         np.arange(batch_size, dtype=np.float32)[:, None, None, None], (batch_size, 8, 8, 1)
     ).copy()
     return {"image": images, "label": np.arange(batch_size, dtype=np.int32)}
-
-
-def _replicated_tree() -> dict:
-    """A params-like tree with float, int and typed-key leaves, replicated on every device."""
-    tree = {
-        "mlp/linear": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(3)},
-        "mlp/linear_1": {"w": jnp.ones((3, 2)), "b": jnp.full((2,), 0.5)},
-        "counter": jnp.array(7, jnp.int32),
-        "key": jax.random.key(0),
-    }
-    return hs.replicate(tree)
-
-
-def _is_typed_key(x) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _with_replica_changed(tree, path: tuple, device: int, new_value):
-    """A host copy of `tree` in which replica `device` of the leaf at `path` is `new_value`."""
-    copy = jax.tree.map(lambda x: x if _is_typed_key(x) else np.array(x), tree)
-    leaf = copy
-    for name in path[:-1]:
-        leaf = leaf[name]
-    leaf[path[-1]][device] = new_value
-    return copy
 
 
 class ShardTest(chex.TestCase):
@@ -103,7 +79,7 @@ class ReplicateTest(chex.TestCase):
             self.assertEqual(int(replicated["n"][device]), 3)
 
     def test_replicate_lays_one_copy_on_each_device_with_the_pmap_sharding(self):
-        replicated = _replicated_tree()
+        replicated = replicated_tree()
         for path, leaf in jax.tree_util.tree_leaves_with_path(replicated):
             with self.subTest(jax.tree_util.keystr(path)):
                 self.assertEqual(leaf.sharding, replication.device_axis_sharding())
@@ -113,7 +89,7 @@ class ReplicateTest(chex.TestCase):
     def test_replicate_output_including_typed_keys_is_accepted_by_pmap(self):
         # jax.pmap refuses committed arrays that do not carry its own sharding (e.g. the
         # replicated output of jnp.broadcast_to); replicate must produce what pmap wants.
-        replicated = _replicated_tree()
+        replicated = replicated_tree()
 
         def per_device(tree):
             noise = jax.random.normal(tree["key"], tree["mlp/linear"]["w"].shape)

@@ -14,12 +14,12 @@ import subprocess
 import sys
 import time
 
+import configs
 import jax
 import numpy as np
 import pytest
 
 from haiku_state import checkpoint, evaluation, loop, summaries, train
-from haiku_state import config as config_lib
 from haiku_state.checkpoint.diagnostics import leaf_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,20 +36,7 @@ SMALL = (
 
 
 def mlp_config(**overrides):
-    config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
-    config.update(
-        steps=30, log_every=10, eval_every=30, check_every=10, checkpoint_every=10,
-        batch_size=64, eval_batch_size=128,
-    )  # fmt: skip
-    config.model.hidden_sizes = (32,)
-    config.optimizer.warmup_steps = 5
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
-    return config
+    return configs.mlp_config(**{"checkpoint_every": 10, **overrides})
 
 
 def start(workdir, *flags, steps=2000):

@@ -9,35 +9,13 @@ import sys
 
 import numpy as np
 import pytest
+from configs import mlp_config
 from image_trees import CORRUPTIONS, write_imagefolder
 
-from haiku_state import config as config_lib
 from haiku_state import data, evaluation, prepare, summaries, train
 from haiku_state.data import order
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def mlp_config(**overrides):
-    config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
-    config.update(
-        steps=30,
-        log_every=10,
-        eval_every=30,
-        check_every=10,
-        checkpoint_every=15,
-        batch_size=64,
-        eval_batch_size=128,
-    )
-    config.model.hidden_sizes = (32,)
-    config.optimizer.warmup_steps = 5
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
-    return config
 
 
 def run_cli(*args, timeout=120):

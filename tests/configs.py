@@ -1,0 +1,32 @@
+"""The small `mlp` config the end-to-end tests train, with overrides by dotted key."""
+
+from __future__ import annotations
+
+import os
+
+from haiku_state import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mlp_config(**overrides):
+    """experiments/mlp.py, 30 steps of a 32-wide MLP; `overrides` as `{"optimizer.name": ...}`."""
+    config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
+    config.update(
+        steps=30,
+        log_every=10,
+        eval_every=30,
+        check_every=10,
+        checkpoint_every=15,
+        batch_size=64,
+        eval_batch_size=128,
+    )
+    config.model.hidden_sizes = (32,)
+    config.optimizer.warmup_steps = 5
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return config
