@@ -2,13 +2,13 @@
 
 This is what a user would write without the library: `value_and_grad`, a
 `lax.pmean` of the gradients and of the floating BatchNorm state, the optax
-update, the global norms big_vision logs, the train state donated (and, for
-float16, the loss scaling the Updater does). It does the same work as
-`Updater.update` (same network, loss, optimizer, augmentation, loss scale and
-key splitting) with none of its Python around the call, so `Updater /
-hand-written` throughput measures the cost of the library's wrapper alone. The
-pieces are `train.build_experiment`'s, and the train state `Updater.init`'s, so
-a float16 `opt_state` holds the loss scale as plain arrays
+update, the train state donated (and, for float16, the loss scaling the
+Updater does). It does the same work as `Updater.update(..., with_norms=False)`,
+the step a training run takes between its logs (same network, loss, optimizer,
+augmentation, loss scale and key splitting), with none of its Python around the
+call, so `Updater / hand-written` throughput measures the cost of the library's
+wrapper alone. The pieces are `train.build_experiment`'s, and the train state
+`Updater.init`'s, so a float16 `opt_state` holds the loss scale as plain arrays
 (`LossScaledOptState`), read and written with the library's
 `unpack_loss_scale` / `pack_loss_scale`.
 """
@@ -73,13 +73,7 @@ def per_device_step(
         )
         updates, new_optimizer_state = optimizer.update(grads, optimizer_state, params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {
-            "loss": value,
-            **metrics,
-            "l2_grads": optax.tree.norm(grads),
-            "l2_params": optax.tree.norm(new_params),
-            "l2_updates": optax.tree.norm(updates),
-        }
+        metrics = {"loss": value, **metrics}
         if loss_scale is None:
             new_opt_state = new_optimizer_state
         else:  # Skip the step where the averaged gradients are not finite.

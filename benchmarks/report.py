@@ -62,6 +62,7 @@ _TEXT_COLUMNS: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
     ("steps/s", 8, lambda r: _fmt(r["throughput"]["updater"]["steps_per_s"], ".2f")),
     ("hand ex/s", 10, lambda r: _fmt(_examples_per_s(r, "hand_written"), ",.0f")),
     ("upd/hand", 8, lambda r: _fmt(r["ratios"].get("updater_vs_hand_written"), ".3f")),
+    ("norms", 6, lambda r: _fmt(r["ratios"].get("updater_with_norms_vs_updater"), ".3f")),
     ("input/pre", 9, lambda r: _fmt(r["ratios"].get("input_pipeline_vs_presharded"), ".3f")),
     ("flax ex/s", 10, lambda r: _fmt(_examples_per_s(r, "flax"), ",.0f")),
     ("upd/flax", 8, lambda r: _fmt(r["ratios"].get("updater_vs_flax"), ".3f")),
@@ -156,6 +157,10 @@ _MARKDOWN_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("batch", lambda r: str(r["batch_size"])),
     ("Updater ex/s", lambda r: _fmt(_examples_per_s(r, "updater"), ",.0f")),
     ("/ hand-written", lambda r: _fmt(r["ratios"].get("updater_vs_hand_written"), ".3f")),
+    (
+        "with norms / without",
+        lambda r: _fmt(r["ratios"].get("updater_with_norms_vs_updater"), ".3f"),
+    ),
     ("/ Flax", lambda r: _fmt(r["ratios"].get("updater_vs_flax"), ".3f")),
     ("shard_map / pmap", lambda r: _fmt(r["ratios"].get("updater_shard_map_vs_pmap"), ".3f")),
     (

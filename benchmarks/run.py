@@ -222,6 +222,7 @@ def _quick_settings(name: str, args: argparse.Namespace, first_count: bool) -> S
         flax=not args.no_flax and first_count,
         shard_map=args.shard_map and compared,
         updater_shard_map=not args.no_updater_shard_map and compared,
+        norms=compared,
         model_overrides=QUICK_MODEL_OVERRIDES.get(name, ()),
     )
 
@@ -272,7 +273,9 @@ def settings_for(
         if name != "mlp" or not first_count:
             skip_loop = "--quick: the loop runs for mlp at the first device count only"
         if precision != "float32":  # What a precision changes: the steps it compiles.
-            settings = dataclasses.replace(settings, updater_shard_map=False, loop_steps=0)
+            settings = dataclasses.replace(
+                settings, updater_shard_map=False, norms=False, loop_steps=0
+            )
             skip_loop = "--quick: the loop runs in float32 only"
     else:
         settings = _full_settings(name, args)

@@ -75,6 +75,9 @@ class Settings:
       updater_shard_map: whether to also time the library's `Updater` built with
         `backend="shard_map"` (`throughput.updater_shard_map`), against the pmap
         Updater (`ratios.updater_shard_map_vs_pmap`).
+      norms: whether to also time the Updater's step with the global norms
+        (`throughput.updater_with_norms`, `ratios.updater_with_norms_vs_updater`):
+        what they cost on the steps the loop logs.
       precision: one of `SUPPORTED_PRECISIONS`, set as `config.precision`.
       model_overrides: `(key, value)` pairs set on `config.model` (e.g. a smaller
         ResNet for `--quick`); recorded in the result. Applies to every variant
@@ -96,6 +99,7 @@ class Settings:
     flax: bool = True
     shard_map: bool = False
     updater_shard_map: bool = True
+    norms: bool = True
     precision: str = "float32"
     model_overrides: tuple[tuple[str, Any], ...] = ()
 

@@ -25,6 +25,7 @@ MAX_STEPS_PER_WINDOW = 500
 # Each ratio: (numerator variant, denominator variant), of throughputs.
 RATIOS = {
     "updater_vs_hand_written": ("updater", "hand_written"),
+    "updater_with_norms_vs_updater": ("updater_with_norms", "updater"),
     "updater_vs_flax": ("updater", "flax"),
     "input_pipeline_vs_presharded": ("updater_with_input", "updater"),
     "updater_shard_map_vs_pmap": ("updater_shard_map", "updater"),

@@ -17,6 +17,7 @@ Every variant but Flax starts from `Updater.init`: the same `TrainState` layout.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,22 +112,30 @@ def build_variants(
         return Variant(variant_name, step, fresh_state, [] if source else batches, source)
 
     per_device = hand_written_per_device(experiment)
-    variants = [timed("updater", updater.update)]
+    # The step the training loop runs between its logs; the norms it adds on logged steps
+    # are timed apart (`updater_with_norms`).
+    step = functools.partial(updater.update, with_norms=False)
+    variants = [timed("updater", step)]
+    if settings.norms:
+        variants.append(timed("updater_with_norms", updater.update))
     if settings.hand_written:
         variants.append(
             timed("hand_written", baselines.make_hand_written_step(per_device, axis_name))
         )
     input_name, source = training_input(experiment.dataset, config.batch_size, config.seed)
     stack.callback(source.close)
-    variants.append(timed("updater_with_input", updater.update, source))
+    variants.append(timed("updater_with_input", step, source))
     if settings.shard_map:
         variants.append(timed("shard_map", baselines.make_shard_map_step(per_device, axis_name)))
     if settings.updater_shard_map:
         # The library's other backend, on the same TrainState layout.
         shard_map_config = config.copy_and_resolve_references()
         shard_map_config.backend = "shard_map"
+        shard_map_updater = train.build_experiment(shard_map_config).updater
         variants.append(
-            timed("updater_shard_map", train.build_experiment(shard_map_config).updater.update)
+            timed(
+                "updater_shard_map", functools.partial(shard_map_updater.update, with_norms=False)
+            )
         )
     if settings.flax and name in FLAX_PEERS:
         variants.append(_flax_variant(config, experiment, host))

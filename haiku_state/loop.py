@@ -24,7 +24,8 @@ from jax.experimental import multihost_utils
 from haiku_state import asserts
 from haiku_state.updater import Batch, Metrics, TrainState
 
-StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+# (train_state, batch, step) -> (train_state, metrics): `step` is the one being run.
+StepFn = Callable[[TrainState, Batch, int], tuple[TrainState, Metrics]]
 # A loss this many times the run's first loss means the run is diverging.
 EXPLOSION_FACTOR = 100.0
 
@@ -37,6 +38,11 @@ class Action(Protocol):
     def run(self, step: int, train_state: TrainState) -> None: ...
 
 
+def every_and_last(step: int, every: int, last_step: int) -> bool:
+    """Whether `step` is a multiple of `every` or the run's last."""
+    return step % every == 0 or step == last_step
+
+
 class PeriodicAction(NamedTuple):
     """`run(step, train_state)` after every `every`-th step, and after the last step."""
 
@@ -44,7 +50,7 @@ class PeriodicAction(NamedTuple):
     run: Callable[[int, TrainState], None]
 
     def is_due(self, step: int, last_step: int) -> bool:
-        return step % self.every == 0 or step == last_step
+        return every_and_last(step, self.every, last_step)
 
 
 def any_process(flag: bool) -> bool:
@@ -92,17 +98,22 @@ class MetricWindow:
         self._watch(jax.device_get(self._pending))
 
     def fetch(self, step: int) -> WindowSummary:
-        """Fetches, checks and averages the pending metrics; the next window starts at `step`."""
+        """Fetches, checks and averages the pending metrics; the next window starts at `step`.
+
+        Each metric is averaged over the steps that report it (the global norms
+        come from the logged step alone).
+        """
         window = jax.device_get(self._pending)
         self._watch(window)
-        sums = collections.defaultdict(float)
+        sums, counts = collections.defaultdict(float), collections.Counter()
         for _, metrics in window:
             for name, value in metrics.items():
                 sums[name] += float(value)
+                counts[name] += 1
         now = time.monotonic()
         start_step, start_time = self._start
         self._pending, self._start = [], (step, now)
-        means = {name: total / len(window) for name, total in sums.items()}
+        means = {name: total / counts[name] for name, total in sums.items()}
         return WindowSummary(means, step - start_step, now - start_time)
 
     def _watch(self, window: list[tuple[int, dict[str, float]]]) -> None:
@@ -210,7 +221,7 @@ def run(
         if stop.should_stop(step - 1):
             return LoopEnd(train_state, step - 1, stopped=True)
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            train_state, metrics = step_fn(train_state, next(batches))
+            train_state, metrics = step_fn(train_state, next(batches), step)
         if in_flight is not None:
             jax.block_until_ready(in_flight)
         in_flight = metrics

@@ -160,6 +160,17 @@ def _setting_aside_diverged(
         raise FloatingPointError(message) from None
 
 
+def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
+    """The Updater's step, with the global norms on the steps that are logged."""
+    last_step = experiment.total_steps
+
+    def step_fn(train_state: TrainState, batch: Any, step: int):
+        logged = loop.every_and_last(step, log_every, last_step)
+        return experiment.updater.update(train_state, batch, with_norms=logged)
+
+    return step_fn
+
+
 def _training_actions(
     config: Any,
     experiment: Experiment,
@@ -256,7 +267,7 @@ def _train(
     run_actions = _training_actions(config, experiment, window, writer, evaluate, save, profile)
     with _setting_aside_diverged(window, save, checkpointer):
         end = loop.run(
-            experiment.updater.update,
+            _step_fn(experiment, config.log_every),
             train_state,
             batches,
             first_step=start_step,

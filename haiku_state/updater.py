@@ -25,6 +25,7 @@ buffers donated:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -188,9 +189,18 @@ class Updater:
         self._backend = backend
         parallel = dict(backend=backend, axis_name=axis_name)
         self._init_parallel = replication.parallelize(self._init_per_device, **parallel)
-        self._update_parallel = replication.parallelize(
-            self._update_per_device, out_axes=(0, None), donate_argnums=(0,), **parallel
-        )
+        # Two programs of the step: with the global norms, and without (their three
+        # passes over the parameters are the cost of a small model's step worth saving on
+        # the steps nobody logs). Each compiles when first called.
+        self._update_parallel = {
+            with_norms: replication.parallelize(
+                functools.partial(self._update_per_device, with_norms=with_norms),
+                out_axes=(0, None),
+                donate_argnums=(0,),
+                **parallel,
+            )
+            for with_norms in (True, False)
+        }
         self._evaluate_parallel = replication.parallelize(
             self._evaluate_per_device, out_axes=None, **parallel
         )
@@ -225,20 +235,29 @@ class Updater:
         rng, step = jax.device_put((rng, np.zeros((num_devices,), np.int32)), device_axis)
         return TrainState(params, state, opt_state, rng, step)
 
-    def update(self, train_state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def update(
+        self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
+    ) -> tuple[TrainState, Metrics]:
         """One training step. `train_state`'s buffers are donated: use the result.
+
+        Args:
+          train_state: the replicated train state.
+          batch: a device-sharded batch.
+          with_norms: whether the metrics hold the global norms; the training loop
+            asks for them on the steps it logs, as big_vision logs them.
 
         Returns:
           The new train state, and `metrics` as scalars without a device axis:
-          `loss` and the loss_fn metrics averaged over devices, and the global
-          norms `l2_grads` (of the averaged gradients), `l2_params` (after the
-          update) and `l2_updates`.
+          `loss` and the loss_fn metrics averaged over devices, and (`with_norms`)
+          the global norms `l2_grads` (of the averaged gradients), `l2_params`
+          (after the update) and `l2_updates`.
         """
         self._check_arguments(train_state, batch, "update")
+        update = self._update_parallel[with_norms]
         if not self._check_finite:
-            return self._call(self._update_parallel, train_state, batch, "update")
+            return self._call(update, train_state, batch, "update")
         step = step_of(train_state)
-        new_train_state, metrics = self._call(self._update_parallel, train_state, batch, "update")
+        new_train_state, metrics = self._call(update, train_state, batch, "update")
         asserts.check_finite_losses([(step, jax.device_get(metrics))])
         return new_train_state, metrics
 
@@ -247,13 +266,15 @@ class Updater:
         self._check_arguments(train_state, batch, "evaluate")
         return self._call(self._evaluate_parallel, train_state, batch, "evaluate")
 
-    def lower_update(self, train_state: TrainState, batch: Batch) -> jax.stages.Lowered:
+    def lower_update(
+        self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
+    ) -> jax.stages.Lowered:
         """The training step lowered for these arguments, for XLA's cost and memory analysis.
 
         Lowering neither runs the step nor consumes the donated `train_state`.
         """
         self._check_arguments(train_state, batch, "lower_update")
-        return self._update_parallel.lower(train_state, batch)
+        return self._update_parallel[with_norms].lower(train_state, batch)
 
     # The per-device functions.
 
@@ -271,7 +292,7 @@ class Updater:
         loss, metrics = _checked_loss(self._loss_fn, outputs, batch)
         return loss_scale.scale(loss), (loss, new_state, metrics)
 
-    def _update_per_device(self, train_state: TrainState, batch):
+    def _update_per_device(self, train_state: TrainState, batch, with_norms: bool):
         params, state, opt_state, rng, step = train_state
         rng, step_key = jax.random.split(rng)
         augment_key, apply_key = jax.random.split(step_key)
@@ -290,7 +311,9 @@ class Updater:
         updates, new_optimizer_state = self._optimizer.update(grads, optimizer_state, params)
         new_params = optax.apply_updates(params, updates)
         new_opt_state = new_optimizer_state
-        metrics = {"loss": loss, **metrics, **_norms(grads, new_params, updates)}
+        metrics = {"loss": loss, **metrics}
+        if with_norms:
+            metrics.update(_norms(grads, new_params, updates))
         if scaled:
             # Gradients are averaged already, so every device takes the same decision.
             grads_finite = jmp.all_finite(grads)

@@ -132,3 +132,24 @@ def test_lower_update_gives_the_per_device_cost_without_consuming_the_state(runs
     # At least the forward and backward matmuls of one device's 8 examples.
     assert costs["flops"] > 2 * 2 * 8 * (64 * 16 + 16 * 10)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(train_state))
+
+
+def test_the_step_without_norms_reports_the_rest_and_does_less_work():
+    step_updater = hs.Updater(
+        models.make_network("mlp", 10, cross_replica_axis="i", hidden_sizes=(16,)),
+        optax.sgd(0.05),
+        losses.classification_loss(10),
+    )
+    batch = hs.shard(
+        {"image": np.zeros((32, 8, 8, 1), np.float32), "label": np.zeros(32, np.int32)}
+    )
+    train_state = step_updater.init(0, batch)
+
+    def flops(with_norms):
+        costs = step_updater.lower_update(train_state, batch, with_norms=with_norms)
+        costs = costs.compile().cost_analysis()
+        return (costs[0] if isinstance(costs, (list, tuple)) else costs)["flops"]
+
+    assert flops(False) < flops(True)
+    _, metrics = step_updater.update(train_state, batch, with_norms=False)
+    assert set(metrics) == {"loss", "accuracy"}

@@ -25,6 +25,10 @@ def test_metric_window_averages_what_it_holds_and_restarts_at_the_fetch():
     assert summary.steps == 3 and summary.seconds > 0
     assert summary.metrics == pytest.approx({"loss": 3.0, "accuracy": 0.6})
     assert window.start_step == 7
+    # A metric some steps report only (the norms of the logged step) is averaged over those.
+    window.append(8, {"loss": jnp.float32(1.0)})
+    window.append(9, {"loss": jnp.float32(3.0), "l2_grads": jnp.float32(5.0)})
+    assert window.fetch(9).metrics == pytest.approx({"loss": 2.0, "l2_grads": 5.0})
     window.append(8, {"loss": jnp.float32(jnp.nan)})
     with pytest.raises(FloatingPointError, match="at step 8"):
         window.check_finite()
@@ -42,7 +46,7 @@ class _NoStop:
 def test_run_steps_from_the_first_to_the_last_and_runs_the_due_actions():
     calls = []
 
-    def step_fn(state, batch):
+    def step_fn(state, batch, step):
         return state + batch, {"loss": jnp.float32(batch)}
 
     actions = [
@@ -69,7 +73,7 @@ def test_run_ends_before_the_step_a_stop_is_requested_at():
             return step == 5
 
     end = loop.run(
-        lambda state, batch: (state + 1, {"loss": np.float32(0)}),
+        lambda state, batch, step: (state + 1, {"loss": np.float32(0)}),
         0,
         itertools.repeat(None),
         first_step=0,
@@ -83,7 +87,7 @@ def test_run_ends_before_the_step_a_stop_is_requested_at():
 
 def test_nothing_runs_when_the_run_is_already_at_its_last_step():
     end = loop.run(
-        lambda state, batch: pytest.fail("stepped"),
+        lambda state, batch, step: pytest.fail("stepped"),
         "state",
         iter(()),
         first_step=30,
