@@ -221,6 +221,19 @@ def _take_over(
     return checkpointer, _resume(first, experiment, config, checkpointer)
 
 
+def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iterator[Any]:
+    """This process's device batches of the steps from `start_step` to the last."""
+    return data.sharded_train_batches(
+        experiment.dataset.train,
+        config.batch_size,
+        seed=config.seed,
+        start_step=start_step,
+        num_steps=max(0, experiment.total_steps - start_step),
+        options=experiment.input_options,
+        **this_process(),
+    )
+
+
 def _train(
     config: Any,
     workdir: str,
@@ -240,15 +253,7 @@ def _train(
             resume_step=start_step,
         )
     )
-    batches = data.sharded_train_batches(
-        experiment.dataset.train,
-        config.batch_size,
-        seed=config.seed,
-        start_step=start_step,
-        num_steps=max(0, experiment.total_steps - start_step),
-        options=experiment.input_options,
-        **this_process(),
-    )
+    batches = _train_batches(config, experiment, start_step)
     stack.callback(batches.close)
     window = loop.MetricWindow(start_step)
     evaluate = actions.Evaluate(experiment, config.eval_batch_size, writer, stop)

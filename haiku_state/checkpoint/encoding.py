@@ -64,17 +64,16 @@ def checksums(trees: dict[str, PyTree]) -> dict[str, int]:
     }
 
 
-def verify(trees: dict[str, PyTree], expected_checksums: dict[str, int] | None) -> str | None:
+def verify(trees: dict[str, PyTree], expected_checksums: dict[str, int]) -> str | None:
     """Why restored host `trees` cannot be trusted, or None.
 
     A leaf whose bytes do not match the checksum saved with it (files changed
     on disk), or params that are not finite (a run saved after it diverged, or
     damage that happens to decode), count as damage.
     """
-    if expected_checksums is not None:
-        for name, checksum in checksums(trees).items():
-            if expected_checksums.get(name) != checksum:
-                return f"{name}: its bytes do not match the checksum saved with it"
+    for name, checksum in checksums(trees).items():
+        if expected_checksums.get(name) != checksum:
+            return f"{name}: its bytes do not match the checksum saved with it"
     for path, leaf in jax.tree_util.tree_leaves_with_path(trees["params"]):
         if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
             return f"params{jax.tree_util.keystr(path)}: holds non-finite values"

@@ -47,6 +47,21 @@ class StepDirectories:
         """The complete steps, ascending."""
         return [step for step in self.named_steps() if self.is_complete(step)]
 
+    def claim(self, step: int) -> bool:
+        """Whether `step` may be saved: not if it is complete already.
+
+        A directory of that number without its commit marker (found while
+        training, not at restore) is set aside first.
+        """
+        if self.is_complete(step):
+            logging.info(
+                "Checkpoint step %d exists at %s; not saving it again.", step, self.step_dir(step)
+            )
+            return False
+        if self.step_dir(step).exists():
+            self.set_aside_damaged(step, "it has no commit marker")
+        return True
+
     def set_aside(self, step: int, reason: str) -> epath.Path | None:
         """Renames `step` to `<step>.<reason>-<time>`; only process 0 renames.
 

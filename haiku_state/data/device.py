@@ -132,10 +132,9 @@ def device_train_batches(
     every `steps_per_gather` steps, the host transfers their example indices (the
     order `train_batches` draws, this process's slice of each batch) and one
     jitted gather, dispatched asynchronously, builds their batches, each device
-    its own slice of each batch. No host gather, no host-to-device copy of images,
-    no background thread: on a small machine those compete with the step for the
-    cores and the GIL, and one launch per several steps keeps the gather's own
-    dispatch cost off most steps (`benchmarks/` measures both).
+    its own slice of each batch: no host gather, no copy of images, no thread to
+    compete with the step for the cores, and the gather's dispatch cost is paid
+    once per several steps.
 
     Batch `k` holds exactly the examples of batch `k` of `train_batches` with the
     same arguments, in the same order, laid out as `prefetch_to_device` lays them
@@ -153,8 +152,7 @@ def device_train_batches(
       axis_name: the pmap axis name the batches are sharded along.
       steps_per_gather: how many steps' batches one gather builds (and holds on
         the devices until they are consumed); None: as many as take at most
-        `GATHER_BYTES` per device, between 1 and `MAX_STEPS_PER_GATHER` (16 for
-        the digits).
+        `GATHER_BYTES` per device, between 1 and `MAX_STEPS_PER_GATHER`.
 
     Returns:
       An iterator of device batches `{"image": [devices, B / P / devices, H, W, C],
@@ -176,13 +174,17 @@ def device_train_batches(
             f"not divisible by the {num_devices} local devices."
         )
     if steps_per_gather is None:
-        example_bytes = split.images[0].nbytes + split.labels[0].nbytes
-        batch_bytes = example_bytes * (local_size // num_devices)
-        steps_per_gather = int(np.clip(GATHER_BYTES // batch_bytes, 1, MAX_STEPS_PER_GATHER))
+        steps_per_gather = _default_steps_per_gather(split, local_size // num_devices)
     if steps_per_gather < 1:
         raise ValueError(f"{where}: steps_per_gather must be positive, got {steps_per_gather}.")
     indices = order_lib.indices_from(order, start_step)
     return _device_train_batches(split, indices, axis_name, steps_per_gather)
+
+
+def _default_steps_per_gather(split: Split, per_device_batch: int) -> int:
+    """As many steps as take at most `GATHER_BYTES` per device, at most `MAX_STEPS_PER_GATHER`."""
+    batch_bytes = (split.images[0].nbytes + split.labels[0].nbytes) * per_device_batch
+    return int(np.clip(GATHER_BYTES // batch_bytes, 1, MAX_STEPS_PER_GATHER))
 
 
 def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> list[Batch]:

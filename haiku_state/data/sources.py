@@ -53,15 +53,7 @@ def load_dataset(
         raise ValueError(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
     data_dir = os.path.expanduser(data_dir) if data_dir else data_dir  # The shell leaves `=~/`.
     if name in ENCODED_DATASETS:
-        if image_size is None or image_size < 1:
-            raise ValueError(
-                f"{name} needs data.image_size, the side of the square crops (e.g. 224); "
-                f"got {image_size}."
-            )
-        load = (
-            imagefolder.load_imagefolder if name == "imagefolder" else arrayrecord.load_arrayrecord
-        )
-        return load(data_dir, image_size)
+        return _load_encoded(name, data_dir, image_size)
     if name == "digits":
         dataset = in_memory.load_digits()
     elif name == "cifar10":
@@ -75,6 +67,17 @@ def load_dataset(
         dataset = in_memory.make_synthetic(image_shape, num_classes, num_train, num_test, seed)
     _check_native_size(dataset, image_size)
     return dataset
+
+
+def _load_encoded(name: str, data_dir: str | None, image_size: int | None) -> Dataset:
+    """An index of encoded images, cropped to `image_size` as they are read."""
+    if image_size is None or image_size < 1:
+        raise ValueError(
+            f"{name} needs data.image_size, the side of the square crops (e.g. 224); "
+            f"got {image_size}."
+        )
+    load = imagefolder.load_imagefolder if name == "imagefolder" else arrayrecord.load_arrayrecord
+    return load(data_dir, image_size)
 
 
 def _check_native_size(dataset: Dataset, image_size: int | None) -> None:
