@@ -42,7 +42,7 @@ from PIL import Image
 
 from haiku_state import config as config_lib
 from haiku_state import data, summaries, train
-from haiku_state.data import preprocess
+from haiku_state.data import imagefolder, preprocess
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 WIDTH, HEIGHT = 500, 375
@@ -248,6 +248,20 @@ def measure_pipeline(
 
 
 @contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """`os.environ[name] = value` for the block (worker processes inherit it)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+@contextlib.contextmanager
 def update_core_apart(enabled: bool) -> Iterator[None]:
     """This process (the loop, XLA:CPU's pool) on the first core, its workers on the others.
 
@@ -345,7 +359,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "python": platform.python_version(),
         }
     }
-    with tempfile.TemporaryDirectory(prefix="bench_imagefolder_") as root:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench_imagefolder_") as root,
+        tempfile.TemporaryDirectory(prefix="bench_index_cache_") as cache,
+        _environment(imagefolder.CACHE_ENV, cache),  # Not the user's cache: root goes away.
+    ):
         record["data"] = write_tree(root, args.images, args.distinct)
         record["decoders_one_core_images_per_s"] = decoder_rates(
             root, args.image_size, args.decoder_seconds

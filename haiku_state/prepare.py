@@ -89,8 +89,9 @@ def _png_split(split: Split, name: str) -> SourceSplit:
 
 def _plan(spec: str, source: Source, examples_per_shard: int) -> dict[str, Any]:
     """What the output folder will hold; a rerun must make the same plan to resume."""
+    kind, _, path = spec.partition(":")
     return {
-        "source": spec,
+        "source": f"{kind}:{os.path.realpath(path)}" if path else kind,
         "examples_per_shard": examples_per_shard,
         "classes": source.classes,
         "num_examples": {split: s.num_examples for split, s in source.splits.items()},

@@ -108,6 +108,26 @@ def test_resuming_a_conversion_of_another_source_is_refused(tree, tmp_path):
         prepare.convert("digits", out, examples_per_shard=8)
 
 
+def test_the_same_folder_named_another_way_resumes_the_conversion(tree, tmp_path):
+    out = str(tmp_path / "out")
+    prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8)
+    other_name = os.path.relpath(str(tree)) + os.sep
+    prepare.convert(f"imagefolder:{other_name}", out, examples_per_shard=8)  # Not refused.
+
+
+def test_a_file_name_that_is_not_utf8_converts_and_keeps_its_bytes(tmp_path):
+    root = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    class_dir = os.path.join(root, "train", sorted(os.listdir(os.path.join(root, "train")))[0])
+    first = next(name for name in sorted(os.listdir(class_dir)) if name.endswith("JPEG"))
+    odd = os.fsdecode(b"caf\xe9" + os.fsencode(os.path.splitext(first)[1]))
+    os.rename(os.path.join(class_dir, first), os.path.join(class_dir, odd))
+    out = str(tmp_path / "shards")
+    prepare.convert(f"imagefolder:{root}", out, examples_per_shard=8)
+    split = data.load_dataset("arrayrecord", data_dir=out, image_size=IMAGE_SIZE).train
+    descriptions = [split.records.describe(i) for i in range(len(split.records))]
+    assert sum("caf" in description for description in descriptions) == 1
+
+
 def test_digits_and_cifar10_convert_to_pngs_of_the_same_pixels(tmp_path):
     out = str(tmp_path / "digits")
     prepare.convert("digits", out, examples_per_shard=500)

@@ -34,7 +34,7 @@ _HEADER = struct.Struct("<iH")
 
 def encode_example(image: bytes, label: int, name: str) -> bytes:
     """One record: the label, the source's name for the example, the encoded image."""
-    encoded_name = name.encode()[:65535]
+    encoded_name = os.fsencode(name)[:65535]  # File names need not be valid UTF-8.
     return _HEADER.pack(label, len(encoded_name)) + encoded_name + image
 
 
