@@ -97,10 +97,24 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
 
 
 def _epochs_note(config: Any, experiment: Experiment) -> str:
-    """` (90 epochs of 1251 steps)` when the run's length is given in epochs."""
-    if config.get("num_epochs") is None:
+    """` (90 epochs of 1251 steps)`: the run's length in epochs of the training split."""
+    examples = data.num_examples(experiment.dataset.train)
+    per_epoch = data.steps_per_epoch(examples, config.batch_size)
+    if per_epoch < 1:
         return ""
-    return f" ({config.num_epochs} epochs of {experiment.total_steps // config.num_epochs} steps)"
+    epochs = experiment.total_steps / per_epoch
+    encoded = experiment.dataset.name in data.ENCODED_DATASETS
+    if config.get("num_epochs") is None and epochs < 1 and encoded:
+        logging.warning(
+            "config.steps=%d covers %.3g of an epoch of %s (%d examples); set "
+            "--config.num_epochs to train on all of it (experiments/resnet50.py:imagenet "
+            "is the ImageNet recipe).",
+            experiment.total_steps,
+            epochs,
+            experiment.dataset.name,
+            examples,
+        )
+    return f" ({epochs:.4g} epochs of {per_epoch} steps)"
 
 
 def _resume(

@@ -170,6 +170,10 @@ def test_num_epochs_gives_the_steps_of_that_many_epochs_of_the_training_split():
     experiment = train.build_experiment(config)
     assert experiment.total_steps == 66
     assert train._epochs_note(config, experiment) == " (3 epochs of 22 steps)"
+    by_steps = mlp_config(steps=11)
+    assert train._epochs_note(by_steps, train.build_experiment(by_steps)) == (
+        " (0.5 epochs of 22 steps)"
+    )
     assert float(experiment.learning_rate(40)) == pytest.approx(config.optimizer.learning_rate)
     too_long_warmup = mlp_config(num_epochs=1, **{"optimizer.warmup_steps": 22})
     with pytest.raises(ValueError, match=r"warmup_steps=22 must be in \[0, steps=22\)"):
