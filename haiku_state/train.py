@@ -217,6 +217,16 @@ def _profile(config: Any, workdir: str, start_step: int) -> actions.Profile | No
     return profile
 
 
+def _data_record(experiment: Experiment) -> dict[str, int]:
+    """What `config.json` records of the data as read, checked on resume."""
+    dataset = experiment.dataset
+    return {
+        "train_examples": data.num_examples(dataset.train),
+        "test_examples": data.num_examples(dataset.test),
+        "num_classes": dataset.num_classes,
+    }
+
+
 def _take_over(
     config: Any,
     workdir: str,
@@ -229,7 +239,9 @@ def _take_over(
     stack.enter_context(_owning(workdir))
     _on_process_0(
         "Recording the config",
-        lambda: workdir_lib.record_config(workdir, config, allow_change=allow_config_change),
+        lambda: workdir_lib.record_config(
+            workdir, config, allow_change=allow_config_change, data=_data_record(experiment)
+        ),
     )
     checkpointer = stack.enter_context(_checkpointer(config, workdir))
     return checkpointer, _resume(first, experiment, config, checkpointer)

@@ -154,15 +154,36 @@ def trajectory_changes(recorded: Mapping[str, Any], config: Any) -> list[str]:
     ]
 
 
-def record_config(workdir: str, config: Any, *, allow_change: bool) -> None:
+def _data_changes(recorded: Mapping[str, Any] | None, data: Mapping[str, Any] | None) -> list[str]:
+    """What differs in the data as read (the batch order depends on the split sizes)."""
+    if not recorded or not data:
+        return []
+    return [
+        f"dataset.{key}: {recorded[key]!r} -> {data[key]!r}"
+        for key in sorted(set(recorded) & set(data))
+        if recorded[key] != data[key]
+    ]
+
+
+def record_config(
+    workdir: str, config: Any, *, allow_change: bool, data: Mapping[str, Any] | None = None
+) -> None:
     """Writes `WORKDIR/config.json`, first checking a recorded one against `config`.
 
+    Args:
+      workdir: the run's directory.
+      config: the resolved config.
+      allow_change: record a change that alters the trajectory instead of refusing it.
+      data: what the data as read looks like (split sizes, class count): a folder
+        that gained or lost files between a stop and a resume changes the batches
+        as surely as a changed config does.
+
     Raises:
-      WorkdirError: if the recorded config differs in a key that changes the
-        trajectory and `allow_change` is False; nothing is written then.
+      WorkdirError: if the recorded config (or data) differs in a way that changes
+        the trajectory and `allow_change` is False; nothing is written then.
     """
     path = os.path.join(workdir, CONFIG_FILE)
-    record = {"config": _as_json(config), "changes": []}
+    record = {"config": _as_json(config), "data": dict(data or {}), "changes": []}
     if os.path.exists(path):
         try:
             with open(path) as f:
@@ -172,11 +193,12 @@ def record_config(workdir: str, config: Any, *, allow_change: bool) -> None:
                 f"{path} is not valid JSON ({e}); move it away to start anew."
             ) from None
         changes = trajectory_changes(previous["config"], config)
+        changes += _data_changes(previous.get("data"), data)
         if changes and not allow_change:
             raise WorkdirError(
-                f"The config differs from the one {workdir} was trained with, in keys that "
-                "change the run: " + "; ".join(changes) + ". Pass --allow_config_change to "
-                "continue anyway (the change is recorded in config.json), or use another "
+                f"The config or data differs from what {workdir} was trained with, in "
+                f"ways that change the run: {'; '.join(changes)}. Pass --allow_config_change "
+                "to continue anyway (the change is recorded in config.json), or use another "
                 "--workdir."
             )
         record["changes"] = previous.get("changes", [])

@@ -93,6 +93,17 @@ def test_the_config_is_recorded_and_a_trajectory_change_refused_listing_the_keys
     assert len(recorded["changes"]) == 1 and "seed: 0 -> 1" in recorded["changes"][0]["changes"]
 
 
+def test_data_that_changed_size_since_the_record_is_refused_like_a_config_change(tmp_path):
+    workdir, data = str(tmp_path), {"train_examples": 1000, "test_examples": 100, "num_classes": 10}
+    workdir_lib.record_config(workdir, _config(), allow_change=False, data=data)
+    workdir_lib.record_config(workdir, _config(), allow_change=False, data=data)
+    grown = {**data, "train_examples": 1001}
+    with pytest.raises(workdir_lib.WorkdirError, match=r"dataset.train_examples: 1000 -> 1001"):
+        workdir_lib.record_config(workdir, _config(), allow_change=False, data=grown)
+    workdir_lib.record_config(workdir, _config(), allow_change=True, data=grown)
+    assert json.loads((tmp_path / "config.json").read_text())["data"] == grown
+
+
 def test_steps_may_change_when_the_schedule_does_not_depend_on_them(tmp_path):
     workdir = str(tmp_path)
     constant = {"optimizer.schedule": "constant"}
