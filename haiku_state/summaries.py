@@ -2,17 +2,24 @@
 
 The writer only sees host numbers: the training loop fetches metrics every
 `log_every` steps and hands them over, so nothing here touches the hot path.
+
+`metrics.jsonl` may have two writers, a training run and an evaluator beside it
+(`--mode=eval_follow`). Each record is appended by opening the file anew under
+an exclusive lock on `metrics.jsonl.lock`, and a resumed run rewrites the file
+under the same lock: every writer's records land in the current file, whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Mapping
-from typing import Any, TextIO
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from absl import logging
 
@@ -76,7 +83,7 @@ class MetricWriter:
         self._rate_start: tuple[int, float] | None = None  # (step, time) of the first event.
         self._interactive = sys.stderr.isatty()
         self._progress_shown = False
-        self._jsonl: TextIO | None = None
+        self._jsonl_path = os.path.join(workdir, METRICS_FILE)
         self._tensorboard = None
         if enabled:
             from tensorboardX import SummaryWriter
@@ -84,7 +91,6 @@ class MetricWriter:
             os.makedirs(workdir, exist_ok=True)
             if resume_step is not None:
                 supersede_after(workdir, resume_step)
-            self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", buffering=1)
             purge_step = None if resume_step is None else resume_step + 1
             self._tensorboard = SummaryWriter(
                 os.path.join(workdir, "tensorboard", tensorboard_run), purge_step=purge_step
@@ -106,7 +112,7 @@ class MetricWriter:
             return
         record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
         record.update(marks or {})
-        self._jsonl.write(json.dumps(record) + "\n")
+        _append_record(self._jsonl_path, record)
         for name, value in metrics.items():
             self._tensorboard.add_scalar(f"{split}/{name}", float(value), step)
         if split == "train":
@@ -145,10 +151,49 @@ class MetricWriter:
 
     def close(self) -> None:
         self._end_progress_line()
-        if self._jsonl is not None:
-            self._jsonl.close()
+        if self._tensorboard is not None:
             self._tensorboard.close()
-            self._jsonl = self._tensorboard = None
+            self._tensorboard = None
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """Holds the exclusive lock of the metrics file `path` (a lock file beside it)."""
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # Also releases the lock.
+
+
+def _append_record(path: str, record: Mapping[str, Any]) -> None:
+    """Appends one line to `path`, first dropping a last line a kill cut short."""
+    line = (json.dumps(record) + "\n").encode()
+    with _locked(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _drop_cut_line(fd, path)
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+def _drop_cut_line(fd: int, path: str) -> None:
+    """Truncates the file after its last newline, if it does not end with one."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    end = size
+    while end > 0:
+        start = max(0, end - 65536)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            end = start + newline + 1
+            break
+        end = start
+    logging.warning("%s: dropping its last line, cut short (%d bytes).", path, size - end)
+    os.ftruncate(fd, end)
 
 
 def _read_records(path: str) -> list[dict[str, Any]]:
@@ -178,18 +223,21 @@ def supersede_after(workdir: str, step: int) -> None:
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        line_count = sum(1 for line in f if line.strip())
-    records = _read_records(path)
-    later = [r for r in records if r.get("step", 0) > step and not r.get("superseded")]
-    if not later and len(records) == line_count:
-        return  # Nothing to mark and no cut line: the file stays as it is.
-    for record in later:
-        record["superseded"] = True
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in records)
-    os.replace(temporary, path)
+    with _locked(path):
+        with open(path) as f:
+            line_count = sum(1 for line in f if line.strip())
+        records = _read_records(path)
+        later = [r for r in records if r.get("step", 0) > step and not r.get("superseded")]
+        if not later and len(records) == line_count:
+            return  # Nothing to mark and no cut line: the file stays as it is.
+        for record in later:
+            record["superseded"] = True
+        temporary = f"{path}.tmp-{os.getpid()}"
+        with open(temporary, "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

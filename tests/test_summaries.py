@@ -1,0 +1,46 @@
+"""Tests of haiku_state.summaries: metrics.jsonl with a training run and an evaluator beside it."""
+
+import json
+
+from haiku_state import summaries
+
+
+def _lines(workdir) -> list[dict]:
+    text = (workdir / summaries.METRICS_FILE).read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_an_evaluators_records_land_in_the_file_a_resumed_run_rewrote(tmp_path):
+    with summaries.MetricWriter(str(tmp_path), 100) as trainer:
+        for step in (10, 20, 30):
+            trainer.write(step, "train", {"loss": 1.0 / step})
+    with summaries.MetricWriter(str(tmp_path), 100, tensorboard_run="eval") as evaluator:
+        evaluator.write(10, "eval", {"accuracy": 0.5}, {"separate": True})
+        # Training resumes from step 10 and rewrites the file while the evaluator runs.
+        with summaries.MetricWriter(str(tmp_path), 100, resume_step=10) as resumed:
+            evaluator.write(20, "eval", {"accuracy": 0.6}, {"separate": True})
+            resumed.write(20, "train", {"loss": 0.04})
+    records = _lines(tmp_path)
+    assert [(r["split"], r["step"]) for r in records if r.get("superseded")] == [
+        ("train", 20),
+        ("train", 30),
+    ]
+    current = [(r["split"], r["step"]) for r in summaries.read_metrics(str(tmp_path))]
+    assert current == [("eval", 10), ("eval", 20), ("train", 10), ("train", 20)]
+
+
+def test_a_line_cut_by_a_kill_is_dropped_before_the_next_record_is_appended(tmp_path):
+    with summaries.MetricWriter(str(tmp_path), 100) as writer:
+        writer.write(10, "train", {"loss": 1.0})
+    with open(tmp_path / summaries.METRICS_FILE, "a") as f:
+        f.write('{"step": 20, "split": "tr')  # A kill mid-write.
+    for _ in range(2):  # Two evaluations, then a resumed training run: all read it back.
+        with summaries.MetricWriter(str(tmp_path), 100, tensorboard_run="eval") as evaluator:
+            evaluator.write(10, "eval", {"accuracy": 0.5}, {"separate": True})
+    with summaries.MetricWriter(str(tmp_path), 100, resume_step=10):
+        pass
+    assert [(r["split"], r["step"]) for r in _lines(tmp_path)] == [
+        ("train", 10),
+        ("eval", 10),
+        ("eval", 10),
+    ]
