@@ -353,7 +353,11 @@ def train_and_evaluate(
         final = evaluate.metrics_at(end.step)
         if final is None:
             logging.info("Already trained to step %d; evaluating.", end.step)
-            final = evaluate_test_split(experiment, end.train_state, config.eval_batch_size)
+            final = evaluate_test_split(
+                experiment, end.train_state, config.eval_batch_size, stop=stop
+            )
+            if final is None:  # A signal interrupted it; the step is saved already.
+                return {}
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(

@@ -7,6 +7,9 @@ tests start real worker processes.
 """
 
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -184,3 +187,19 @@ def test_default_workers_leave_a_core_to_the_training_loop(dataset, monkeypatch)
     assert data.default_workers() == 0
     with pytest.raises(ValueError, match="workers must be >= 0"):
         data.encoded_train_batches(dataset.train, 4, seed=0, workers=-1)
+
+
+def test_a_decoding_worker_leaves_ctrl_c_to_the_training_process():
+    # Ctrl-C reaches the whole process group; a worker that raised KeyboardInterrupt
+    # would print its traceback beside the training process's orderly stop.
+    code = (
+        "import os, signal, time\n"
+        "from haiku_state.data import pipeline\n"
+        "pipeline.exit_with_parent(0, 1)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.1)\n"
+        "print('still here')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and "still here" in result.stdout, result.stderr
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Not ours.

@@ -347,3 +347,21 @@ def test_checkpoints_are_also_saved_on_a_timer_at_log_boundaries(tmp_path):
     )
     train.train_and_evaluate(config, str(tmp_path))
     assert steps_on_disk(tmp_path) == [10, 20, 30]
+
+
+class _StopAfterChecks(loop.StopRequest):
+    """A stop request that a signal reaches after its first `checks` checks."""
+
+    def __init__(self, checks: int):
+        super().__init__()
+        self.checks = checks
+
+    def should_stop_now(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0
+
+
+def test_the_evaluation_of_an_already_trained_run_stops_on_a_signal(tmp_path):
+    train.train_and_evaluate(mlp_config(), str(tmp_path))
+    # The first check is before the evaluation; the signal comes during it.
+    assert train.train_and_evaluate(mlp_config(), str(tmp_path), stop=_StopAfterChecks(1)) == {}

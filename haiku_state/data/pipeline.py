@@ -25,6 +25,7 @@ Host memory is bounded by the batches in flight: each worker holds about
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -200,8 +201,12 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
     outright cannot stop them; they would block forever on a queue nobody reads,
     holding their memory and the parent's pipes. A daemon thread polls the parent
     instead.
+
+    Ctrl-C reaches every process of the terminal's group: a worker ignores it
+    and leaves the stop to the training process, which closes the pipeline.
     """
     del worker_index, worker_count  # The same for every worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
     def watch() -> None:
