@@ -76,9 +76,12 @@ def exclusive_lock(workdir: str) -> Iterator[None]:
     holder dies, so a lock left by a killed run is taken over (with a warning);
     the file names the holder's host and pid for the error a second run gets.
     """
-    os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # E.g. a read-only filesystem, where access() said yes.
+        raise WorkdirError(f"--workdir={workdir} cannot be written: {e}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

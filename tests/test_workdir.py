@@ -70,6 +70,13 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     workdir_lib.check_usable(str(tmp_path / "new" / "deeper"))  # Creatable: fine.
 
 
+def test_a_workdir_that_cannot_be_created_is_refused_naming_it():
+    workdir = "/proc/self/haiku_state_test/w"  # Not writable, even for root.
+    with pytest.raises(workdir_lib.WorkdirError, match=f"--workdir={workdir} cannot be written"):
+        with workdir_lib.exclusive_lock(workdir):
+            pass
+
+
 def test_the_config_is_recorded_and_a_trajectory_change_refused_listing_the_keys(tmp_path):
     workdir = str(tmp_path)
     workdir_lib.record_config(workdir, _config(), allow_change=False)
