@@ -208,8 +208,9 @@ def test_table_shows_the_shard_map_updater_and_a_dash_for_variants_not_timed():
     assert all(title in header for title in titles)
     cells = row.split()
     assert cells[:5] == ["resnet", "2", "128", "1,000", "7.80"]
-    assert cells[5:7] == ["-", "-"]  # Hand-written examples/s and Updater / hand-written.
-    assert cells[10:12] == ["990", "0.990"]  # shard_map Updater examples/s and / pmap.
+    # Hand-written examples/s, Updater / hand-written, and with norms / without.
+    assert cells[5:8] == ["-", "-", "-"]
+    assert cells[11:13] == ["990", "0.990"]  # shard_map Updater examples/s and / pmap.
 
 
 def test_quick_loop_config_runs_on_synthetic_data_of_the_timed_shape():
