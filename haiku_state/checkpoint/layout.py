@@ -10,6 +10,7 @@ number is free to be saved again, and nothing the user saved is deleted.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -23,11 +24,16 @@ class StepDirectories:
     Args:
       directory: the checkpoint directory.
       read_only: for an evaluator beside a training run: nothing is renamed.
+
+    Attributes:
+      on_set_aside: called after every `set_aside`, on every process, whether or
+        not it renamed: the `Checkpointer` reloads Orbax's cached list of steps.
     """
 
     def __init__(self, directory: epath.Path, *, read_only: bool = False):
         self.directory = directory
         self.read_only = read_only
+        self.on_set_aside: Callable[[], None] = lambda: None
 
     def step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
@@ -69,6 +75,11 @@ class StepDirectories:
           The new path, or None where this process renamed nothing (read-only, not
           process 0, or no such directory).
         """
+        moved = self._rename_aside(step, reason)
+        self.on_set_aside()
+        return moved
+
+    def _rename_aside(self, step: int, reason: str) -> epath.Path | None:
         if self.read_only or jax.process_index() != 0 or not self.step_dir(step).exists():
             return None
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -85,6 +85,7 @@ class Checkpointer:
             keep_best_mode=keep_best_mode,
         )
         self._manager = items.orbax_manager(self._directory, self.retention, read_only=read_only)
+        self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
         self._writer = (
             None
             if read_only
@@ -146,7 +147,6 @@ class Checkpointer:
         self.wait_until_finished()  # Now the disk is current.
         if not self._steps.claim(encoded.step):
             return False
-        self._manager.reload()  # `claim` may have moved an incomplete directory aside.
         self.retention.record(encoded.step, metadata_item["metrics"])
         logging.info("Saving checkpoint step %d to %s.", encoded.step, self._step_dir(encoded.step))
         self._writer.write(encoded, metadata_item)
@@ -188,7 +188,7 @@ class Checkpointer:
         try:
             return self._restore_step(like, step)
         except items.DamagedCheckpointError as e:
-            self._set_aside_damaged(step, e)
+            self._steps.set_aside_damaged(step, e)
             raise ValueError(f"Checkpoint step {step} is damaged: {e}") from None
 
     def protect(self, step: int) -> None:
@@ -211,9 +211,7 @@ class Checkpointer:
 
         Every process may call it; only process 0 of a writer renames.
         """
-        moved = self._steps.set_aside(step, reason)
-        self._manager.reload()  # Orbax caches the steps it knows.
-        return moved
+        return self._steps.set_aside(step, reason)
 
     def metadata(self, step: int | None = None) -> dict | None:
         """The `metadata` item of `step` (default: the newest complete one), or None."""
@@ -257,7 +255,7 @@ class Checkpointer:
             try:
                 return self._restore_step(like, step)
             except items.DamagedCheckpointError as e:
-                self._set_aside_damaged(step, e, "falling back to an earlier step")
+                self._steps.set_aside_damaged(step, e, then="falling back to an earlier step")
                 failures.append(f"{step}: {e}")
         if not failures:
             return None
@@ -266,10 +264,6 @@ class Checkpointer:
             "from scratch next to them (they were moved aside, not deleted). "
             + " | ".join(failures)
         )
-
-    def _set_aside_damaged(self, step: int, reason: object, then: str = "") -> None:
-        self._steps.set_aside_damaged(step, reason, then=then)
-        self._manager.reload()  # Orbax caches the steps it knows.
 
     def _step_dir(self, step: int) -> epath.Path:
         return self._steps.step_dir(step)
