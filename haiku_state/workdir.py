@@ -150,21 +150,17 @@ def trajectory_changes(recorded: Mapping[str, Any], config: Any) -> list[str]:
         "optimizer.schedule"
     ) == new.get("optimizer.schedule"):
         free.add("steps")
+    return _changes(old, new, free)
+
+
+def _changes(
+    old: Mapping[str, Any], new: Mapping[str, Any], free: set[str] | frozenset[str] = frozenset()
+) -> list[str]:
+    """`key: old -> new` for every key of both whose value differs, `free` keys aside."""
     return [
         f"{key}: {old[key]!r} -> {new[key]!r}"
         for key in sorted(set(old) & set(new))
         if key not in free and old[key] != new[key]
-    ]
-
-
-def _data_changes(recorded: Mapping[str, Any] | None, data: Mapping[str, Any] | None) -> list[str]:
-    """What differs in the data as read (the batch order depends on the split sizes)."""
-    if not recorded or not data:
-        return []
-    return [
-        f"dataset.{key}: {recorded[key]!r} -> {data[key]!r}"
-        for key in sorted(set(recorded) & set(data))
-        if recorded[key] != data[key]
     ]
 
 
@@ -196,7 +192,11 @@ def record_config(
                 f"{path} is not valid JSON ({e}); move it away to start anew."
             ) from None
         changes = trajectory_changes(previous["config"], config)
-        changes += _data_changes(previous.get("data"), data)
+        # The batch order depends on the split sizes: compared like trajectory keys.
+        changes += _changes(
+            _flatten({"dataset": previous.get("data") or {}}),
+            _flatten({"dataset": dict(data or {})}),
+        )
         if changes and not allow_change:
             raise WorkdirError(
                 f"The config or data differs from what {workdir} was trained with, in "
