@@ -97,7 +97,11 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
 
 
 def _epochs_note(config: Any, experiment: Experiment) -> str:
-    """` (90 epochs of 1251 steps)`: the run's length in epochs of the training split."""
+    """` (90 epochs of 1251 steps)`: the run's length in epochs of the training split.
+
+    Warns when `config.steps` covers less than an epoch of an image folder or
+    shards: the ImageNet recipe is given in epochs.
+    """
     examples = data.num_examples(experiment.dataset.train)
     per_epoch = data.steps_per_epoch(examples, config.batch_size)
     if per_epoch < 1:
