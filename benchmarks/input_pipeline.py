@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import jax
 import numpy as np
@@ -248,20 +249,6 @@ def measure_pipeline(
 
 
 @contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    """`os.environ[name] = value` for the block (worker processes inherit it)."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
-
-
-@contextlib.contextmanager
 def update_core_apart(enabled: bool) -> Iterator[None]:
     """This process (the loop, XLA:CPU's pool) on the first core, its workers on the others.
 
@@ -362,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="bench_imagefolder_") as root,
         tempfile.TemporaryDirectory(prefix="bench_index_cache_") as cache,
-        _environment(imagefolder.CACHE_ENV, cache),  # Not the user's cache: root goes away.
+        mock.patch.dict(os.environ, {imagefolder.CACHE_ENV: cache}),  # Not the user's.
     ):
         record["data"] = write_tree(root, args.images, args.distinct)
         record["decoders_one_core_images_per_s"] = decoder_rates(
