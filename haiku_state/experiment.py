@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import haiku as hk
-import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -107,15 +106,10 @@ def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
 
     `batch_size` is global: this process's slice of it is what its devices see.
     """
-    local_batch_size = batch_size // jax.process_count()
+    local_batch_size = data.ProcessSlice.current().size(batch_size, "placeholder_batch")
     return replication.shard(
         {
             "image": np.zeros((local_batch_size, *dataset.image_shape), dataset.image_dtype),
             "label": np.zeros((local_batch_size,), np.int32),
         }
     )
-
-
-def this_process() -> dict[str, int]:
-    """The data-slicing arguments of `data.train_batches` / `data.eval_batches`."""
-    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
