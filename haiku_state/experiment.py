@@ -37,22 +37,23 @@ class Experiment(NamedTuple):
 
 
 def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineOptions]:
-    """The dataset a config's `data` names, and how its host pipeline runs."""
+    """The dataset a config's `data` names, and how its host pipeline runs.
+
+    `config.data` has every key of the schema (`validate_config`); each field of
+    `data.PipelineOptions` is the key of its name.
+    """
     dataset = data.load_dataset(
         data_config.name,
-        data_dir=data_config.get("dir") or None,
-        image_size=data_config.get("image_size"),
+        data_dir=data_config.dir or None,
+        image_size=data_config.image_size,
+        image_shape=data_config.image_shape,
+        num_classes=data_config.num_classes,
+        num_train=data_config.num_train,
+        num_test=data_config.num_test,
         seed=seed,
-        **{
-            k: data_config[k]
-            for k in ("image_shape", "num_classes", "num_train", "num_test")
-            if k in data_config
-        },
     )
     options = data.PipelineOptions(
-        workers=data_config.get("workers"),
-        prefetch=data_config.get("prefetch", 2),
-        skip_corrupt=data_config.get("skip_corrupt", False),
+        **{name: data_config[name] for name in data.PipelineOptions._fields}
     )
     return dataset, options
 
