@@ -9,14 +9,11 @@ import ml_collections
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = _base.get_config()
+    config = _base.get_config("resnet")  # width 16, blocks_per_stage (2, 2, 2, 2).
     config.steps = 400
     config.eval_batch_size = 360
     config.label_smoothing = 0.1
     config.optimizer.learning_rate = 0.2
     config.optimizer.warmup_steps = 40
     config.optimizer.weight_decay = 5e-4
-    config.model.name = "resnet"
-    config.model.width = 16
-    config.model.blocks_per_stage = (2, 2, 2, 2)
     return config

@@ -25,7 +25,7 @@ IMAGENET_TRAIN_EXAMPLES = 1_281_167
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-    config = _base.get_config()
+    config = _base.get_config("resnet50")
     config.steps = 200
     config.batch_size = 256
     config.log_every = 20
@@ -46,7 +46,6 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.data.max_shift = 0
     config.data.flip = True
 
-    config.model.name = "resnet50"
     if variant == "imagenet":
         _imagenet_recipe(config)
     elif variant:

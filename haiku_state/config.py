@@ -1,4 +1,16 @@
-"""Experiment configs: finding and loading `get_config()` files, and refusing bad values early.
+"""Experiment configs: the schema of every key, loading `get_config()` files, refusing bad values.
+
+`SCHEMA` is the one description of the config: one `Key` per dotted key, with
+its default, type, allowed values, whether a run may change it on resume, and
+a line of help. Everything else derives from it: `default_config()` (what
+`experiments/_base.py` returns and every experiment overrides),
+`validate_config()` (plus the rules that relate several keys, named functions
+below), the keys `workdir` lets change on resume (`free_keys`), and the data
+options `experiment.load_data` reads. Adding a key is one entry in `SCHEMA`.
+
+The network's own options (`model.*` beside `model.name`) differ per model:
+their entries name the models that take them (`Key.for_models`), and a config
+has exactly the keys of its `model.name`.
 
 An experiment is a Python file defining `get_config() -> ml_collections.ConfigDict`
 (`experiments/*.py`; names starting with `_` are shared helpers, not
@@ -9,54 +21,243 @@ its directory is importable while it loads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
+import numbers
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+import ml_collections
 
 from haiku_state import data, models, optim, replication
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 
-POSITIVE_INT_KEYS = (
-    "steps",
-    "batch_size",
-    "eval_batch_size",
-    "log_every",
-    "eval_every",
-    "check_every",
-    "checkpoint_every",
-)
-REQUIRED_KEYS = (
-    "seed",
-    *POSITIVE_INT_KEYS,
-    "max_to_keep",
-    "label_smoothing",
-    "precision",
-    "backend",
-    "checkpoint_every_secs",
-    "keep_every_steps",
-    "keep_best_by",
-    "keep_best_mode",
-    "init_from",
-    "init_skip",
-    "profile_steps",
-    "optimizer",
-    "data",
-    "model",
-)
-# The keys whose value must be one of a known set, and that set.
-CHOICES = {
-    "backend": replication.BACKENDS,
-    "precision": models.PRECISIONS,
-    "data.name": data.DATASETS,
-    "model.name": models.MODELS,
-    "optimizer.name": optim.OPTIMIZERS,
-    "optimizer.schedule": optim.SCHEDULES,
-}
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The numbers a key may take: `[low, high)`, or `(low, high)` when `open_low`."""
+
+    low: float
+    high: float = math.inf
+    open_low: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        return above and value < self.high
+
+    def describe(self, integer: bool) -> str:
+        """As an error says it: "a positive integer", ">= 0", "in [0.0, 1.0)"."""
+        if self.high == math.inf and integer and not self.open_low:
+            return "a positive integer" if self.low == 1 else f">= {self.low}"
+        if self.high == math.inf and self.open_low and self.low == 0:
+            return "positive"
+        return f"in {'(' if self.open_low else '['}{self.low}, {self.high})"
+
+
+POSITIVE = Range(0, open_low=True)
+POSITIVE_INT = Range(1)
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0.0, 1.0)  # [0, 1).
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One config key: its default, what it may be, and whether it changes the run.
+
+    Attributes:
+      name: the dotted key, `"optimizer.learning_rate"`.
+      default: its value unless an experiment or the command line sets it. None
+        with `allow_none` False: no default, every experiment sets it.
+      type: `int`, `float` (an int is taken too), `str`, `bool` or `tuple` (a
+        list is taken too).
+      help: what it sets, in a line; errors about the key repeat it.
+      free: True if a change alters only how the run is observed or stored, not
+        what it computes: it may then change when a run resumes (`free_keys`).
+      choices: the values it may take, if a fixed set.
+      bounds: the numbers it may take, if a range.
+      allow_none: None is a valid value (besides `bounds` or `choices`).
+      for_models: for the network's own options, the `model.name`s that take
+        it; () for a key of every config.
+    """
+
+    name: str
+    default: Any
+    type: type
+    _: dataclasses.KW_ONLY
+    help: str
+    free: bool = False
+    choices: tuple[Any, ...] | None = None
+    bounds: Range | None = None
+    allow_none: bool = False
+    for_models: tuple[str, ...] = ()
+
+
+SCHEMA = (
+    Key("seed", 0, int, bounds=Range(0, 2**32),
+        help="fixes the initialisation, the batch order and every random draw"),
+    Key("steps", 600, int, bounds=POSITIVE_INT,
+        help="the training steps, unless num_epochs is set"),
+    Key("num_epochs", None, int, bounds=POSITIVE_INT, allow_none=True,
+        help="instead of steps when set: this many epochs of the training split"),
+    Key("batch_size", 128, int, bounds=POSITIVE_INT,
+        help="the global batch, split over every device of every process"),
+    Key("eval_batch_size", 256, int, bounds=POSITIVE_INT, free=True,
+        help="the global evaluation batch"),
+    Key("log_every", 50, int, bounds=POSITIVE_INT, free=True,
+        help="steps between metric logs"),
+    Key("eval_every", 200, int, bounds=POSITIVE_INT, free=True,
+        help="steps between evaluations"),
+    Key("check_every", 200, int, bounds=POSITIVE_INT, free=True,
+        help="steps between checks that replicas are identical and keys distinct"),
+    Key("checkpoint_every", 200, int, bounds=POSITIVE_INT, free=True,
+        help="steps between checkpoints"),
+    Key("checkpoint_every_secs", 300.0, float, bounds=Range(0.0), free=True,
+        help="also save on a timer, as jaxline does; 0: off"),
+    Key("max_to_keep", 3, int, bounds=POSITIVE_INT, allow_none=True, free=True,
+        help="the newest complete checkpoints kept; None: all"),
+    Key("keep_every_steps", 0, int, bounds=NON_NEGATIVE, free=True,
+        help="milestones kept forever: steps divisible by this; 0: none"),
+    Key("keep_best_by", "", str, free=True,
+        help="an eval metric, accuracy or loss, to keep the best step by; empty: none"),
+    Key("keep_best_mode", "max", str, choices=("max", "min"), free=True,
+        help="max, or min for a loss"),
+    Key("init_from", "", str, free=True,
+        help="warm start: params and state of a checkpoint, a run's dir or a step dir"),
+    Key("init_skip", "", str, free=True,
+        help="regex of param and state paths that keep their fresh initialisation"),
+    Key("profile_steps", (), tuple, free=True,
+        help="(start, stop): a jax.profiler trace into WORKDIR/profile; (): none"),
+    Key("backend", "pmap", str, choices=replication.BACKENDS, free=True,
+        help="pmap, or shard_map: the same step on jax.shard_map"),
+    Key("precision", "float32", str, choices=models.PRECISIONS,
+        help="float32, or bfloat16 / float16: mixed precision"),
+    Key("label_smoothing", 0.0, float, bounds=FRACTION,
+        help="of the training loss's targets"),
+
+    Key("optimizer.name", "sgd", str, choices=optim.OPTIMIZERS,
+        help="the optax optimizer"),
+    Key("optimizer.learning_rate", 0.1, float, bounds=POSITIVE,
+        help="the peak learning rate"),
+    Key("optimizer.schedule", "warmup_cosine", str, choices=optim.SCHEDULES,
+        help="the learning rate's schedule"),
+    Key("optimizer.warmup_steps", 50, int, bounds=NON_NEGATIVE,
+        help="warmup_cosine's linear warmup, fewer than the run's steps"),
+    Key("optimizer.weight_decay", 1e-4, float, bounds=Range(0.0),
+        help="L2 decay of the weights of convolutions and linear layers"),
+    Key("optimizer.momentum", 0.9, float, bounds=FRACTION,
+        help="sgd's momentum; 0: none"),
+    Key("optimizer.nesterov", True, bool,
+        help="sgd: Nesterov momentum"),
+
+    Key("data.name", "digits", str, choices=data.DATASETS,
+        help="the dataset"),
+    Key("data.dir", "", str,
+        help="the data's folder, for cifar10, imagefolder and arrayrecord"),
+    Key("data.image_size", None, int, bounds=POSITIVE_INT, allow_none=True,
+        help="the side of the square crops of encoded images, 224 for ImageNet; "
+        "sources in memory keep their own size"),
+    Key("data.image_shape", (32, 32, 3), tuple,
+        help="synthetic: the (H, W, C) of every image"),
+    Key("data.num_classes", 10, int, bounds=POSITIVE_INT,
+        help="synthetic: the number of classes"),
+    Key("data.num_train", 1024, int, bounds=POSITIVE_INT,
+        help="synthetic: the training examples"),
+    Key("data.num_test", 256, int, bounds=POSITIVE_INT,
+        help="synthetic: the test examples"),
+    Key("data.workers", None, int, bounds=NON_NEGATIVE, allow_none=True, free=True,
+        help="decoding processes; None: the cores this process may use, less one, at most 16; "
+        "0: decode in the training process"),
+    Key("data.prefetch", 2, int, bounds=POSITIVE_INT, free=True,
+        help="batches kept ready on the devices"),
+    Key("data.skip_corrupt", False, bool,
+        help="False: an unreadable image stops the run naming the file and the step; True: it "
+        "is replaced deterministically and counted as corrupt_fraction"),
+    Key("data.max_shift", 1, int, bounds=NON_NEGATIVE,
+        help="on-device random shifts of up to this many pixels"),
+    Key("data.flip", False, bool,
+        help="on-device random horizontal flips; digits must not be mirrored"),
+
+    Key("model.name", None, str, choices=models.MODELS,
+        help="the network"),
+    Key("model.hidden_sizes", (256, 256), tuple, for_models=("mlp",),
+        help="the widths of the MLP's hidden layers"),
+    Key("model.dropout_rate", 0.1, float, bounds=FRACTION, for_models=("mlp",),
+        help="the MLP's dropout rate after each hidden layer"),
+    Key("model.width", 16, int, bounds=POSITIVE_INT, for_models=("resnet",),
+        help="the channels of the ResNet's first stage"),
+    Key("model.blocks_per_stage", (2, 2, 2, 2), tuple, for_models=("resnet",),
+        help="the residual blocks of each stage of the ResNet"),
+    Key("model.bn_decay_rate", 0.9, float, bounds=FRACTION, for_models=models.MODELS,
+        help="the decay of BatchNorm's moving statistics"),
+)  # fmt: skip
+
+# Schedules whose value at a step does not depend on the run's length: with one of
+# them `steps` may change on resume too.
+STEP_INDEPENDENT_SCHEDULES = ("constant",)
+
+
+def schema_key(name: str) -> Key:
+    """The schema's entry of the dotted key `name`."""
+    for key in SCHEMA:
+        if key.name == name:
+            return key
+    raise KeyError(f"{name!r} is not a config key.")
+
+
+def keys_of(model: str | None) -> tuple[Key, ...]:
+    """The keys of a config of the network `model`: those of every config, and its own."""
+    return tuple(key for key in SCHEMA if not key.for_models or model in key.for_models)
+
+
+def default_config(model: str | None = None) -> ml_collections.ConfigDict:
+    """Every key at its default: the config every experiment starts from.
+
+    Args:
+      model: the `model.name`, whose own options are added at their defaults;
+        None leaves `model.name` unset and adds no options.
+
+    Returns:
+      A ConfigDict; a key whose default is None holds a placeholder of its type
+      (`--config.num_epochs=90` then parses as an int).
+    """
+    if model is not None and model not in models.MODELS:
+        raise ValueError(f"Unknown model {model!r}; expected one of {models.MODELS}.")
+    config = ml_collections.ConfigDict()
+    for key in keys_of(model):
+        default = key.default
+        if default is None:
+            default = ml_collections.config_dict.placeholder(key.type)
+        _set(config, key.name, default)
+    if model is not None:
+        config.model.name = model
+    return config
+
+
+def free_keys(recorded: Mapping[str, Any], config: Mapping[str, Any]) -> set[str]:
+    """The dotted keys a resumed run may change, given the recorded and the new flat config.
+
+    The keys the schema marks `free`, and `steps` if both configs have the same
+    schedule and it does not depend on the run's length.
+    """
+    free = {key.name for key in SCHEMA if key.free}
+    schedule = config.get("optimizer.schedule")
+    if schedule in STEP_INDEPENDENT_SCHEDULES and recorded.get("optimizer.schedule") == schedule:
+        free.add("steps")
+    return free
+
+
+def _set(config: ml_collections.ConfigDict, dotted_key: str, value: Any) -> None:
+    *parents, leaf = dotted_key.split(".")
+    for name in parents:
+        if name not in config:
+            config[name] = ml_collections.ConfigDict()
+        config = config[name]
+    config[leaf] = value
 
 
 def available_experiments() -> list[str]:
@@ -110,31 +311,11 @@ def _get(config: Any, dotted_key: str) -> Any:
     return config
 
 
-def _has(config: Any, dotted_key: str) -> bool:
-    try:
-        _get(config, dotted_key)
-    except (KeyError, AttributeError):
-        return False
-    return True
-
-
-# Half-open ranges [low, high) of numeric keys, checked where the config has them.
-RANGES = {
-    "seed": (0, 2**32),
-    "label_smoothing": (0.0, 1.0),
-    "optimizer.weight_decay": (0.0, math.inf),
-    "optimizer.momentum": (0.0, 1.0),
-    "model.dropout_rate": (0.0, 1.0),
-    "model.bn_decay_rate": (0.0, 1.0),
-    "data.max_shift": (0, math.inf),
-    "checkpoint_every_secs": (0.0, math.inf),
-    "keep_every_steps": (0, math.inf),
-}
-KEEP_BEST_MODES = ("max", "min")
-
-
 def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
     """Rejects a config that cannot run, naming the bad value, before anything runs.
+
+    Every key is checked against its `SCHEMA` entry (there, with the right type,
+    finite, in its range or choices), then the rules that relate several keys.
 
     Args:
       config: the experiment config.
@@ -143,85 +324,114 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
       num_processes: the processes of the run (`jax.process_count()`).
 
     Raises:
-      ValueError: for a missing key or a value out of range.
+      ValueError: for a missing or unknown key or a value it may not take.
     """
-    missing = [key for key in REQUIRED_KEYS if key not in config]
-    if missing:
-        raise ValueError(f"Config lacks the keys {missing}; every experiment has {REQUIRED_KEYS}.")
-    for key in POSITIVE_INT_KEYS:
-        if config[key] < 1:
-            raise ValueError(f"config.{key}={config[key]} must be a positive integer.")
+    values = {key: _get(config, key) for key in config_keys(config)}
+    for key in _check_keys(values):
+        _check_value(key, values[key.name])
     _check_batch_sizes(config, num_devices, num_processes)
-    for key, choices in CHOICES.items():
-        if _get(config, key) not in choices:
-            raise ValueError(
-                f"Unknown config.{key} {_get(config, key)!r}; expected one of {choices}."
-            )
-    _check_numbers(config)
-    if config.max_to_keep is not None and config.max_to_keep < 1:
-        raise ValueError(f"config.max_to_keep={config.max_to_keep} must be >= 1 or None.")
-    if not config.optimizer.learning_rate > 0:
+    _check_warmup(config)
+    _check_profile_steps(config)
+    _check_init_skip(config)
+
+
+def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
+    """The schema's keys of the config of these flat `values`: every one there, none other."""
+    missing = [key.name for key in keys_of(None) if key.name not in values]
+    if missing:
         raise ValueError(
-            f"config.optimizer.learning_rate={config.optimizer.learning_rate} must be positive."
+            f"Config lacks the keys {missing}; start from experiments/_base.py "
+            "(haiku_state.config.default_config()), which has every key."
         )
-    num_epochs = config.get("num_epochs")
-    if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"config.num_epochs={num_epochs} must be a positive integer or None.")
-    # With num_epochs the run's length is known once the data is: optim checks it then.
-    if num_epochs is None and not 0 <= config.optimizer.warmup_steps < config.steps:
+    model = values["model.name"]
+    _check_value(schema_key("model.name"), model)
+    keys = keys_of(model)
+    missing = [key.name for key in keys if key.name not in values]
+    if missing:
+        raise ValueError(
+            f"Config lacks the keys {missing}, options of the model {model!r}; start from "
+            f"experiments/_base.py's get_config({model!r})."
+        )
+    unknown = sorted(set(values) - {key.name for key in keys})
+    options = [name.removeprefix("model.") for name in unknown if name.startswith("model.")]
+    if options:
+        own = sorted(key.name.removeprefix("model.") for key in keys if key.for_models)
+        raise ValueError(f"Model {model!r} does not take {options}; its options are {own}.")
+    if unknown:
+        raise ValueError(
+            f"Config has the keys {unknown}, which haiku_state.config.SCHEMA does not know; "
+            "a new key needs an entry there."
+        )
+    return keys
+
+
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "True or False",
+    tuple: "a tuple",
+}
+
+
+def _is_a(value: Any, type_: type) -> bool:
+    if type_ is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if type_ is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if type_ is tuple:
+        return isinstance(value, (tuple, list))
+    return isinstance(value, type_)
+
+
+def _check_value(key: Key, value: Any) -> None:
+    """Refuses a value of the wrong type, not finite, not among the choices or out of range."""
+    if value is None and key.allow_none:
+        return
+    if key.choices is not None and value not in key.choices:
+        raise ValueError(f"Unknown config.{key.name} {value!r}; expected one of {key.choices}.")
+    requirement = _TYPE_NAMES[key.type]
+    if key.bounds is not None:
+        requirement = key.bounds.describe(integer=key.type is int)
+    if key.allow_none:
+        requirement += " or None"
+    if not _is_a(value, key.type):
+        raise ValueError(f"config.{key.name}={value!r} must be {requirement} ({key.help}).")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        raise ValueError(f"config.{key.name}={value!r} must be finite ({key.help}).")
+    if key.bounds is not None and value not in key.bounds:
+        raise ValueError(f"config.{key.name}={value!r} must be {requirement} ({key.help}).")
+
+
+def _check_warmup(config: Any) -> None:
+    """The warmup is shorter than the run.
+
+    With num_epochs the run's length is known only with the data: `optim` checks it then.
+    """
+    if config.num_epochs is None and not config.optimizer.warmup_steps < config.steps:
         raise ValueError(
             f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
             f"in [0, steps={config.steps})."
         )
-    _check_run_controls(config)
-    _check_data_options(config.data)
 
 
-def _check_numbers(config: Any) -> None:
-    """Every number finite (NaN passes every comparison's negation), and in its range."""
-    for key in config_keys(config):
-        value = _get(config, key)
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-            raise ValueError(f"config.{key}={value} must be finite.")
-    for key, (low, high) in RANGES.items():
-        if _has(config, key) and not low <= _get(config, key) < high:
-            raise ValueError(f"config.{key}={_get(config, key)} must be in [{low}, {high}).")
-
-
-def _check_run_controls(config: Any) -> None:
-    """The checkpoint policies, warm start and profiling keys."""
-    if config.keep_best_mode not in KEEP_BEST_MODES:
-        raise ValueError(
-            f"Unknown config.keep_best_mode {config.keep_best_mode!r}; expected one of "
-            f"{KEEP_BEST_MODES}."
-        )
-    profile = tuple(config.profile_steps or ())
+def _check_profile_steps(config: Any) -> None:
+    profile = tuple(config.profile_steps)
     if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1]):
         raise ValueError(
             f"config.profile_steps={profile} must be () or (start, stop) with 0 <= start < stop."
         )
+
+
+def _check_init_skip(config: Any) -> None:
+    """A regex, and only with a checkpoint to warm-start from."""
     try:
         re.compile(config.init_skip)
     except re.error as e:
         raise ValueError(f"config.init_skip={config.init_skip!r} is not a regex: {e}.") from None
     if config.init_skip and not config.init_from:
         raise ValueError("config.init_skip is set but config.init_from is empty.")
-
-
-def _check_data_options(data_config: Any) -> None:
-    """The input pipeline's settings: workers >= 0 (or None), prefetch and image_size >= 1."""
-    workers = data_config.get("workers")
-    if workers is not None and workers < 0:
-        raise ValueError(
-            f"config.data.workers={workers} must be >= 0 (0: decode in the training process) "
-            "or None (the cores this process may use, less one)."
-        )
-    if data_config.get("prefetch", 1) < 1:
-        raise ValueError(f"config.data.prefetch={data_config.prefetch} must be >= 1.")
-    image_size = data_config.get("image_size")
-    if image_size is not None and image_size < 1:
-        raise ValueError(f"config.data.image_size={image_size} must be positive or None.")
 
 
 def training_steps(config: Any, num_train_examples: int) -> int:

@@ -21,7 +21,7 @@ from absl import logging
 
 from haiku_state import checkpoint, data, loop, summaries
 from haiku_state.config import validate_config
-from haiku_state.experiment import Experiment, build_experiment, placeholder_batch, this_process
+from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
 from haiku_state.updater import TrainState, Updater, step_of
 
 FOLLOW_POLL_SECS = 1.0
@@ -42,7 +42,9 @@ def evaluate_split(
     does not wait for a whole evaluation.
     """
     per_batch = []
-    batches = data.sharded_eval_batches(split, batch_size, options=options, **this_process())
+    batches = data.sharded_eval_batches(
+        split, batch_size, process=data.ProcessSlice.current(), options=options
+    )
     try:
         for batch in batches:
             if per_batch:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import haiku as hk
-import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -38,22 +37,23 @@ class Experiment(NamedTuple):
 
 
 def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineOptions]:
-    """The dataset a config's `data` names, and how its host pipeline runs."""
+    """The dataset a config's `data` names, and how its host pipeline runs.
+
+    `config.data` has every key of the schema (`validate_config`); each field of
+    `data.PipelineOptions` is the key of its name.
+    """
     dataset = data.load_dataset(
         data_config.name,
-        data_dir=data_config.get("dir") or None,
-        image_size=data_config.get("image_size"),
+        data_dir=data_config.dir or None,
+        image_size=data_config.image_size,
+        image_shape=data_config.image_shape,
+        num_classes=data_config.num_classes,
+        num_train=data_config.num_train,
+        num_test=data_config.num_test,
         seed=seed,
-        **{
-            k: data_config[k]
-            for k in ("image_shape", "num_classes", "num_train", "num_test")
-            if k in data_config
-        },
     )
     options = data.PipelineOptions(
-        workers=data_config.get("workers"),
-        prefetch=data_config.get("prefetch", 2),
-        skip_corrupt=data_config.get("skip_corrupt", False),
+        **{name: data_config[name] for name in data.PipelineOptions._fields}
     )
     return dataset, options
 
@@ -107,15 +107,10 @@ def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
 
     `batch_size` is global: this process's slice of it is what its devices see.
     """
-    local_batch_size = batch_size // jax.process_count()
+    local_batch_size = data.ProcessSlice.current().size(batch_size, "placeholder_batch")
     return replication.shard(
         {
             "image": np.zeros((local_batch_size, *dataset.image_shape), dataset.image_dtype),
             "label": np.zeros((local_batch_size,), np.int32),
         }
     )
-
-
-def this_process() -> dict[str, int]:
-    """The data-slicing arguments of `data.train_batches` / `data.eval_batches`."""
-    return {"process_index": jax.process_index(), "process_count": jax.process_count()}

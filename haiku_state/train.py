@@ -35,7 +35,6 @@ from haiku_state.experiment import (
     Experiment,
     build_experiment,
     placeholder_batch,
-    this_process,
 )
 from haiku_state.updater import TrainState, step_of
 
@@ -259,8 +258,8 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
         seed=config.seed,
         start_step=start_step,
         num_steps=max(0, experiment.total_steps - start_step),
+        process=data.ProcessSlice.current(),
         options=experiment.input_options,
-        **this_process(),
     )
 
 

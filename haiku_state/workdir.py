@@ -10,7 +10,8 @@
 One training run at a time: a second is refused naming the live one, while
 evaluation beside it (`--mode=eval`, `eval_follow`) takes no lock. On resume
 the config is compared with the recorded one, and a change that would alter
-the trajectory is refused unless explicitly allowed.
+the trajectory (a key `config.SCHEMA` does not mark `free`) is refused unless
+explicitly allowed.
 """
 
 from __future__ import annotations
@@ -27,30 +28,10 @@ from typing import Any
 
 from absl import logging
 
+from haiku_state import config as config_lib
+
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
-
-# Keys that change how a run is observed or stored, not what it computes: they may
-# change freely on resume. `steps` is free too unless the schedule depends on it.
-FREE_KEYS = (
-    "log_every",
-    "eval_every",
-    "check_every",
-    "checkpoint_every",
-    "checkpoint_every_secs",
-    "max_to_keep",
-    "keep_every_steps",
-    "keep_best_by",
-    "keep_best_mode",
-    "backend",
-    "profile_steps",
-    "eval_batch_size",
-    "init_from",
-    "init_skip",
-    "data.workers",
-    "data.prefetch",
-)
-STEP_INDEPENDENT_SCHEDULES = ("constant",)
 
 
 class WorkdirError(ValueError):
@@ -141,16 +122,13 @@ def _as_json(config: Any) -> dict[str, Any]:
 def trajectory_changes(recorded: Mapping[str, Any], config: Any) -> list[str]:
     """The keys whose change would alter what a resumed run computes, `key: old -> new`.
 
-    Keys in only one of the two (a key this version of the code added or removed)
-    are not compared: their absence says nothing about the value the run used.
+    The keys that may change are the schema's (`config.free_keys`: those marked
+    `free`, and `steps` where the schedule does not depend on it). Keys in only
+    one of the two (a key this version of the code added or removed) are not
+    compared: their absence says nothing about the value the run used.
     """
     old, new = _flatten(recorded), _flatten(_as_json(config))
-    free = set(FREE_KEYS)
-    if new.get("optimizer.schedule") in STEP_INDEPENDENT_SCHEDULES and old.get(
-        "optimizer.schedule"
-    ) == new.get("optimizer.schedule"):
-        free.add("steps")
-    return _changes(old, new, free)
+    return _changes(old, new, config_lib.free_keys(old, new))
 
 
 def _changes(

@@ -1,4 +1,4 @@
-"""Tests of haiku_state.config: experiment files, the shared base, validation."""
+"""Tests of haiku_state.config: the schema, experiment files, the shared base, validation."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from haiku_state import config as config_lib
+from haiku_state import models
+from haiku_state import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,3 +79,162 @@ def test_the_resnet50_imagenet_recipe_scales_the_learning_rate_and_warmup_with_t
     assert config.optimizer.learning_rate == 0.3
     with pytest.raises(ValueError, match="Unknown resnet50 variant 'imagnet'"):
         config_lib.load_config_file(os.path.join(REPO, "experiments", "resnet50.py:imagnet"))
+
+
+# The schema: one entry per key, from which the defaults, validation and resume check derive.
+
+EXPERIMENT_FILES = ["mlp.py", "resnet.py", "resnet50.py", "resnet50.py:imagenet"]
+
+
+def _experiment(name):
+    return config_lib.load_config_file(os.path.join(REPO, "experiments", name))
+
+
+def _set(config, dotted_key, value):
+    *parents, leaf = dotted_key.split(".")
+    for parent in parents:
+        config = config[parent]
+    config[leaf] = value
+
+
+@pytest.mark.parametrize("name", EXPERIMENT_FILES)
+def test_an_experiment_has_exactly_the_keys_of_the_schema_for_its_model(name):
+    config = _experiment(name)
+    expected = {key.name for key in config_lib.keys_of(config.model.name)}
+    assert set(config_lib.config_keys(config)) == expected
+
+
+def test_the_base_config_is_every_key_of_the_schema_at_its_default():
+    base = config_lib.load_config_file(os.path.join(REPO, "experiments", "_base.py"))
+    shared = [key for key in config_lib.SCHEMA if not key.for_models]
+    assert set(config_lib.config_keys(base)) == {key.name for key in shared}
+    for key in shared:
+        assert config_lib._get(base, key.name) == key.default, key.name
+    resnet = config_lib.default_config("resnet")
+    assert (resnet.model.name, resnet.model.width, resnet.model.bn_decay_rate) == (
+        "resnet",
+        16,
+        0.9,
+    )
+    with pytest.raises(ValueError, match="Unknown model 'vit'"):
+        config_lib.default_config("vit")
+
+
+def test_every_schema_entry_is_well_formed_and_its_default_valid():
+    names = [key.name for key in config_lib.SCHEMA]
+    assert len(names) == len(set(names)), "a key has two entries"
+    for key in config_lib.SCHEMA:
+        assert key.help and key.type in (int, float, str, bool, tuple), key.name
+        assert set(key.for_models) <= set(models.MODELS), key.name
+        assert not key.for_models or key.name.startswith("model."), key.name
+        if key.default is not None or key.allow_none:
+            config_lib._check_value(key, key.default)
+
+
+def test_a_none_default_is_a_placeholder_of_the_keys_type():
+    config = config_lib.default_config("mlp")
+    config.num_epochs = 3
+    with pytest.raises(TypeError):
+        config.data.workers = "many"
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("steps", None, r"config.steps=None must be a positive integer \(the training steps"),
+        ("steps", True, r"config.steps=True must be a positive integer"),
+        ("data.flip", None, r"config.data.flip=None must be True or False"),
+        ("data.dir", None, r"config.data.dir=None must be a string"),
+        ("data.prefetch", 0, r"config.data.prefetch=0 must be a positive integer \(batches kept"),
+        ("data.image_size", 0, r"config.data.image_size=0 must be a positive integer or None"),
+        ("max_to_keep", 0, r"config.max_to_keep=0 must be a positive integer or None"),
+        ("optimizer.learning_rate", 0.0, r"config.optimizer.learning_rate=0.0 must be positive"),
+        ("optimizer.warmup_steps", -1, r"config.optimizer.warmup_steps=-1 must be >= 0"),
+        ("label_smoothing", float("nan"), r"config.label_smoothing=nan must be finite"),
+        ("model.hidden_sizes", (32, float("inf")), r"hidden_sizes=\(32, inf\) must be finite"),
+        ("precision", "float64", r"Unknown config.precision 'float64'; expected one of"),
+    ],
+)
+def test_a_value_the_schema_does_not_allow_is_refused_naming_the_key_and_what_it_must_be(
+    key, value, message
+):
+    config = _experiment("mlp.py")
+    _set(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        config_lib.validate_config(config, num_devices=1)
+
+
+def test_a_key_the_schema_does_not_know_is_refused():
+    config = _experiment("mlp.py")
+    config.chekpoint_every = 5
+    with pytest.raises(ValueError, match=r"keys \['chekpoint_every'\], which .*SCHEMA does not"):
+        config_lib.validate_config(config, num_devices=1)
+
+
+def test_a_config_has_the_options_of_its_model_and_no_other():
+    config = _experiment("mlp.py")
+    config.model.name = "resnet"
+    with pytest.raises(ValueError, match=r"Config lacks the keys \['model.width', 'model.blocks"):
+        config_lib.validate_config(config, num_devices=1)
+    config.model.width = 4
+    config.model.blocks_per_stage = (1,)
+    with pytest.raises(
+        ValueError,
+        match=r"Model 'resnet' does not take \['dropout_rate', 'hidden_sizes'\]; its options "
+        r"are \['blocks_per_stage', 'bn_decay_rate', 'width'\]",
+    ):
+        config_lib.validate_config(config, num_devices=1)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"batch_size": 6}, r"config.batch_size=6 is not divisible by the 4 local devices"),
+        ({"eval_batch_size": 6}, r"config.eval_batch_size=6 is not divisible by the 4 local"),
+        ({"optimizer.warmup_steps": 600}, r"warmup_steps=600 must be in \[0, steps=600\)"),
+        ({"profile_steps": (3,)}, r"config.profile_steps=\(3,\) must be \(\) or \(start, stop\)"),
+        ({"init_skip": "linear"}, r"config.init_skip is set but config.init_from is empty"),
+    ],
+)
+def test_the_rules_between_keys(changes, message):
+    config = _experiment("mlp.py")
+    for key, value in changes.items():
+        _set(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        config_lib.validate_config(config, num_devices=4)
+
+
+def test_the_warmup_is_checked_against_steps_only_without_num_epochs():
+    config = _experiment("mlp.py")
+    config.optimizer.warmup_steps, config.num_epochs = 600, 2
+    config_lib.validate_config(config, num_devices=1)
+
+
+def test_a_new_schema_entry_is_a_default_is_validated_and_is_checked_on_resume(
+    monkeypatch, tmp_path
+):
+    # The one edit a new key takes: its entry. Nothing else learns of it.
+    monkeypatch.setattr(
+        config_lib,
+        "SCHEMA",
+        config_lib.SCHEMA
+        + (
+            config_lib.Key("data.new_option", 3, int, bounds=config_lib.POSITIVE_INT, help="h"),
+            config_lib.Key("report_every", 7, int, free=True, help="a logging cadence"),
+        ),
+    )
+    config = _experiment("mlp.py")
+    assert (config.data.new_option, config.report_every) == (3, 7)
+    config_lib.validate_config(config, num_devices=1)
+    config.data.new_option = 0
+    with pytest.raises(ValueError, match=r"config.data.new_option=0 must be a positive integer"):
+        config_lib.validate_config(config, num_devices=1)
+    workdir = str(tmp_path)
+    workdir_lib.record_config(workdir, _experiment("mlp.py"), allow_change=False)
+    cadence = _experiment("mlp.py")
+    cadence.report_every = 1
+    workdir_lib.record_config(workdir, cadence, allow_change=False)
+    changed = _experiment("mlp.py")
+    changed.data.new_option = 4
+    with pytest.raises(workdir_lib.WorkdirError, match=r"data.new_option: 3 -> 4"):
+        workdir_lib.record_config(workdir, changed, allow_change=False)

@@ -53,7 +53,7 @@ def _assert_same_batches(actual, expected):
 
 def test_train_batches_are_uint8_crops_with_the_labels_of_the_order(dataset):
     batches = _train(dataset.train, steps=5)
-    split_order = order.batch_order(21, 6, 3, 0, 0, 1, "test")
+    split_order = order.batch_order(21, 6, 3)
     for step, batch in enumerate(batches):
         assert batch["image"].shape == (6, IMAGE_SIZE, IMAGE_SIZE, 3)
         assert batch["image"].dtype == np.uint8 and batch["label"].dtype == np.int32
@@ -81,7 +81,7 @@ def test_workers_0_1_and_2_decode_identical_batches_with_a_corrupt_file(tmp_path
 def test_each_process_decodes_its_slice_of_the_global_batch(dataset, process_count):
     global_batches = _train(dataset.train, steps=3, start_step=2)
     per_process = [
-        _train(dataset.train, steps=3, start_step=2, process_index=p, process_count=process_count)
+        _train(dataset.train, steps=3, start_step=2, process=data.ProcessSlice(p, process_count))
         for p in range(process_count)
     ]
     for step, expected in enumerate(global_batches):
@@ -115,7 +115,7 @@ def test_evaluation_covers_every_example_once_on_any_process_count(dataset, proc
         [
             _plain(b)
             for b in data.encoded_eval_batches(
-                dataset.test, 4, process_index=p, process_count=process_count, workers=0
+                dataset.test, 4, process=data.ProcessSlice(p, process_count), workers=0
             )
         ]
         for p in range(process_count)
@@ -134,7 +134,7 @@ def test_evaluation_covers_every_example_once_on_any_process_count(dataset, proc
 
 
 def _first_step_holding(split, index, batch_size=6):
-    split_order = order.batch_order(len(split.records), batch_size, 3, 0, 0, 1, "test")
+    split_order = order.batch_order(len(split.records), batch_size, 3)
     return next(s for s in range(100) if index in order.step_indices(split_order, s))
 
 
@@ -159,7 +159,7 @@ def test_skip_corrupt_replaces_an_unreadable_image_by_the_next_example(tmp_path)
     index = next(i for i in range(len(split.records)) if split.records.describe(i) == path)
     step = _first_step_holding(split, index)
     batch = _train(split, steps=step + 1, skip_corrupt=True)[step]
-    indices = list(order.step_indices(order.batch_order(16, 6, 3, 0, 0, 1, "t"), step))
+    indices = list(order.step_indices(order.batch_order(16, 6, 3), step))
     position = indices.index(index)
     np.testing.assert_array_equal(batch["replaced"], np.eye(6)[position])
     assert batch["label"][position] == split.records[index + 1][1]

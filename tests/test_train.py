@@ -232,7 +232,7 @@ def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_check
     with pytest.raises(data.CorruptImageError) as error:
         train.train_and_evaluate(_imagefolder_config(tree), workdir, allow_config_change=True)
     # 24 examples in batches of 16: each step (an epoch) holds 16 of them.
-    split_order = order.batch_order(24, 16, 0, 0, 0, 1, "test")
+    split_order = order.batch_order(24, 16, 0)
     holding = [s + 1 for s in range(12) if 5 in order.step_indices(split_order, s)]
     first = next(s for s in holding if s > 4)
     assert f"{path} (example 5) for step {first}:" in str(error.value)

@@ -10,6 +10,7 @@ import sys
 import ml_collections
 import pytest
 
+from haiku_state import config as config_lib
 from haiku_state import workdir as workdir_lib
 
 
@@ -125,3 +126,35 @@ def test_keys_the_code_added_since_the_record_are_not_compared(tmp_path):
     old["data"]["legacy"] = 1
     workdir_lib.record_config(workdir, old, allow_change=False)
     workdir_lib.record_config(workdir, _config(), allow_change=False)
+
+
+def _another_value(key: config_lib.Key, value):
+    """A value of `key` other than `value`."""
+    if key.choices:
+        return next(choice for choice in key.choices if choice != value)
+    if value is None:
+        return {int: 1, str: "x"}[key.type]
+    return {
+        int: lambda v: v + 1,
+        float: lambda v: v / 2 + 0.25,
+        bool: lambda v: not v,
+        str: lambda v: v + "x",
+        tuple: lambda v: (*v, 1),
+    }[key.type](value)
+
+
+@pytest.mark.parametrize("key", config_lib.SCHEMA, ids=lambda key: key.name)
+def test_a_resumed_run_may_change_exactly_the_keys_the_schema_marks_free(tmp_path, key):
+    workdir, model = str(tmp_path), (key.for_models or ("mlp",))[0]
+    workdir_lib.record_config(workdir, config_lib.default_config(model), allow_change=False)
+    changed = config_lib.default_config(model)
+    *parents, leaf = key.name.split(".")
+    node = changed
+    for parent in parents:
+        node = node[parent]
+    node[leaf] = _another_value(key, node[leaf])
+    if key.free:
+        workdir_lib.record_config(workdir, changed, allow_change=False)
+    else:
+        with pytest.raises(workdir_lib.WorkdirError, match=rf"\b{key.name}: "):
+            workdir_lib.record_config(workdir, changed, allow_change=False)

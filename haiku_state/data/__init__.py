@@ -1,21 +1,29 @@
 """The input pipeline: sources, batch order, host decoding, batches onto the devices, augmentation.
 
-Nothing here touches the network. The modules, in the order data flows:
+Nothing here touches the network. A run uses it in three calls: `load_dataset`
+(a source by name), then `sharded_train_batches` and `sharded_eval_batches`
+(module `sharded`, the entry point), which take the split, the global batch
+size and this process's `ProcessSlice`, and yield batches laid out on the
+devices. On the device, `make_augment_fn`'s shifts and flips run inside the step.
 
-- `sources`: `load_dataset` by name. `in_memory`: the embedded digits,
-  CIFAR-10's python release and synthetic data, held as arrays. `imagefolder`:
-  `DIR/train/<class>/*` trees, their file index cached. `arrayrecord`: the same
-  examples in the shards `python -m haiku_state.prepare` writes.
+The modules, in the order data flows:
+
+- `sources`: the registry of datasets by name (`SOURCES`) and `load_dataset`.
+  `in_memory`: the embedded digits, CIFAR-10's python release and synthetic
+  data, held as arrays. `imagefolder`: `DIR/train/<class>/*` trees, their file
+  index cached. `arrayrecord`: the same examples in the shards
+  `python -m haiku_state.prepare` writes.
 - `order`: which examples each step sees, a pure function of `(seed, step)`;
-  each process takes its contiguous slice of every global batch.
-- `preprocess`: decoding by content and the host's random crops and flips,
-  seeded by each example's place in the global batch.
-- `pipeline`: grain's workers decoding the batches of encoded splits.
-- `batches`: host batches of splits in memory.
-- `device`: batches onto the devices (`prefetch_to_device`), or drawn there for
-  small splits (`device_train_batches`).
-- `inputs`: the pipeline a split takes (`sharded_train_batches`,
-  `sharded_eval_batches`).
+  `ProcessSlice`: which contiguous slice of every global batch a process loads.
+- `sharded`: the entry point; picks the cheapest of the three pipelines below
+  for a split.
+  - `device`: a small split in memory kept on the devices and batched there
+    (`device_train_batches`); and `prefetch_to_device`, the thread that shards
+    the host batches of the other two onto the devices.
+  - `batches`: host batches of a split in memory (numpy gathers).
+  - `pipeline`: grain's workers reading and decoding the batches of encoded
+    splits, with `preprocess`'s decoding and random crops and flips, seeded by
+    each example's place in the global batch.
 - `augment`: on-device random shifts and flips inside the step.
 
 Images travel as stored: uint8 pixels (float32 for synthetic data), never
@@ -36,19 +44,26 @@ from haiku_state.data.device import (
     prefetch_to_device,
 )
 from haiku_state.data.in_memory import CIFAR10_MEAN, CIFAR10_STD, DIGITS_NUM_TEST
-from haiku_state.data.inputs import (
-    DEFAULT_OPTIONS,
-    PipelineOptions,
-    sharded_eval_batches,
-    sharded_train_batches,
-)
-from haiku_state.data.order import steps_per_epoch
+from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice, steps_per_epoch
 from haiku_state.data.pipeline import (
     default_workers,
     encoded_eval_batches,
     encoded_train_batches,
 )
-from haiku_state.data.sources import DATASETS, ENCODED_DATASETS, load_dataset
+from haiku_state.data.sharded import (
+    DEFAULT_OPTIONS,
+    PipelineOptions,
+    sharded_eval_batches,
+    sharded_train_batches,
+)
+from haiku_state.data.sources import (
+    DATASETS,
+    ENCODED_DATASETS,
+    SOURCES,
+    Source,
+    SourceArgs,
+    load_dataset,
+)
 from haiku_state.data.splits import (
     CorruptImageError,
     DataError,
@@ -67,12 +82,17 @@ __all__ = [
     "DEVICE_RESIDENT_MAX_BYTES",
     "DIGITS_NUM_TEST",
     "ENCODED_DATASETS",
+    "SINGLE_PROCESS",
+    "SOURCES",
     "CorruptImageError",
     "DataError",
     "Dataset",
     "EncodedSplit",
     "MissingDataError",
     "PipelineOptions",
+    "ProcessSlice",
+    "Source",
+    "SourceArgs",
     "Split",
     "default_workers",
     "device_train_batches",

@@ -1,10 +1,16 @@
-"""Host batches of a split held in memory: numpy gathers in the order of `order`."""
+"""Host batches of a split held in memory: numpy gathers in the order of `order`.
+
+One of the three pipelines `sharded` picks from: for a split in memory too large
+to keep on the devices (and for evaluation), sharded onto them by
+`device.prefetch_to_device`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from haiku_state.data import order as order_lib
+from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import Batch, Split
 
 
@@ -14,8 +20,7 @@ def train_batches(
     *,
     seed: int,
     start_step: int = 0,
-    process_index: int = 0,
-    process_count: int = 1,
+    process: ProcessSlice = SINGLE_PROCESS,
 ) -> Iterator[Batch]:
     """An endless stream of shuffled training batches, resumable at any step.
 
@@ -27,28 +32,27 @@ def train_batches(
       batch_size: the global batch size, over all processes.
       seed: fixes the shuffle of every epoch.
       start_step: the first step to yield, e.g. the step a checkpoint was saved at.
-      process_index: this process's index, `jax.process_index()`.
-      process_count: the number of processes, `jax.process_count()`.
+      process: the slice of every global batch this process loads
+        (`ProcessSlice.current()` in a multi-process run).
 
     Returns:
       An iterator of `{"image": [B / P, H, W, C], "label": [B / P] int32}`, images
       in the split's dtype.
 
     Raises:
-      ValueError: if `batch_size` is not in `[1, N]` or not divisible by
-        `process_count`, or `start_step` is negative (raised here, not at the
-        first `next`).
+      ValueError: if `batch_size` is not in `[1, N]` or not divisible by the
+        processes, or `start_step` is negative (raised here, not at the first
+        `next`).
     """
-    where, num_examples = "train_batches", len(split.labels)
     order = order_lib.batch_order(
-        num_examples, batch_size, seed, start_step, process_index, process_count, where
+        len(split.labels), batch_size, seed, start_step, process, "train_batches"
     )
     indices = order_lib.indices_from(order, start_step)
     return ({"image": split.images[index], "label": split.labels[index]} for index in indices)
 
 
 def eval_batches(
-    split: Split, batch_size: int, *, process_index: int = 0, process_count: int = 1
+    split: Split, batch_size: int, *, process: ProcessSlice = SINGLE_PROCESS
 ) -> Iterator[Batch]:
     """One ordered pass over every example, in batches of exactly `batch_size`.
 
@@ -61,20 +65,17 @@ def eval_batches(
     Args:
       split: the examples to evaluate on.
       batch_size: the global batch size, over all processes.
-      process_index: this process's index, `jax.process_index()`.
-      process_count: the number of processes, `jax.process_count()`.
+      process: the slice of every global batch this process loads.
 
     Returns:
       An iterator of `{"image": [B / P, H, W, C], "label": [B / P] int32,
       "mask": [B / P] float32}`, `ceil(N / B)` batches long.
 
     Raises:
-      ValueError: if `batch_size` is not positive or not divisible by
-        `process_count` (raised here, not at the first `next`).
+      ValueError: if `batch_size` is not positive or not divisible by the
+        processes (raised here, not at the first `next`).
     """
-    order = order_lib.eval_order(
-        len(split.labels), batch_size, process_index, process_count, "eval_batches"
-    )
+    order = order_lib.eval_order(len(split.labels), batch_size, process, "eval_batches")
     return _eval_batches(split, order)
 
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from haiku_state import replication
 from haiku_state.data import order as order_lib
+from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import Batch, Split
 from haiku_state.replication import DEFAULT_AXIS_NAME, shard
 
@@ -99,7 +100,7 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> 
         thread.join(CLOSE_TIMEOUT_S)
 
 
-# `inputs.sharded_train_batches` keeps a training split of at most this many bytes (images
+# `sharded.sharded_train_batches` keeps a training split of at most this many bytes (images
 # and labels) on every device and draws its batches there (`device_train_batches`); larger
 # splits go through the host pipeline (`train_batches` + `prefetch_to_device`).
 DEVICE_RESIDENT_MAX_BYTES = 128 * 2**20
@@ -121,8 +122,7 @@ def device_train_batches(
     *,
     seed: int,
     start_step: int = 0,
-    process_index: int = 0,
-    process_count: int = 1,
+    process: ProcessSlice = SINGLE_PROCESS,
     axis_name: str = DEFAULT_AXIS_NAME,
     steps_per_gather: int | None = None,
 ) -> Iterator[Batch]:
@@ -147,8 +147,7 @@ def device_train_batches(
         must be a multiple of its local device count.
       seed: fixes the shuffle of every epoch, as in `train_batches`.
       start_step: the first step to yield.
-      process_index: this process's index, `jax.process_index()`.
-      process_count: the number of processes, `jax.process_count()`.
+      process: the slice of every global batch this process loads.
       axis_name: the pmap axis name the batches are sharded along.
       steps_per_gather: how many steps' batches one gather builds (and holds on
         the devices until they are consumed); None: as many as take at most
@@ -164,9 +163,7 @@ def device_train_batches(
         positive (raised here, not at the first `next`).
     """
     where, num_examples = "device_train_batches", len(split.labels)
-    order = order_lib.batch_order(
-        num_examples, batch_size, seed, start_step, process_index, process_count, where
-    )
+    order = order_lib.batch_order(num_examples, batch_size, seed, start_step, process, where)
     num_devices, local_size = jax.local_device_count(), order.local_size
     if local_size % num_devices:
         raise ValueError(

@@ -8,19 +8,22 @@ epoch's permutation, so a run resumed at step `k` sees exactly the batches an
 uninterrupted run would have seen, without replaying the earlier ones.
 
 In a multi-process run each process takes its contiguous slice of every global
-batch (process `p` gets positions `[p * B / P, (p + 1) * B / P)`) and nothing
-else, so global device `g` sees the same examples whatever the process count.
+batch (`ProcessSlice`: process `p` gets positions `[p * B / P, (p + 1) * B / P)`)
+and nothing else, so global device `g` sees the same examples whatever the
+process count.
 Every position of a global batch has a fixed place in this scheme, which is
 what the host preprocessing seeds its randomness from (`example_seed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 # Tells the preprocessing's random streams apart from the epoch permutations, which are
@@ -35,18 +38,49 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
     return num_examples // batch_size
 
 
-def check_process(batch_size: int, process_index: int, process_count: int, where: str) -> int:
-    """Validates a process's share of a global batch and returns its size."""
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(
-            f"{where}: process_index={process_index} must be in [0, process_count={process_count})."
-        )
-    if batch_size % process_count:
-        raise ValueError(
-            f"{where}: batch_size={batch_size} is not divisible by the {process_count} "
-            "processes; every process loads an equal slice of each global batch."
-        )
-    return batch_size // process_count
+@dataclasses.dataclass(frozen=True)
+class ProcessSlice:
+    """Which slice of every global batch a process loads: that of process `index` of `count`.
+
+    Process `p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of a global
+    batch of `B` examples, so the processes together load each global batch once.
+    `ProcessSlice()` is the one process of a single-process run: the whole batch.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(
+                f"ProcessSlice: process_index={self.index} must be in "
+                f"[0, process_count={self.count})."
+            )
+
+    @classmethod
+    def current(cls) -> ProcessSlice:
+        """This process's slice: `jax.process_index()` of `jax.process_count()`."""
+        return cls(jax.process_index(), jax.process_count())
+
+    def size(self, batch_size: int, where: str = "ProcessSlice") -> int:
+        """The examples of this process in a global batch of `batch_size`.
+
+        Raises:
+          ValueError: naming `where`, if the processes do not divide `batch_size`.
+        """
+        if batch_size % self.count:
+            raise ValueError(
+                f"{where}: batch_size={batch_size} is not divisible by the {self.count} "
+                "processes; every process loads an equal slice of each global batch."
+            )
+        return batch_size // self.count
+
+    def offset(self, batch_size: int, where: str = "ProcessSlice") -> int:
+        """The position of this process's first example in a global batch of `batch_size`."""
+        return self.index * self.size(batch_size, where)
+
+
+SINGLE_PROCESS = ProcessSlice()
 
 
 class BatchOrder(NamedTuple):
@@ -71,10 +105,9 @@ def batch_order(
     num_examples: int,
     batch_size: int,
     seed: int,
-    start_step: int,
-    process_index: int,
-    process_count: int,
-    where: str,
+    start_step: int = 0,
+    process: ProcessSlice = SINGLE_PROCESS,
+    where: str = "batch_order",
 ) -> BatchOrder:
     """Validates the arguments of a training pipeline (now) and returns its order."""
     if not 1 <= batch_size <= num_examples:
@@ -84,8 +117,13 @@ def batch_order(
         )
     if start_step < 0:
         raise ValueError(f"{where}: start_step must be >= 0, got {start_step}.")
-    local_size = check_process(batch_size, process_index, process_count, where)
-    return BatchOrder(num_examples, batch_size, seed, process_index * local_size, local_size)
+    return BatchOrder(
+        num_examples,
+        batch_size,
+        seed,
+        process.offset(batch_size, where),
+        process.size(batch_size, where),
+    )
 
 
 @functools.lru_cache(maxsize=2)
@@ -137,13 +175,20 @@ class EvalOrder(NamedTuple):
 
 
 def eval_order(
-    num_examples: int, batch_size: int, process_index: int, process_count: int, where: str
+    num_examples: int,
+    batch_size: int,
+    process: ProcessSlice = SINGLE_PROCESS,
+    where: str = "eval_order",
 ) -> EvalOrder:
     """Validates the arguments of an evaluation pass (now) and returns its order."""
     if batch_size < 1:
         raise ValueError(f"{where}: batch_size must be positive, got {batch_size}.")
-    local_size = check_process(batch_size, process_index, process_count, where)
-    return EvalOrder(num_examples, batch_size, process_index * local_size, local_size)
+    return EvalOrder(
+        num_examples,
+        batch_size,
+        process.offset(batch_size, where),
+        process.size(batch_size, where),
+    )
 
 
 def eval_positions(order: EvalOrder, batch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -37,6 +37,7 @@ from absl import flags, logging
 
 from haiku_state.data import order as order_lib
 from haiku_state.data import preprocess
+from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import Batch, CorruptImageError, DataError, EncodedSplit
 
 MAX_DEFAULT_WORKERS = 16
@@ -234,8 +235,7 @@ def encoded_train_batches(
     seed: int,
     start_step: int = 0,
     num_steps: int | None = None,
-    process_index: int = 0,
-    process_count: int = 1,
+    process: ProcessSlice = SINGLE_PROCESS,
     workers: int | None = None,
     skip_corrupt: bool = False,
 ) -> Iterator[Batch]:
@@ -247,8 +247,7 @@ def encoded_train_batches(
       seed: fixes the order of every epoch and every example's crop and flip.
       start_step: the first step to yield.
       num_steps: how many steps to yield; None: until closed.
-      process_index: this process's index, `jax.process_index()`.
-      process_count: the number of processes, `jax.process_count()`.
+      process: the slice of every global batch this process decodes.
       workers: decoding processes; 0 decodes in the thread that iterates; None:
         `default_workers()`.
       skip_corrupt: replace unreadable images (see `LoadTrainExample`); the batches
@@ -264,9 +263,7 @@ def encoded_train_batches(
         `skip_corrupt`.
     """
     where = "encoded_train_batches"
-    order = order_lib.batch_order(
-        len(split.records), batch_size, seed, start_step, process_index, process_count, where
-    )
+    order = order_lib.batch_order(len(split.records), batch_size, seed, start_step, process, where)
     slots = TrainSlots(order, start_step, _ENDLESS_STEPS if num_steps is None else num_steps)
     load = LoadTrainExample(split, seed, skip_corrupt)
     return _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
@@ -276,8 +273,7 @@ def encoded_eval_batches(
     split: EncodedSplit,
     batch_size: int,
     *,
-    process_index: int = 0,
-    process_count: int = 1,
+    process: ProcessSlice = SINGLE_PROCESS,
     workers: int | None = None,
     skip_corrupt: bool = False,
 ) -> Iterator[Batch]:
@@ -287,8 +283,6 @@ def encoded_eval_batches(
     of stopping the evaluation.
     """
     where = "encoded_eval_batches"
-    order = order_lib.eval_order(
-        len(split.records), batch_size, process_index, process_count, where
-    )
+    order = order_lib.eval_order(len(split.records), batch_size, process, where)
     load = LoadEvalExample(split, skip_corrupt)
     return _grain_batches(EvalSlots(order), load, order.local_size, _check_workers(workers, where))

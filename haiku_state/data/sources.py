@@ -1,14 +1,83 @@
-"""`load_dataset`: every source by name, with its arguments checked before anything is read."""
+"""`load_dataset`: every source by name, with its arguments checked before anything is read.
+
+`SOURCES` is the registry: a name, the function that loads it, and whether it
+is read as encoded images (decoded by the pipeline's workers, cropped to
+`image_size`) or held in memory as arrays. Adding a source is one entry there.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 from haiku_state.data import arrayrecord, imagefolder, in_memory
 from haiku_state.data.splits import Dataset
 
-DATASETS = ("digits", "cifar10", "synthetic", "imagefolder", "arrayrecord")
-ENCODED_DATASETS = ("imagefolder", "arrayrecord")
+
+class SourceArgs(NamedTuple):
+    """The arguments of `load_dataset` a loader may use; each uses only its own."""
+
+    data_dir: str | None
+    image_size: int | None
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    num_train: int
+    num_test: int
+    seed: int
+
+
+class Source(NamedTuple):
+    """How a dataset is loaded, and whether it is read as encoded images.
+
+    Attributes:
+      load: `SourceArgs -> Dataset`.
+      encoded: True for splits of encoded images (an `EncodedSplit`), which
+        need `image_size`; False for splits held in memory, which keep their
+        own size.
+    """
+
+    load: Callable[[SourceArgs], Dataset]
+    encoded: bool
+
+
+def _digits(args: SourceArgs) -> Dataset:
+    del args  # Fixed: the same split whatever the seed.
+    return in_memory.load_digits()
+
+
+def _cifar10(args: SourceArgs) -> Dataset:
+    if not args.data_dir:
+        raise ValueError(
+            "load_dataset('cifar10') needs data_dir: the path of the "
+            "'cifar-10-batches-py' folder (nothing is ever downloaded)."
+        )
+    return in_memory.load_cifar10(args.data_dir)
+
+
+def _synthetic(args: SourceArgs) -> Dataset:
+    return in_memory.make_synthetic(
+        args.image_shape, args.num_classes, args.num_train, args.num_test, args.seed
+    )
+
+
+def _imagefolder(args: SourceArgs) -> Dataset:
+    return imagefolder.load_imagefolder(args.data_dir, args.image_size)
+
+
+def _arrayrecord(args: SourceArgs) -> Dataset:
+    return arrayrecord.load_arrayrecord(args.data_dir, args.image_size)
+
+
+SOURCES = {
+    "digits": Source(_digits, encoded=False),
+    "cifar10": Source(_cifar10, encoded=False),
+    "synthetic": Source(_synthetic, encoded=False),
+    "imagefolder": Source(_imagefolder, encoded=True),
+    "arrayrecord": Source(_arrayrecord, encoded=True),
+}
+DATASETS = tuple(SOURCES)
+ENCODED_DATASETS = tuple(name for name, source in SOURCES.items() if source.encoded)
 
 
 def load_dataset(
@@ -49,35 +118,20 @@ def load_dataset(
       FileNotFoundError: (a `MissingDataError`) for a folder or file that is not there.
       DataError: for data that cannot be trained on, naming the file or folder.
     """
-    if name not in DATASETS:
+    if name not in SOURCES:
         raise ValueError(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
-    data_dir = os.path.expanduser(data_dir) if data_dir else data_dir  # The shell leaves `=~/`.
-    if name in ENCODED_DATASETS:
-        return _load_encoded(name, data_dir, image_size)
-    if name == "digits":
-        dataset = in_memory.load_digits()
-    elif name == "cifar10":
-        if not data_dir:
-            raise ValueError(
-                "load_dataset('cifar10') needs data_dir: the path of the "
-                "'cifar-10-batches-py' folder (nothing is ever downloaded)."
-            )
-        dataset = in_memory.load_cifar10(data_dir)
-    else:
-        dataset = in_memory.make_synthetic(image_shape, num_classes, num_train, num_test, seed)
-    _check_native_size(dataset, image_size)
-    return dataset
-
-
-def _load_encoded(name: str, data_dir: str | None, image_size: int | None) -> Dataset:
-    """An index of encoded images, cropped to `image_size` as they are read."""
-    if image_size is None or image_size < 1:
+    source = SOURCES[name]
+    if source.encoded and (image_size is None or image_size < 1):
         raise ValueError(
             f"{name} needs data.image_size, the side of the square crops (e.g. 224); "
             f"got {image_size}."
         )
-    load = imagefolder.load_imagefolder if name == "imagefolder" else arrayrecord.load_arrayrecord
-    return load(data_dir, image_size)
+    data_dir = os.path.expanduser(data_dir) if data_dir else data_dir  # The shell leaves `=~/`.
+    args = SourceArgs(data_dir, image_size, image_shape, num_classes, num_train, num_test, seed)
+    dataset = source.load(args)
+    if not source.encoded:
+        _check_native_size(dataset, image_size)
+    return dataset
 
 
 def _check_native_size(dataset: Dataset, image_size: int | None) -> None:

@@ -1,4 +1,7 @@
-"""The batches a run's devices get, by the cheapest pipeline for the split.
+"""The entry point of the input: the batches a run's devices get, by the cheapest pipeline.
+
+The train driver and the evaluation get every batch from `sharded_train_batches`
+and `sharded_eval_batches`, which pick one of three pipelines for the split:
 
 - a split in memory that fits on the devices: kept there, batched by a jitted
   gather (`device.device_train_batches`);
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from haiku_state.data import batches, device, pipeline
+from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import AnySplit, Batch, EncodedSplit
 
 
@@ -49,8 +53,7 @@ def sharded_train_batches(
     seed: int,
     start_step: int = 0,
     num_steps: int | None = None,
-    process_index: int = 0,
-    process_count: int = 1,
+    process: ProcessSlice = SINGLE_PROCESS,
     options: PipelineOptions = DEFAULT_OPTIONS,
 ) -> Iterator[Batch]:
     """The training batches of `split` from `start_step`, on the devices.
@@ -62,14 +65,13 @@ def sharded_train_batches(
       start_step: the first step to yield.
       num_steps: for an encoded split, how many steps to decode; None: until closed.
         Splits in memory are endless.
-      process_index: this process's index, `jax.process_index()`.
-      process_count: the number of processes, `jax.process_count()`.
+      process: the slice of every global batch this process loads
+        (`ProcessSlice.current()` in a multi-process run).
       options: the host pipeline's settings.
 
     Returns:
       A generator of device batches; close it to stop its thread and workers.
     """
-    this_process = {"process_index": process_index, "process_count": process_count}
     if isinstance(split, EncodedSplit):
         host_batches = pipeline.encoded_train_batches(
             split,
@@ -77,17 +79,17 @@ def sharded_train_batches(
             seed=seed,
             start_step=start_step,
             num_steps=num_steps,
+            process=process,
             workers=options.workers,
             skip_corrupt=options.skip_corrupt,
-            **this_process,
         )
     elif device.fits_on_device(split):
         return device.device_train_batches(
-            split, batch_size, seed=seed, start_step=start_step, **this_process
+            split, batch_size, seed=seed, start_step=start_step, process=process
         )
     else:
         host_batches = batches.train_batches(
-            split, batch_size, seed=seed, start_step=start_step, **this_process
+            split, batch_size, seed=seed, start_step=start_step, process=process
         )
     return device.prefetch_to_device(host_batches, size=options.prefetch)
 
@@ -96,20 +98,21 @@ def sharded_eval_batches(
     split: AnySplit,
     batch_size: int,
     *,
-    process_index: int = 0,
-    process_count: int = 1,
+    process: ProcessSlice = SINGLE_PROCESS,
     options: PipelineOptions = DEFAULT_OPTIONS,
 ) -> Iterator[Batch]:
-    """One pass over `split` in padded, masked batches (`batches.eval_batches`), on the devices."""
-    this_process = {"process_index": process_index, "process_count": process_count}
+    """One pass over `split` in padded, masked batches (`batches.eval_batches`), on the devices.
+
+    `process` and `options` as for `sharded_train_batches`.
+    """
     if isinstance(split, EncodedSplit):
         host_batches = pipeline.encoded_eval_batches(
             split,
             batch_size,
+            process=process,
             workers=options.workers,
             skip_corrupt=options.skip_corrupt,
-            **this_process,
         )
     else:
-        host_batches = batches.eval_batches(split, batch_size, **this_process)
+        host_batches = batches.eval_batches(split, batch_size, process=process)
     return device.prefetch_to_device(host_batches, size=options.prefetch)

@@ -1,0 +1,114 @@
+"""Tests of haiku_state.data.device: prefetching onto the devices, device-resident batches."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from toy_splits import toy_split
+
+from haiku_state import data, replication
+
+NUM_DEVICES = 4
+
+
+# Prefetching onto devices.
+
+
+def test_prefetch_to_device_yields_sharded_copies_of_the_host_batches():
+    assert jax.local_device_count() == NUM_DEVICES
+    split = toy_split(16)
+    host_batches = list(data.eval_batches(split, 8))
+    device_batches = list(data.prefetch_to_device(iter(host_batches), size=2))
+    assert len(device_batches) == len(host_batches)
+    for host, device in zip(host_batches, device_batches, strict=True):
+        assert set(device) == set(host)
+        for name, leaf in device.items():
+            assert isinstance(leaf, jax.Array)
+            assert leaf.shape == (NUM_DEVICES, 2) + host[name].shape[1:]
+            assert len(leaf.sharding.device_set) == NUM_DEVICES
+            np.testing.assert_array_equal(np.asarray(leaf), host[name].reshape(leaf.shape))
+
+
+def test_prefetch_to_device_reraises_an_error_of_the_source():
+    def failing_source():
+        yield next(data.eval_batches(toy_split(8), 8))
+        raise RuntimeError("source failed")
+
+    batches = data.prefetch_to_device(failing_source())
+    next(batches)
+    with pytest.raises(RuntimeError, match="source failed"):
+        next(batches)
+
+
+def test_prefetch_to_device_reraises_an_error_of_shard():
+    batches = data.prefetch_to_device(data.eval_batches(toy_split(6), 6))
+    with pytest.raises(ValueError, match="not divisible"):
+        next(batches)
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "prefetch_to_device"]
+
+
+def test_prefetch_to_device_thread_stops_when_the_consumer_closes_early():
+    before = len(_prefetch_threads())
+    batches = data.prefetch_to_device(data.train_batches(toy_split(16), 8, seed=0), size=1)
+    next(batches)
+    assert len(_prefetch_threads()) == before + 1
+    batches.close()
+    deadline = time.monotonic() + 5
+    while len(_prefetch_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_prefetch_threads()) == before
+
+
+# Device-resident batches.
+
+
+@pytest.mark.parametrize(
+    "start_step, steps_per_gather, process_index, process_count",
+    [(0, 1, 0, 1), (3, 1, 0, 1), (0, 4, 0, 1), (3, 4, 0, 1), (3, 4, 1, 2), (3, None, 1, 2)],
+)
+def test_device_train_batches_are_the_train_batches_sharded_across_epochs(
+    start_step, steps_per_gather, process_index, process_count
+):
+    # 2 steps per epoch of 8 per process: the steps below cross four epochs.
+    batch_size = 8 * process_count
+    split = toy_split(20 * process_count)
+    process = data.ProcessSlice(process_index, process_count)
+    host = data.train_batches(split, batch_size, seed=3, start_step=start_step, process=process)
+    on_device = data.device_train_batches(
+        split,
+        batch_size,
+        seed=3,
+        start_step=start_step,
+        steps_per_gather=steps_per_gather,
+        process=process,
+    )
+    for _ in range(7):
+        expected, batch = next(host), next(on_device)
+        assert set(batch) == set(expected)
+        for name, leaf in batch.items():
+            assert leaf.sharding == replication.device_axis_sharding()
+            assert leaf.shape == (NUM_DEVICES, 2) + expected[name].shape[1:]
+            np.testing.assert_array_equal(np.asarray(leaf), expected[name].reshape(leaf.shape))
+    on_device.close()
+
+
+def test_device_train_batches_refuse_what_train_batches_refuse_and_an_uneven_split():
+    with pytest.raises(ValueError, match="between 1 and the 10 examples"):
+        data.device_train_batches(toy_split(10), 12, seed=0)
+    with pytest.raises(ValueError, match="start_step"):
+        data.device_train_batches(toy_split(10), 4, seed=0, start_step=-1)
+    with pytest.raises(ValueError, match="not divisible by the 4 local devices"):
+        data.device_train_batches(toy_split(10), 6, seed=0)
+    with pytest.raises(ValueError, match="steps_per_gather"):
+        data.device_train_batches(toy_split(10), 4, seed=0, steps_per_gather=0)
+
+
+def test_fits_on_device_counts_images_and_labels():
+    split = toy_split(10)  # 10 * 4 float32 pixels + 10 int32 labels = 200 bytes.
+    assert data.fits_on_device(split, max_bytes=200)
+    assert not data.fits_on_device(split, max_bytes=199)
