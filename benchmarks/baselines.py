@@ -7,7 +7,7 @@ Updater does). It does the same work as `Updater.update(..., with_norms=False)`,
 the step a training run takes between its logs (same network, loss, optimizer,
 augmentation, loss scale and key splitting), with none of its Python around the
 call, so `Updater / hand-written` throughput measures the cost of the library's
-wrapper alone. The pieces are `train.build_experiment`'s, and the train state
+wrapper alone. The pieces are `experiment.build_experiment`'s, and the train state
 `Updater.init`'s, so a float16 `opt_state` holds the loss scale as plain arrays
 (`LossScaledOptState`), read and written with the library's
 `unpack_loss_scale` / `pack_loss_scale`.

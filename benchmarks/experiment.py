@@ -1,6 +1,6 @@
 """One experiment measured on the devices of this process: the parts of the benchmark, composed.
 
-`benchmark_experiment` builds the experiment with `train.build_experiment` (the
+`benchmark_experiment` builds the experiment with `experiment.build_experiment` (the
 synthetic-data config of `benchmarks.settings`) and measures, at
 `jax.local_device_count()`:
 
@@ -36,7 +36,7 @@ from benchmarks.settings import (
     check_precision,
     synthetic_config,
 )
-from haiku_state import train
+from haiku_state.experiment import build_experiment
 from haiku_state.updater import Updater
 
 Log = Callable[[str], None]
@@ -83,7 +83,7 @@ def benchmark_experiment(
         config = synthetic_config(name, settings, num_devices)
         say(f"batch {config.batch_size}, building")
         built_at = time.perf_counter()
-        experiment = train.build_experiment(config)
+        experiment = build_experiment(config)
         timed, input_pipeline = variants.build_variants(name, config, experiment, settings, stack)
         say(f"built in {time.perf_counter() - built_at:.1f} s")
         result = _step_figures(name, config, settings, experiment.updater, timed, peak, say)

@@ -10,7 +10,7 @@ r"""The input pipeline's throughput: decoding alone, and the training loop it fe
 3. The pipeline alone (`data.encoded_train_batches`): images/s into
    `image_size` squared uint8 batches, for 1 worker and for as many workers as
    this process may use cores; per worker, and the scaling between the two.
-4. The training loop (`train.train_and_evaluate`) fed by the pipeline, against
+4. The training loop (`driver.train_and_evaluate`) fed by the pipeline, against
    the smaller of the pipeline alone and the bare update at the same settings
    (a model and image size a CPU trains). On a CPU the update runs on the first
    core and the workers on the others (`--pin_update_core`), as on an
@@ -42,8 +42,9 @@ import numpy as np
 from PIL import Image
 
 from haiku_state import config as config_lib
-from haiku_state import data, summaries, train
+from haiku_state import data, driver, summaries
 from haiku_state.data import imagefolder, preprocess
+from haiku_state.experiment import build_experiment, placeholder_batch
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 WIDTH, HEIGHT = 500, 375
@@ -199,8 +200,8 @@ def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
 
 def bare_update_rate(config: Any, steps: int) -> float:
     """Examples/s of `Updater.update` on one device batch, at most two steps in flight."""
-    experiment = train.build_experiment(config)
-    batch = train.placeholder_batch(experiment.dataset, config.batch_size)
+    experiment = build_experiment(config)
+    batch = placeholder_batch(experiment.dataset, config.batch_size)
     state = experiment.updater.init(config.seed, batch)
     update = experiment.updater.update
     for _ in range(3):  # Compiles.
@@ -219,7 +220,7 @@ def bare_update_rate(config: Any, steps: int) -> float:
 def loop_rate(config: Any, workdir: str) -> dict[str, float]:
     """The training loop's steady examples/s: every logged window but the first (compiles)."""
     with contextlib.redirect_stdout(sys.stderr):
-        train.train_and_evaluate(config, workdir)
+        driver.train_and_evaluate(config, workdir)
     records = sorted(
         (r for r in summaries.read_metrics(workdir) if r["split"] == "train"),
         key=lambda r: r["step"],

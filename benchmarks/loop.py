@@ -1,4 +1,4 @@
-"""The whole training loop (`train.train_and_evaluate`) against the bare update around it.
+"""The whole training loop (`driver.train_and_evaluate`) against the bare update around it.
 
 The loop cannot be interleaved with the bare update, so each loop run is
 compared with the Updater timed right before it and right after it
@@ -23,7 +23,7 @@ import jax
 
 from benchmarks import timing
 from benchmarks.settings import Settings, experiment_config, round_up, use_synthetic_data
-from haiku_state import summaries, train
+from haiku_state import driver, summaries
 
 Window = tuple[int, int, float]  # (first_step, last_step, examples_per_s) of a logged window.
 
@@ -126,7 +126,7 @@ def _ratio(examples_per_s: float | None, bare_examples_per_s: float) -> float | 
 def benchmark_training_loop(
     name: str, settings: Settings, bare_update: Callable[[], float], workdir: Path
 ) -> dict[str, Any]:
-    """Runs `train.train_and_evaluate` and compares its steady state to the bare update.
+    """Runs `driver.train_and_evaluate` and compares its steady state to the bare update.
 
     The steady state is the time-weighted mean of the logged `examples_per_s`
     over every window but the first (which compiles): total examples over total
@@ -142,7 +142,7 @@ def benchmark_training_loop(
     config = loop_config(name, settings, jax.local_device_count())
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # Its final-eval line; stdout is the table's.
-        final = train.train_and_evaluate(config, str(workdir))
+        final = driver.train_and_evaluate(config, str(workdir))
     wall_s = time.perf_counter() - start
     bare = bare_update()
     windows = _logged_windows(workdir)

@@ -138,7 +138,7 @@ def synthetic_config(name: str, settings: Settings, num_devices: int) -> Any:
     """The config the timed steps are built from: `num_batches` batches of synthetic data.
 
     Raises:
-      ValueError: for a config `train.train_and_evaluate` would refuse (e.g. a batch
+      ValueError: for a config `driver.train_and_evaluate` would refuse (e.g. a batch
         size the devices do not divide).
     """
     config = experiment_config(name, settings, num_devices)

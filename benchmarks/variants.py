@@ -1,12 +1,12 @@
 """The implementations of the training step timed side by side, built from one Experiment.
 
-* `updater`: `Updater.update` of `train.build_experiment(config)`, on a few
+* `updater`: `Updater.update` of `experiment.build_experiment(config)`, on a few
   device batches sharded once and cycled;
 * `hand_written`: the same step as one plain `jax.pmap`ped function
   (`benchmarks.baselines`), from the Experiment's network, optimizer, loss,
   augmentation and loss scale;
 * `updater_with_input`: the same Updater fed by the input pipeline
-  `train.train_and_evaluate` uses instead of pre-sharded batches;
+  `driver.train_and_evaluate` uses instead of pre-sharded batches;
 * `shard_map`: the hand-written step as `jit(shard_map)` (only when asked);
 * `updater_shard_map`: the Updater of the same config with `backend="shard_map"`;
 * `flax`: for the ResNets, the Flax linen peer (`benchmarks.flax_models`).
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from benchmarks import baselines
 from benchmarks.settings import FLAX_PEERS, Settings
 from benchmarks.timing import Variant
-from haiku_state import data, optim, replication, train
+from haiku_state import data, optim, replication
+from haiku_state.experiment import Experiment, build_experiment
 
 HALF_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -45,7 +46,7 @@ def host_batches(dataset: data.Dataset, batch_size: int, count: int) -> list[dic
 
 
 def training_input(dataset: data.Dataset, batch_size: int, seed: int) -> tuple[str, Iterator[Any]]:
-    """The input pipeline `train.train_and_evaluate` uses for `dataset`, and its name.
+    """The input pipeline `driver.train_and_evaluate` uses for `dataset`, and its name.
 
     `data.sharded_train_batches`: a split that fits on the devices is kept there and
     batched by a jitted gather (`data.device_train_batches`); a larger one is batched
@@ -59,7 +60,7 @@ def training_input(dataset: data.Dataset, batch_size: int, seed: int) -> tuple[s
     return name, data.sharded_train_batches(dataset.train, batch_size, seed=seed)
 
 
-def hand_written_per_device(experiment: train.Experiment) -> baselines.StepFn:
+def hand_written_per_device(experiment: Experiment) -> baselines.StepFn:
     """`baselines.per_device_step` of the Experiment's pieces."""
     return baselines.per_device_step(
         experiment.network,
@@ -71,7 +72,7 @@ def hand_written_per_device(experiment: train.Experiment) -> baselines.StepFn:
     )
 
 
-def _flax_variant(config: Any, experiment: train.Experiment, host: list[Any]) -> Variant:
+def _flax_variant(config: Any, experiment: Experiment, host: list[Any]) -> Variant:
     from flax.training.dynamic_scale import DynamicScale
 
     from benchmarks import flax_models
@@ -95,7 +96,7 @@ def _flax_variant(config: Any, experiment: train.Experiment, host: list[Any]) ->
 def build_variants(
     name: str,
     config: Any,
-    experiment: train.Experiment,
+    experiment: Experiment,
     settings: Settings,
     stack: contextlib.ExitStack,
 ) -> tuple[list[Variant], str]:
@@ -131,7 +132,7 @@ def build_variants(
         # The library's other backend, on the same TrainState layout.
         shard_map_config = config.copy_and_resolve_references()
         shard_map_config.backend = "shard_map"
-        shard_map_updater = train.build_experiment(shard_map_config).updater
+        shard_map_updater = build_experiment(shard_map_config).updater
         variants.append(
             timed(
                 "updater_shard_map", functools.partial(shard_map_updater.update, with_norms=False)

@@ -3,31 +3,31 @@
 The loop itself only dispatches steps. Everything else a run does (log, check
 the replicas, evaluate, save, profile) is an `Action`, asked after each step
 whether it is due, in the spirit of jaxline's `PeriodicAction` and clu's
-`periodic_actions`. Metrics stay on the device until the logging action
-fetches a whole window of them (`MetricWindow`), so the hot path has no host
-sync beyond waiting for the previous step.
+`periodic_actions`. Logging (`MetricLogger`) and profiling (`Profiler`) are
+here; `haiku_state.driver` holds the run's own actions (check, evaluate, save)
+and declares them all beside its call to `run`. Metrics stay on the device
+until the logging action fetches a whole window of them (`MetricWindow`), so
+the hot path has no host sync beyond waiting for the previous step.
 """
 
 from __future__ import annotations
 
 import collections
-import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from haiku_state import asserts
+from haiku_state import divergence, summaries
 from haiku_state.updater import Batch, Metrics, TrainState
 
 # (train_state, batch, step) -> (train_state, metrics): `step` is the one being run.
 StepFn = Callable[[TrainState, Batch, int], tuple[TrainState, Metrics]]
-# A loss this many times the run's first loss means the run is diverging.
-EXPLOSION_FACTOR = 100.0
 
 
 class Action(Protocol):
@@ -69,22 +69,20 @@ class WindowSummary(NamedTuple):
 
 
 class MetricWindow:
-    """The per-step device metrics the loop has not fetched yet, and the run's loss history.
+    """The per-step device metrics the loop has not fetched yet.
 
-    Every fetched loss is checked: the first non-finite one raises, and the first
-    one above `EXPLOSION_FACTOR` times the run's first loss is remembered
-    (`first_exploding_step`), so a diverging run can tell which checkpoints were
-    saved from parameters that had already blown up.
+    Every fetched loss is shown to a `divergence.Monitor`: the first non-finite
+    one raises, and the monitor remembers where the loss first exploded.
 
     Args:
       start_step: the step the window's clock starts at.
+      monitor: the run's divergence monitor; None: one of the window's own.
     """
 
-    def __init__(self, start_step: int):
+    def __init__(self, start_step: int, monitor: divergence.Monitor | None = None):
         self._pending: list[tuple[int, Metrics]] = []
         self._start = (start_step, time.monotonic())
-        self._first_loss: float | None = None
-        self.first_exploding_step: int | None = None
+        self._monitor = monitor or divergence.Monitor(start_step)
 
     @property
     def start_step(self) -> int:
@@ -95,7 +93,7 @@ class MetricWindow:
 
     def check_finite(self) -> None:
         """Raises FloatingPointError naming the first pending step whose loss is not finite."""
-        self._watch(jax.device_get(self._pending))
+        self._monitor.observe(jax.device_get(self._pending))
 
     def fetch(self, step: int) -> WindowSummary:
         """Fetches, checks and averages the pending metrics; the next window starts at `step`.
@@ -104,7 +102,7 @@ class MetricWindow:
         come from the logged step alone).
         """
         window = jax.device_get(self._pending)
-        self._watch(window)
+        self._monitor.observe(window)
         sums, counts = collections.defaultdict(float), collections.Counter()
         for _, metrics in window:
             for name, value in metrics.items():
@@ -116,17 +114,77 @@ class MetricWindow:
         means = {name: total / counts[name] for name, total in sums.items()}
         return WindowSummary(means, step - start_step, now - start_time)
 
-    def _watch(self, window: list[tuple[int, dict[str, float]]]) -> None:
-        for step, metrics in window:
-            loss = float(metrics["loss"])
-            if self._first_loss is None and math.isfinite(loss):
-                self._first_loss = abs(loss)
-            exploding = not math.isfinite(loss) or (
-                self._first_loss is not None and abs(loss) > EXPLOSION_FACTOR * self._first_loss
-            )
-            if exploding and self.first_exploding_step is None:
-                self.first_exploding_step = step
-        asserts.check_finite_losses(window)
+
+class MetricLogger:
+    """Fetches the window's metrics and writes their means, throughput and learning rate."""
+
+    def __init__(
+        self,
+        window: MetricWindow,
+        writer: summaries.MetricWriter,
+        learning_rate: Callable[[int], Any],
+        batch_size: int,
+    ):
+        self._window, self._writer, self._batch_size = window, writer, batch_size
+        self._learning_rate = jax.jit(learning_rate)
+        self._learning_rate(window.start_step)  # Compiled now, not at the first log.
+
+    def __call__(self, step: int, train_state: TrainState) -> None:
+        del train_state  # Unused.
+        summary = self._window.fetch(step)
+        scalars = dict(summary.metrics)
+        scalars["examples_per_s"] = summary.steps * self._batch_size / summary.seconds
+        scalars["learning_rate"] = float(self._learning_rate(step - 1))
+        self._writer.write(step, "train", scalars)
+
+
+class Profiler:
+    """A `jax.profiler` trace of steps `start + 1 .. stop` into `logdir`.
+
+    Viewable in TensorBoard's profile plugin or Perfetto; the loop annotates
+    each step (`jax.profiler.StepTraceAnnotation`). A run resumed inside the
+    range traces from its first step; the trace ends with the block at the latest.
+
+    Args:
+      steps: `(start, stop)` (`config.profile_steps`); empty or None: no trace.
+      logdir: where the trace goes.
+      start_step: the step the run starts from.
+    """
+
+    def __init__(self, steps: Sequence[int] | None, logdir: str, start_step: int):
+        self._steps, self._logdir, self._start_step = tuple(steps or ()), logdir, start_step
+        self.tracing = False
+
+    def __enter__(self) -> Profiler:
+        if self._steps and self._steps[0] <= self._start_step < self._steps[1]:
+            self._begin()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._end()
+
+    def is_due(self, step: int, last_step: int) -> bool:
+        if not self._steps:
+            return False
+        start, stop = self._steps
+        return step == start or (self.tracing and (step >= stop or step == last_step))
+
+    def run(self, step: int, train_state: TrainState) -> None:
+        if self.tracing:
+            jax.block_until_ready(train_state)  # The traced steps' work, all of it.
+            self._end()
+        else:
+            self._begin()
+
+    def _begin(self) -> None:
+        os.makedirs(self._logdir, exist_ok=True)
+        jax.profiler.start_trace(self._logdir)
+        self.tracing = True
+
+    def _end(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
 
 
 class StopRequest:

@@ -1,4 +1,4 @@
-"""The small `mlp` config the end-to-end tests train, with overrides by dotted key."""
+"""The small `mlp` config the end-to-end tests train, and the checkpoint steps a run left."""
 
 from __future__ import annotations
 
@@ -30,3 +30,9 @@ def mlp_config(**overrides):
             node = node[parent]
         node[leaf] = value
     return config
+
+
+def steps_on_disk(workdir) -> list[int]:
+    """The step directories of a workdir's checkpoints (complete or not), ascending."""
+    checkpoints = os.path.join(workdir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit())

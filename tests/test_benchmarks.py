@@ -34,7 +34,8 @@ from benchmarks import (  # noqa: E402
     settings,
     variants,
 )
-from haiku_state import models, optim, replication, train  # noqa: E402
+from haiku_state import models, optim, replication  # noqa: E402
+from haiku_state.experiment import build_experiment  # noqa: E402
 
 TINY = settings.Settings(
     batch_size=32,
@@ -349,7 +350,7 @@ def test_hand_written_float16_step_keeps_the_updaters_loss_scale_bookkeeping():
     config = settings.synthetic_config(
         "mlp", settings.Settings(batch_size=32, num_batches=1, precision="float16"), 4
     )
-    built = train.build_experiment(config)
+    built = build_experiment(config)
     updater = built.updater
     [host_batch] = variants.host_batches(built.dataset, config.batch_size, 1)
     batch = replication.shard(host_batch)

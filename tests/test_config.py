@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -48,19 +47,6 @@ def test_a_missing_key_is_named():
     del config["precision"]
     with pytest.raises(ValueError, match=r"lacks the keys \['precision'\]"):
         config_lib.validate_config(config, num_devices=1)
-
-
-def test_importing_the_library_defines_no_flags():
-    code = (
-        "from absl import flags\n"
-        "import haiku_state.train, haiku_state.checkpoint\n"
-        "assert 'workdir' not in flags.FLAGS and 'config' not in flags.FLAGS, 'flags defined'\n"
-        "import haiku_state.cli\n"
-        "assert 'workdir' in flags.FLAGS and 'config' in flags.FLAGS\n"
-    )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True)
-    assert result.returncode == 0, result.stderr.decode()[-2000:]
 
 
 def test_the_resnet50_imagenet_recipe_scales_the_learning_rate_and_warmup_with_the_batch():

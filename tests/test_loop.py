@@ -1,14 +1,15 @@
-"""Tests of haiku_state.loop: periodic actions, the metric window, the bounded loop."""
+"""Tests of haiku_state.loop: periodic actions, the metric window, logging, profiling, the loop."""
 
 from __future__ import annotations
 
+import glob
 import itertools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from haiku_state import loop
+from haiku_state import divergence, loop, summaries
 
 
 def test_periodic_action_is_due_on_multiples_and_at_the_last_step():
@@ -34,6 +35,52 @@ def test_metric_window_averages_what_it_holds_and_restarts_at_the_fetch():
         window.check_finite()
     with pytest.raises(FloatingPointError, match="at step 8"):
         window.fetch(8)
+
+
+def test_metric_window_shows_every_loss_it_fetches_or_checks_to_the_divergence_monitor():
+    monitor = divergence.Monitor(resumed_step=0)
+    window = loop.MetricWindow(start_step=0, monitor=monitor)
+    window.append(1, {"loss": jnp.float32(2.0)})
+    window.append(2, {"loss": jnp.float32(300.0)})  # Over 100 x the first loss.
+    window.check_finite()
+    assert monitor.first_exploding_step == 2
+    window.fetch(2)
+    window.append(3, {"loss": jnp.float32(jnp.inf)})
+    with pytest.raises(FloatingPointError, match="at step 3"):
+        window.fetch(3)
+    assert monitor.first_exploding_step == 2
+
+
+def test_metric_logger_writes_the_window_means_throughput_and_the_learning_rate_of_the_step(
+    tmp_path,
+):
+    window = loop.MetricWindow(start_step=0)
+    with summaries.MetricWriter(str(tmp_path), 10, enabled=True) as writer:
+        logger = loop.MetricLogger(window, writer, lambda step: 0.5 * step, batch_size=32)
+        for step, loss in [(1, 1.0), (2, 3.0)]:
+            window.append(step, {"loss": jnp.float32(loss)})
+        logger(2, train_state=None)
+    [record] = summaries.read_metrics(str(tmp_path))
+    assert (record["step"], record["split"], record["loss"]) == (2, "train", 2.0)
+    assert record["learning_rate"] == 0.5  # The rate step 2 was computed with: step 1's.
+    assert record["examples_per_s"] > 0
+
+
+def test_profiler_traces_its_steps_and_resumes_a_trace_inside_them(tmp_path):
+    never = loop.Profiler((), str(tmp_path / "none"), start_step=0)
+    assert not any(never.is_due(step, last_step=20) for step in range(1, 21))
+    with loop.Profiler((5, 8), str(tmp_path / "fresh"), start_step=0) as fresh:
+        assert [s for s in range(1, 21) if fresh.is_due(s, last_step=20)] == [5]
+        fresh.run(5, jnp.zeros(()))
+        assert fresh.tracing and fresh.is_due(8, last_step=20)
+        fresh.run(8, jnp.zeros(()))
+        assert not fresh.tracing
+    # Resumed at step 6, inside (5, 8]: tracing from the start, ended by the block at the latest.
+    with loop.Profiler((5, 8), str(tmp_path / "resumed"), start_step=6) as resumed:
+        assert resumed.tracing and resumed.is_due(7, last_step=7)
+    assert not resumed.tracing
+    for run in ("fresh", "resumed"):
+        assert glob.glob(str(tmp_path / run / "**" / "*.xplane.pb"), recursive=True), run
 
 
 class _NoStop:

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from image_trees import write_imagefolder
 
-from haiku_state import checkpoint, train
+from haiku_state import checkpoint
 from haiku_state import config as config_lib
+from haiku_state.experiment import build_experiment, placeholder_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 1000  # Long enough that a signal sent after step 20 lands mid-run.
@@ -78,9 +79,9 @@ def final_state(workdir, steps=STEPS, **data_options):
     config.steps = steps
     config.optimizer.warmup_steps = 10
     config.data.update(data_options)
-    experiment = train.build_experiment(config)
+    experiment = build_experiment(config)
     like = experiment.updater.init(
-        config.seed, train.placeholder_batch(experiment.dataset, config.batch_size)
+        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
     )
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as checkpointer:
         assert checkpointer.latest_step() == steps

@@ -1,146 +1,164 @@
-"""End-to-end tests of the training loop on the `mlp` experiment (4 simulated devices)."""
+"""Tests of the command line, `python -m haiku_state.train`, run as real subprocesses.
+
+Its flags, one-line errors, the workdir lock and the signals as a user meets
+them; and its place in the import graph: it imports the library, nothing in
+the library imports it, and no module of the library imports itself back.
+"""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
 
-import numpy as np
 import pytest
-from configs import mlp_config
-from image_trees import CORRUPTIONS, write_imagefolder
-
-from haiku_state import data, evaluation, prepare, summaries, train
-from haiku_state.data import order
+from configs import steps_on_disk
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = (
+    "--config=experiments/mlp.py",
+    "--cpu_devices=4",
+    "--config.batch_size=64",
+    "--config.model.hidden_sizes=(32,)",
+    "--config.optimizer.warmup_steps=5",
+    "--config.log_every=10",
+    "--config.check_every=10",
+    "--config.eval_every=1000000",
+)
 
 
-def run_cli(*args, timeout=120):
+def _environment():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+def run_module(*args, timeout=120):
+    """`python -m haiku_state.train ARGS` to its end."""
     return subprocess.run(
         [sys.executable, "-m", "haiku_state.train", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        cwd=REPO, env=_environment(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def start(workdir, *flags, steps=2000):
+    """A small training run on `workdir`, its stdout and stderr in one pipe."""
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "haiku_state.train", f"--workdir={workdir}", *SMALL,
+            f"--config.steps={steps}", *flags,
+        ],
+        cwd=REPO, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def run_cli(workdir, *flags, steps=30, timeout=180):
+    process = start(workdir, *flags, steps=steps)
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def wait_for_output(process, needle, timeout=120):
+    """Reads the process's output until a line holds `needle`; returns what was read."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError(f"exited before {needle!r}:\n{''.join(seen)[-3000:]}")
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise TimeoutError(needle)
+
+
+# -- Its place in the import graph -----------------------------------------------------------------
+
+
+def _library_imports() -> dict[str, set[str]]:
+    """Each module of haiku_state, and the modules of haiku_state it imports (from its AST)."""
+    package = pathlib.Path(REPO) / "haiku_state"
+    names = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in names.items():
+        parts = tuple(name.split("."))
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:  # Relative to the module's package.
+                    package_parts = parts if path.name == "__init__.py" else parts[:-1]
+                    base = ".".join(package_parts[: len(package_parts) - node.level + 1])
+                    module = f"{base}.{module}" if module else base
+                for alias in node.names:
+                    full = f"{module}.{alias.name}"
+                    imported.add(full if full in names else module)
+        graph[name] = {module for module in imported if module in names and module != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state, path = [], {}, []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                cycles.append(path[path.index(imported) :] + [imported])
+            elif imported not in state:
+                visit(imported)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_the_command_line_is_imported_by_nothing_and_no_module_imports_itself_back():
+    graph = _library_imports()
+    assert "haiku_state.driver" in graph["haiku_state.train"]
+    assert [m for m, imported in graph.items() if "haiku_state.train" in imported] == []
+    assert _cycles(graph) == []
+    # The check sees a cycle where there is one.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_importing_the_library_defines_no_flags_and_main_defines_them():
+    code = (
+        "import importlib, pkgutil\n"
+        "from absl import flags\n"
+        "import haiku_state\n"
+        "for module in pkgutil.walk_packages(haiku_state.__path__, 'haiku_state.'):\n"
+        "    importlib.import_module(module.name)\n"
+        "from haiku_state.train import train_and_evaluate\n"
+        "assert 'workdir' not in flags.FLAGS and 'config' not in flags.FLAGS, 'flags defined'\n"
+        "from haiku_state import train\n"
+        "train._define_flags()\n"
+        "assert 'workdir' in flags.FLAGS and 'config' in flags.FLAGS\n"
     )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_environment(),
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("mlp"))
-    final = train.train_and_evaluate(mlp_config(), workdir)
-    return workdir, final
-
-
-def test_run_writes_metrics_tensorboard_curves_and_checkpoints(finished_run):
-    workdir, final = finished_run
-    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-    train_records = [r for r in records if r["split"] == "train"]
-    eval_records = [r for r in records if r["split"] == "eval"]
-    assert [r["step"] for r in train_records] == [10, 20, 30]
-    assert [r["step"] for r in eval_records] == [30]
-    for record in train_records:
-        assert {"loss", "accuracy", "examples_per_s", "learning_rate"} <= set(record)
-        assert record["examples_per_s"] > 0
-    assert set(eval_records[0]) == {"step", "split", "loss", "accuracy"}
-    assert eval_records[0]["accuracy"] == pytest.approx(final["accuracy"])
-    # Better than chance (10%) after 30 steps of a working setup.
-    assert final["accuracy"] > 0.5
-    assert any(
-        name.startswith("events.out.tfevents")
-        for name in os.listdir(os.path.join(workdir, "tensorboard"))
-    )
-    assert os.path.getsize(os.path.join(workdir, summaries.CURVES_FILE)) > 0
-    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["15", "30"]
-
-
-def test_rerun_of_finished_run_evaluates_without_training(finished_run):
-    workdir, final = finished_run
-    again = train.train_and_evaluate(mlp_config(), workdir)
-    assert again == pytest.approx(final)
-    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["15", "30"]
-
-
-def test_eval_mode_matches_final_eval(finished_run):
-    workdir, final = finished_run
-    assert evaluation.evaluate_checkpoint(mlp_config(), workdir) == pytest.approx(final)
-
-
-def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(finished_run, tmp_path):
-    workdir = str(tmp_path / "diverge")
-    train.train_and_evaluate(mlp_config(steps=15), workdir)
-    checkpoint_dir = os.path.join(workdir, "checkpoints")
-    before = {
-        name: os.path.getmtime(os.path.join(checkpoint_dir, name))
-        for name in os.listdir(checkpoint_dir)
-    }
-    # Resume with an absurd learning rate: the loss overflows within a few steps.
-    exploding = mlp_config(
-        steps=45, **{"optimizer.learning_rate": 1e30, "optimizer.schedule": "constant"}
-    )
-    with pytest.raises(FloatingPointError, match=r"Non-finite (loss|params) .* at step \d+"):
-        train.train_and_evaluate(exploding, workdir, allow_config_change=True)
-    after = {
-        name: os.path.getmtime(os.path.join(checkpoint_dir, name))
-        for name in os.listdir(checkpoint_dir)
-    }
-    assert after == before
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        ({"batch_size": 63}, r"config.batch_size=63 is not divisible by the 4 local devices"),
-        ({"steps": 0}, r"config.steps=0 must be a positive integer"),
-        ({"optimizer.name": "rmsprop"}, r"Unknown config.optimizer.name 'rmsprop'.*sgd"),
-        ({"data.name": "imagenet"}, r"Unknown config.data.name 'imagenet'.*digits"),
-        ({"model.name": "vit"}, r"Unknown config.model.name 'vit'.*resnet"),
-        ({"optimizer.warmup_steps": 30}, r"warmup_steps=30 must be in \[0, steps=30\)"),
-        ({"model.widht": 3}, r"Model 'mlp' does not take \['widht'\]"),
-        # NaN compares false with every bound: each is refused by name all the same.
-        ({"optimizer.learning_rate": float("nan")}, r"config.optimizer.learning_rate=nan must"),
-        ({"optimizer.learning_rate": float("inf")}, r"config.optimizer.learning_rate=inf must"),
-        ({"optimizer.weight_decay": float("nan")}, r"config.optimizer.weight_decay=nan must"),
-        ({"optimizer.weight_decay": -1e-4}, r"config.optimizer.weight_decay=-0.0001 must be in"),
-        ({"seed": -1}, r"config.seed=-1 must be in \[0, 4294967296\)"),
-        ({"model.dropout_rate": 1.0}, r"config.model.dropout_rate=1.0 must be in \[0.0, 1.0\)"),
-        ({"profile_steps": (5, 2)}, r"config.profile_steps=\(5, 2\) must be"),
-        ({"keep_best_mode": "best"}, r"Unknown config.keep_best_mode 'best'"),
-        ({"init_skip": "("}, r"config.init_skip='\(' is not a regex"),
-        ({"num_epochs": 0}, r"config.num_epochs=0 must be a positive integer"),
-        ({"batch_size": 2048}, r"batch_size=2048 is larger than the 1437 training examples"),
-        ({"data.workers": -1}, r"config.data.workers=-1 must be >= 0"),
-        ({"data.image_size": 32}, r"digits images are 8x8 and are not resized"),
-        ({"data.name": "imagefolder"}, r"imagefolder needs data.image_size"),
-        (
-            {"data.name": "imagefolder", "data.image_size": 16},
-            r"data.name='imagefolder' needs data.dir",
-        ),
-        (
-            {"data.name": "imagefolder", "data.image_size": 16, "data.dir": "/no/such/tree"},
-            r"ImageFolder data.dir '/no/such/tree' is not a directory",
-        ),
-        (
-            {"data.name": "arrayrecord", "data.image_size": 16, "data.dir": "/no/such/shards"},
-            r"ArrayRecord data.dir '/no/such/shards' is not a directory",
-        ),
-    ],
-)
-def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides, message):
-    workdir = tmp_path / "never_created"
-    with pytest.raises(ValueError, match=message):
-        train.train_and_evaluate(mlp_config(**overrides), str(workdir))
-    assert not workdir.exists()
+# -- Bad input: one line, before anything is written ----------------------------------------------
 
 
 def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
-    result = run_cli("--config=experiments/nope.py", f"--workdir={tmp_path}/w")
+    result = run_module("--config=experiments/nope.py", f"--workdir={tmp_path}/w")
     assert result.returncode != 0
     assert "Unknown experiment config 'experiments/nope.py'" in result.stderr
     assert "'mlp', 'resnet', 'resnet50'" in result.stderr
@@ -148,7 +166,9 @@ def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
 
 
 def test_cli_unknown_config_key_lists_the_keys(tmp_path):
-    result = run_cli("--config=experiments/mlp.py", "--config.stepz=3", f"--workdir={tmp_path}/w")
+    result = run_module(
+        "--config=experiments/mlp.py", "--config.stepz=3", f"--workdir={tmp_path}/w"
+    )
     assert result.returncode != 0
     assert "Bad config override" in result.stderr and "stepz" in result.stderr
     assert "optimizer.learning_rate" in result.stderr
@@ -156,7 +176,7 @@ def test_cli_unknown_config_key_lists_the_keys(tmp_path):
 
 
 def test_cli_bad_value_type_is_refused(tmp_path):
-    result = run_cli(
+    result = run_module(
         "--config=experiments/mlp.py", "--config.steps=many", f"--workdir={tmp_path}/w"
     )
     assert result.returncode != 0
@@ -164,86 +184,125 @@ def test_cli_bad_value_type_is_refused(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-def test_num_epochs_gives_the_steps_of_that_many_epochs_of_the_training_split():
-    # 1,437 training digits in batches of 64: 22 steps per epoch.
-    config = mlp_config(num_epochs=3, steps=5, **{"optimizer.warmup_steps": 40})
-    experiment = train.build_experiment(config)
-    assert experiment.total_steps == 66
-    assert train._epochs_note(config, experiment) == " (3 epochs of 22 steps)"
-    by_steps = mlp_config(steps=11)
-    assert train._epochs_note(by_steps, train.build_experiment(by_steps)) == (
-        " (0.5 epochs of 22 steps)"
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        ("not python at all (", "cannot be loaded: SyntaxError"),
+        ("import ml_collections\n", "cannot be loaded: AttributeError"),
+    ],
+)
+def test_a_broken_config_file_is_one_line(tmp_path, contents, message):
+    config_file = tmp_path / "broken.py"
+    config_file.write_text(contents)
+    result = run_module(f"--config={config_file}", f"--workdir={tmp_path}/w")
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "w").exists()
+
+
+def test_a_config_that_is_not_python_and_a_workdir_that_is_a_file_are_one_line(tmp_path):
+    (tmp_path / "config.yaml").write_text("steps: 3\n")
+    (tmp_path / "afile").write_text("")
+    for flags, message in [
+        ([f"--config={tmp_path}/config.yaml", f"--workdir={tmp_path}/w"], "expected a Python file"),
+        (["--config=experiments/mlp.py", f"--workdir={tmp_path}/afile"], "is a file"),
+    ]:
+        result = run_module(*flags)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_eval_of_an_empty_workdir_is_one_line_and_creates_nothing(tmp_path):
+    code, output = run_cli(tmp_path / "empty", "--mode=eval")
+    assert code != 0 and "No checkpoints in" in output and "Traceback" not in output
+    assert not (tmp_path / "empty").exists()
+
+
+# -- The run record and one run per workdir ------------------------------------------------------
+
+
+def test_a_second_run_on_a_workdir_is_refused_and_the_first_finishes(tmp_path):
+    first = start(tmp_path, "--config.checkpoint_every=10")
+    try:
+        wait_for_output(first, "step 10/")
+        code, output = run_cli(tmp_path, "--config.checkpoint_every=10")
+        assert code != 0
+        assert f"pid {first.pid}" in output and "one run per workdir" in output
+        assert "Traceback" not in output
+        first.send_signal(signal.SIGTERM)
+        rest, _ = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0, rest
+    saved = steps_on_disk(tmp_path)
+    assert saved and all(
+        os.path.exists(tmp_path / "checkpoints" / str(s) / "train_state") for s in saved
     )
-    assert float(experiment.learning_rate(40)) == pytest.approx(config.optimizer.learning_rate)
-    too_long_warmup = mlp_config(num_epochs=1, **{"optimizer.warmup_steps": 22})
-    with pytest.raises(ValueError, match=r"warmup_steps=22 must be in \[0, steps=22\)"):
-        train.build_experiment(too_long_warmup)
 
 
-def _imagefolder_config(tree, **overrides):
-    settings = {
-        "steps": 12,
-        "log_every": 4,
-        "eval_every": 12,
-        "check_every": 12,
-        "checkpoint_every": 4,
-        "batch_size": 16,
-        "eval_batch_size": 16,
-        "data.name": "imagefolder",
-        "data.dir": tree,
-        "data.image_size": 12,
-        "data.workers": 0,
-        "optimizer.warmup_steps": 2,
-    }
-    return mlp_config(**{**settings, **overrides})
+def test_config_json_is_written_first_and_a_changed_config_is_refused(tmp_path):
+    process = start(tmp_path)
+    wait_for_output(process, "Starting at step 0")
+    process.kill()  # Before any checkpoint: the record is there all the same.
+    process.wait()
+    recorded = json.loads((tmp_path / "config.json").read_text())["config"]
+    assert recorded["steps"] == 2000 and recorded["model"]["hidden_sizes"] == [32]
+
+    code, output = run_cli(tmp_path, "--config.optimizer.learning_rate=0.3", steps=2000)
+    assert code != 0 and "optimizer.learning_rate: 0.1 -> 0.3" in output, output
+    assert "Traceback" not in output
 
 
-def _records(workdir):
-    """The metrics of a run, without its timings."""
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return [{k: v for k, v in r.items() if k != "examples_per_s"} for r in records]
+# -- --mode=eval_follow beside a training run ------------------------------------------------------
 
 
-def test_an_imagefolder_and_its_arrayrecord_shards_train_to_identical_metrics(tmp_path):
-    tree = write_imagefolder(tmp_path / "tree", per_class=(12, 4))
-    shards = str(tmp_path / "shards")
-    prepare.convert(f"imagefolder:{tree}", shards, examples_per_shard=10)
-    folder_final = train.train_and_evaluate(_imagefolder_config(tree), str(tmp_path / "folder"))
-    shards_config = _imagefolder_config(shards, **{"data.name": "arrayrecord"})
-    shards_final = train.train_and_evaluate(shards_config, str(tmp_path / "shards_run"))
-    assert shards_final == folder_final
-    assert _records(tmp_path / "shards_run") == _records(tmp_path / "folder")
+def test_eval_follow_evaluates_every_checkpoint_beside_a_training_run(tmp_path):
+    trainer = start(tmp_path, "--config.checkpoint_every=20", "--config.max_to_keep=10", steps=80)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "haiku_state.train", f"--workdir={tmp_path}", *SMALL,
+         "--config.steps=80", "--config.checkpoint_every=20", "--mode=eval_follow"],
+        cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        trained_output, _ = trainer.communicate(timeout=240)
+        followed_output, _ = follower.communicate(timeout=240)
+    finally:
+        trainer.kill()
+        follower.kill()
+    assert trainer.returncode == 0, trained_output[-3000:]
+    assert follower.returncode == 0, followed_output[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    followed = sorted({r["step"] for r in records if r.get("separate")})
+    assert followed[-1] == 80 and set(followed) <= {20, 40, 60, 80}, followed
 
 
-def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_checkpoint(
-    tmp_path,
+# -- Signals at every phase ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "phase, needle",
+    [
+        ("start", "Starting at step 0"),  # Before any step: nothing to save.
+        ("mid_run_twice", "step 20/"),  # Two signals 150 ms apart.
+        ("final_save", "Saving checkpoint step 60 "),
+    ],
+)
+def test_a_signal_at_any_phase_ends_in_a_clean_exit_with_a_complete_checkpoint(
+    tmp_path, phase, needle
 ):
-    tree = write_imagefolder(tmp_path / "tree", per_class=(8, 2))
-    workdir = str(tmp_path / "run")
-    train.train_and_evaluate(_imagefolder_config(tree, steps=4), workdir)
-    checkpoints = os.path.join(workdir, "checkpoints")
-    before = {n: os.path.getmtime(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)}
-    # Overwrite one image in place: the file index (names and labels) stays the same.
-    split = data.load_dataset("imagefolder", data_dir=tree, image_size=12).train
-    path = split.records.describe(5)
-    with open(path, "wb") as f:
-        f.write(CORRUPTIONS["truncated"](np.random.default_rng(0)))
-    with pytest.raises(data.CorruptImageError) as error:
-        train.train_and_evaluate(_imagefolder_config(tree), workdir, allow_config_change=True)
-    # 24 examples in batches of 16: each step (an epoch) holds 16 of them.
-    split_order = order.batch_order(24, 16, 0)
-    holding = [s + 1 for s in range(12) if 5 in order.step_indices(split_order, s)]
-    first = next(s for s in holding if s > 4)
-    assert f"{path} (example 5) for step {first}:" in str(error.value)
-    after = {n: os.path.getmtime(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)}
-    assert after == before
-    skipping = _imagefolder_config(tree, **{"data.skip_corrupt": True})
-    train.train_and_evaluate(skipping, workdir, allow_config_change=True)
-    # Replaced at every step that holds it: once among the 16 examples of such a step.
-    logged = {
-        r["step"]: r["corrupt_fraction"] for r in _records(workdir) if "corrupt_fraction" in r
-    }
-    for end in (8, 12):
-        steps_holding = len([s for s in holding if end - 4 < s <= end])
-        assert logged[end] == pytest.approx(steps_holding / 4 / 16)
+    process = start(tmp_path, "--config.checkpoint_every=1000", steps=60)
+    wait_for_output(process, needle)
+    process.send_signal(signal.SIGINT if phase == "start" else signal.SIGTERM)
+    if phase == "mid_run_twice":
+        time.sleep(0.15)
+        process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    saved = steps_on_disk(tmp_path) if (tmp_path / "checkpoints").exists() else []
+    if phase == "final_save":
+        assert saved == [60]
+    elif phase == "mid_run_twice":
+        assert len(saved) == 1 and 20 <= saved[0] < 60
+    for step in saved:
+        assert (tmp_path / "checkpoints" / str(step) / "commit_success.txt").exists()

@@ -9,7 +9,17 @@ complete and sets damaged ones aside; `retention` decides which steps to keep;
 another run's params and state.
 """
 
+import os
+
+from etils import epath
+
+from haiku_state.checkpoint import layout
 from haiku_state.checkpoint.items import package_versions
 from haiku_state.checkpoint.manager import Checkpointer
 
-__all__ = ["Checkpointer", "package_versions"]
+__all__ = ["Checkpointer", "complete_steps", "package_versions"]
+
+
+def complete_steps(directory: str | os.PathLike) -> list[int]:
+    """The complete steps under a checkpoint directory, ascending, read without a Checkpointer."""
+    return layout.StepDirectories(epath.Path(directory)).complete_steps()

@@ -1,0 +1,398 @@
+"""The training run in one function: `train_and_evaluate(config, workdir)`.
+
+Read top to bottom, `train_and_evaluate` is the whole run: the set-up (every
+refusal comes before the workdir is touched), the resume, the loop with what
+it does besides training at its cadences, the evaluation. The loop itself is
+`haiku_state.loop` (with its logging and profiling actions), the step
+`Updater.update`, the save `Checkpointer.save`, and a diverging run is
+`haiku_state.divergence`'s. The run's own actions (check, evaluate, save) are
+defined below the function.
+
+A run in a workdir that holds checkpoints resumes from the latest complete one
+and continues exactly as an uninterrupted run would. SIGTERM or SIGINT at any
+moment ends in a checkpoint of the step reached and a clean exit.
+
+In a multi-process run every process calls the same functions with the same
+config and workdir: each loads its own slice of every global batch, only
+process 0 logs and writes metrics, and checkpoints are written once for all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from absl import logging
+
+from haiku_state import asserts, checkpoint, data, divergence, loop, summaries
+from haiku_state import workdir as workdir_lib
+from haiku_state.checkpoint.warm_start import warm_start
+from haiku_state.config import validate_config
+from haiku_state.evaluation import evaluate_test_split
+from haiku_state.experiment import (
+    AXIS_NAME,
+    Experiment,
+    build_experiment,
+    placeholder_batch,
+)
+from haiku_state.updater import TrainState, step_of
+
+
+def train_and_evaluate(
+    config: Any,
+    workdir: str,
+    *,
+    stop: loop.StopRequest | None = None,
+    allow_config_change: bool = False,
+) -> dict[str, float]:
+    """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval.
+
+    Args:
+      config: the experiment config.
+      workdir: the run's directory (`haiku_state.workdir`).
+      stop: the signal handler of the process (the command line installs one
+        first thing); None installs one for the duration of the call.
+      allow_config_change: resume even if `config` differs from the recorded
+        one in a key that changes the run (the change is recorded).
+
+    Returns:
+      The final evaluation, or {} when a signal stopped the run (after saving).
+    """
+    # Set-up: a bad config, workdir, dataset or warm start is refused here, before
+    # anything is written.
+    validate_config(config, jax.device_count(), jax.process_count())
+    workdir_lib.check_usable(workdir)
+    experiment = build_experiment(config)
+    first_state = _first_train_state(experiment, config, workdir)
+
+    with (
+        _stop_request(stop) as stop,
+        _owning(workdir, config, experiment, allow_config_change),
+        _checkpointer(config, workdir) as checkpointer,
+    ):
+        stop.agree_every = config.log_every  # Processes agree when they fetch metrics anyway.
+        train_state = _resume(first_state, experiment, config, checkpointer)
+        start_step = step_of(train_state)
+        with (
+            summaries.MetricWriter(
+                workdir,
+                experiment.total_steps,
+                enabled=jax.process_index() == 0,
+                resume_step=start_step,
+            ) as writer,
+            contextlib.closing(_train_batches(config, experiment, start_step)) as batches,
+            loop.Profiler(
+                config.profile_steps, os.path.join(workdir, "profile"), start_step
+            ) as profiler,
+        ):
+            monitor = divergence.Monitor(start_step)
+            window = loop.MetricWindow(start_step, monitor)
+            evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop)
+            saver = Saver(
+                checkpointer,
+                every_steps=config.checkpoint_every,
+                every_secs=config.checkpoint_every_secs,
+                agree_every=config.log_every,
+                window=window,
+                monitor=monitor,
+                evaluator=evaluator,
+                metadata=_run_metadata(config),
+            )
+            # In the order they run at a step: the metrics are logged before the
+            # evaluation, whose metrics rank the checkpoint saved after it.
+            actions = [
+                loop.PeriodicAction(
+                    config.log_every,
+                    loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size),
+                ),
+                loop.PeriodicAction(config.check_every, check_invariants),
+                loop.PeriodicAction(config.eval_every, evaluator),
+                saver,
+                profiler,
+            ]
+            with divergence.setting_aside_diverged(monitor, checkpointer):
+                end = loop.run(
+                    _step_fn(experiment, config.log_every),
+                    train_state,
+                    batches,
+                    first_step=start_step,
+                    last_step=experiment.total_steps,
+                    window=window,
+                    actions=actions,
+                    stop=stop,
+                )
+                if end.stopped and end.step > start_step:
+                    logging.warning(
+                        "%s received: saving step %d and stopping.",
+                        stop.signal_name or "A stop signal (on another process)",
+                        end.step,
+                    )
+                    saver.run(end.step, end.train_state)
+        checkpointer.wait_until_finished()
+
+        if end.stopped or stop.should_stop_now():
+            return {}
+        final = evaluator.metrics_at(end.step)
+        if final is None:
+            logging.info("Already trained to step %d; evaluating.", end.step)
+            final = evaluate_test_split(
+                experiment, end.train_state, config.eval_batch_size, stop=stop
+            )
+            if final is None:  # A signal interrupted it; the step is saved already.
+                return {}
+    if jax.process_index() == 0:
+        summaries.plot_curves(workdir)
+        print(
+            f"Final eval at step {end.step}: accuracy {final['accuracy']:.2%}, "
+            f"loss {final['loss']:.4f}",
+            flush=True,
+        )
+    return final
+
+
+# The set-up and the resume.
+
+
+def _stop_request(stop: loop.StopRequest | None) -> contextlib.AbstractContextManager:
+    """`stop` as it is (installed by the caller), or a StopRequest installed for the block."""
+    return contextlib.nullcontext(stop) if stop else loop.StopRequest()
+
+
+def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState:
+    """A fresh initialisation, or a warm start (`config.init_from`) for a workdir without
+    checkpoints. Runs before the workdir is touched, so a warm start that does not fit
+    the model is refused with nothing written."""
+    fresh = experiment.updater.init(
+        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
+    )
+    if not config.init_from or checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
+        return fresh
+    return warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+
+
+def _on_process_0(what: str, fn: Callable[[], Any]) -> None:
+    """Runs `fn` on process 0; if it raises, every process raises (none goes on alone)."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            fn()
+        except workdir_lib.WorkdirError as e:
+            error = e
+    if loop.any_process(error is not None):
+        raise error or workdir_lib.WorkdirError(f"{what} failed on process 0; see its log.")
+
+
+@contextlib.contextmanager
+def _owning(
+    workdir: str, config: Any, experiment: Experiment, allow_config_change: bool
+) -> Iterator[None]:
+    """This run holds the workdir's lock (process 0 takes it) and has recorded its config."""
+    with contextlib.ExitStack() as lock:
+        _on_process_0(
+            "Locking the workdir", lambda: lock.enter_context(workdir_lib.exclusive_lock(workdir))
+        )
+        _on_process_0(
+            "Recording the config",
+            lambda: workdir_lib.record_config(
+                workdir, config, allow_change=allow_config_change, data=_data_record(experiment)
+            ),
+        )
+        yield
+
+
+def _data_record(experiment: Experiment) -> dict[str, int]:
+    """What `config.json` records of the data as read, checked on resume."""
+    dataset = experiment.dataset
+    return {
+        "train_examples": data.num_examples(dataset.train),
+        "test_examples": data.num_examples(dataset.test),
+        "num_classes": dataset.num_classes,
+    }
+
+
+def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
+    return checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.max_to_keep,
+        keep_every_steps=config.keep_every_steps,
+        keep_best_by=config.keep_best_by,
+        keep_best_mode=config.keep_best_mode,
+    )
+
+
+def _resume(
+    first: TrainState, experiment: Experiment, config: Any, checkpointer: checkpoint.Checkpointer
+) -> TrainState:
+    """The latest complete checkpoint, else `first`; checked before training."""
+    train_state = checkpointer.restore(first)
+    how = "Resuming"
+    if train_state is None:
+        how = f"Starting from {config.init_from}" if config.init_from else "Starting"
+        train_state = first
+    logging.info(
+        "%s at step %d of %d%s on %d %s device(s) in %d process(es); workdir %s.",
+        how,
+        step_of(train_state),
+        experiment.total_steps,
+        _epochs_note(config, experiment),
+        jax.device_count(),
+        jax.default_backend(),
+        jax.process_count(),
+        os.path.dirname(checkpointer.directory),
+    )
+    # Also compiles the checks every save runs, before the first window's clock starts.
+    asserts.assert_train_state_invariants(train_state)
+    check_params_finite(train_state, step_of(train_state))
+    return train_state
+
+
+def _epochs_note(config: Any, experiment: Experiment) -> str:
+    """` (90 epochs of 1251 steps)`: the run's length in epochs of the training split.
+
+    Warns when `config.steps` covers less than an epoch of an image folder or
+    shards: the ImageNet recipe is given in epochs.
+    """
+    examples = data.num_examples(experiment.dataset.train)
+    per_epoch = data.steps_per_epoch(examples, config.batch_size)
+    if per_epoch < 1:
+        return ""
+    epochs = experiment.total_steps / per_epoch
+    encoded = experiment.dataset.name in data.ENCODED_DATASETS
+    if config.get("num_epochs") is None and epochs < 1 and encoded:
+        logging.warning(
+            "config.steps=%d covers %.3g of an epoch of %s (%d examples); set "
+            "--config.num_epochs to train on all of it (experiments/resnet50.py:imagenet "
+            "is the ImageNet recipe).",
+            experiment.total_steps,
+            epochs,
+            experiment.dataset.name,
+            examples,
+        )
+    return f" ({epochs:.4g} epochs of {per_epoch} steps)"
+
+
+def _run_metadata(config: Any) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it."""
+    return {
+        "config": config.to_dict(),
+        "local_device_count": jax.local_device_count(),
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "platform": jax.default_backend(),
+    }
+
+
+def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iterator[Any]:
+    """This process's device batches of the steps from `start_step` to the last."""
+    return data.sharded_train_batches(
+        experiment.dataset.train,
+        config.batch_size,
+        seed=config.seed,
+        start_step=start_step,
+        num_steps=max(0, experiment.total_steps - start_step),
+        process=data.ProcessSlice.current(),
+        options=experiment.input_options,
+    )
+
+
+def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
+    """The Updater's step, with the global norms on the steps that are logged."""
+    last_step = experiment.total_steps
+
+    def step_fn(train_state: TrainState, batch: Any, step: int):
+        logged = loop.every_and_last(step, log_every, last_step)
+        return experiment.updater.update(train_state, batch, with_norms=logged)
+
+    return step_fn
+
+
+# What the loop does besides training that is this run's own: check, evaluate, save.
+# (`loop.MetricLogger` and `loop.Profiler` log and profile.)
+
+
+def check_params_finite(train_state: TrainState, step: int) -> None:
+    """Raises FloatingPointError if any param is not finite."""
+    if not bool(asserts.all_finite(train_state.params)):
+        raise FloatingPointError(f"Non-finite params at step {step}.")
+
+
+def check_invariants(step: int, train_state: TrainState) -> None:
+    """Replicas identical, keys distinct."""
+    del step  # Unused.
+    asserts.assert_train_state_invariants(train_state)
+
+
+class Evaluator:
+    """Evaluates on the test split and writes the result; remembers the latest."""
+
+    def __init__(
+        self,
+        experiment: Experiment,
+        batch_size: int,
+        writer: summaries.MetricWriter,
+        stop: loop.StopRequest,
+    ):
+        self._experiment, self._batch_size = experiment, batch_size
+        self._writer, self._stop = writer, stop
+        self.latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
+
+    def __call__(self, step: int, train_state: TrainState) -> None:
+        metrics = evaluate_test_split(self._experiment, train_state, self._batch_size, self._stop)
+        if metrics is not None:  # None: a signal interrupted it.
+            self.latest = (step, metrics)
+            self._writer.write(step, "eval", metrics)
+
+    def metrics_at(self, step: int) -> dict[str, float] | None:
+        return self.latest[1] if self.latest and self.latest[0] == step else None
+
+
+class Saver:
+    """Saves a checkpoint of a whole train state, every `every_steps` steps and on a timer.
+
+    The timer (`every_secs`, 0: off) is read every `agree_every` steps, when the
+    processes of a multi-process run agree on it (its save is collective).
+    Before saving, the losses not yet logged, the replicas and the params are
+    checked: a checkpoint is only ever written of a state that is whole. The
+    divergence monitor is told of every save, and keeps the last good one while
+    the loss explodes.
+    """
+
+    def __init__(
+        self,
+        checkpointer: checkpoint.Checkpointer,
+        *,
+        every_steps: int,
+        every_secs: float,
+        agree_every: int,
+        window: loop.MetricWindow,
+        monitor: divergence.Monitor,
+        evaluator: Evaluator,
+        metadata: dict[str, Any],
+    ):
+        self._checkpointer = checkpointer
+        self._every_steps, self._every_secs = every_steps, every_secs
+        self._agree_every = agree_every
+        self._window, self._monitor = window, monitor
+        self._evaluator, self._metadata = evaluator, metadata
+        self._last_save_time = time.monotonic()
+
+    def is_due(self, step: int, last_step: int) -> bool:
+        if step % self._every_steps == 0 or step == last_step:
+            return True
+        if not self._every_secs or step % self._agree_every:
+            return False
+        return loop.any_process(time.monotonic() - self._last_save_time >= self._every_secs)
+
+    def run(self, step: int, train_state: TrainState) -> None:
+        self._window.check_finite()  # The losses since the last log.
+        self._monitor.protect_last_good(self._checkpointer)
+        asserts.assert_train_state_invariants(train_state)
+        check_params_finite(train_state, step)
+        metrics = self._evaluator.metrics_at(step)
+        if self._checkpointer.save(train_state, metadata=self._metadata, metrics=metrics):
+            self._monitor.record_save(step)
+        self._last_save_time = time.monotonic()

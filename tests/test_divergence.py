@@ -1,0 +1,168 @@
+"""Tests of haiku_state.divergence: the explosion test, the rule, the monitor, a diverging run."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+from configs import mlp_config, steps_on_disk
+
+from haiku_state import divergence, driver
+
+
+@pytest.mark.parametrize(
+    "loss, first_loss, exploding",
+    [
+        (math.nan, 1.0, True),
+        (math.inf, None, True),
+        (-math.inf, 1.0, True),
+        (1e9, None, False),  # No first loss yet: nothing to compare with.
+        (100.0, 1.0, False),  # Exactly the factor is not over it.
+        (100.5, 1.0, True),
+        (-250.0, 2.0, True),  # Compared by magnitude.
+        (0.5, 2.0, False),
+    ],
+)
+def test_a_loss_explodes_when_not_finite_or_over_the_factor_times_the_first(
+    loss, first_loss, exploding
+):
+    assert divergence.EXPLOSION_FACTOR == 100.0
+    assert divergence.is_exploding(loss, first_loss) is exploding
+
+
+def test_the_checkpoint_of_the_step_before_the_first_exploding_loss_holds_diverged_params():
+    # The loss of step 17 is computed with the params saved as step 16.
+    assert divergence.holds_diverged_params(16, first_exploding_step=17)
+    assert divergence.holds_diverged_params(18, first_exploding_step=17)
+    assert not divergence.holds_diverged_params(15, first_exploding_step=17)
+
+
+def _losses(*pairs):
+    return [(step, {"loss": np.float32(loss), "accuracy": np.float32(0.5)}) for step, loss in pairs]
+
+
+def test_the_monitor_keeps_the_last_good_step_and_sets_aside_the_rest_of_its_saves():
+    monitor = divergence.Monitor(resumed_step=10)
+    for step in (12, 14, 16, 18):
+        monitor.record_save(step)
+    monitor.observe(_losses((11, 2.0), (12, 3.0), (13, 150.0)))
+    assert monitor.first_exploding_step is None
+    assert (monitor.last_good_step(), monitor.diverged_steps()) == (18, [])
+    monitor.observe(_losses((17, 201.0), (18, 5.0), (19, 1e6)))  # 201 > 100 x 2.
+    assert monitor.first_exploding_step == 17
+    assert monitor.last_good_step() == 14
+    assert monitor.diverged_steps() == [16, 18]
+
+
+def test_the_monitor_never_sets_aside_the_step_it_resumed_from():
+    monitor = divergence.Monitor(resumed_step=10)
+    monitor.record_save(12)
+    with pytest.raises(FloatingPointError, match="Non-finite loss nan at step 11"):
+        monitor.observe(_losses((11, math.nan), (12, 1.0)))
+    assert monitor.first_exploding_step == 11
+    assert monitor.last_good_step() is None  # Step 10's params gave the non-finite loss...
+    assert monitor.diverged_steps() == [12]  # ... but it was there before this run.
+
+
+def test_the_first_loss_is_the_first_finite_one():
+    monitor = divergence.Monitor(resumed_step=0)
+    with pytest.raises(FloatingPointError, match="at step 1"):
+        monitor.observe(_losses((1, math.inf), (2, 1.0)))
+    monitor = divergence.Monitor(resumed_step=0)
+    monitor.observe(_losses((2, 1.0), (3, 99.0)))
+    assert monitor.first_exploding_step is None
+
+
+class _Checkpointer:
+    """What the divergence module asks of a Checkpointer, recorded."""
+
+    def __init__(self, on_disk):
+        self.on_disk, self.protected, self.moved = list(on_disk), [], []
+
+    def protect(self, step):
+        self.protected.append(step)
+
+    def set_aside(self, step, reason):
+        self.on_disk.remove(step)
+        self.moved.append((step, reason))
+        return f"checkpoints/{step}.{reason}-now"
+
+    def wait_until_finished(self):
+        pass
+
+    def latest_step(self):
+        return max(self.on_disk, default=None)
+
+
+def test_the_last_good_step_is_protected_only_while_the_loss_explodes():
+    monitor = divergence.Monitor(resumed_step=0)
+    checkpointer = _Checkpointer([2, 4])
+    for step in (2, 4):
+        monitor.record_save(step)
+    monitor.observe(_losses((1, 1.0), (4, 2.0)))
+    monitor.protect_last_good(checkpointer)
+    assert checkpointer.protected == []
+    monitor.observe(_losses((5, 500.0)))
+    monitor.protect_last_good(checkpointer)
+    assert checkpointer.protected == [2]
+
+
+def test_a_non_finite_loss_sets_aside_the_diverged_saves_and_names_the_resume_step():
+    monitor = divergence.Monitor(resumed_step=0)
+    checkpointer = _Checkpointer([2, 4, 6])
+    for step in (2, 4, 6):
+        monitor.record_save(step)
+    with pytest.raises(FloatingPointError) as error:
+        with divergence.setting_aside_diverged(monitor, checkpointer):
+            monitor.observe(_losses((1, 1.0), (5, 500.0), (7, math.nan)))
+    assert checkpointer.moved == [(4, "diverged"), (6, "diverged")]
+    message = str(error.value)
+    assert message.startswith("Non-finite loss nan at step 7. Stopping.")
+    assert "first exploded at step 5 (over 100x the run's first loss, or not finite)" in message
+    assert "moved aside: ['checkpoints/4.diverged-now', 'checkpoints/6.diverged-now']" in message
+    assert message.endswith("A rerun resumes from step 2.")
+    with pytest.raises(KeyError), divergence.setting_aside_diverged(monitor, checkpointer):
+        raise KeyError("not a divergence")
+    assert checkpointer.on_disk == [2]
+
+
+# -- A diverging run, end to end -------------------------------------------------------------------
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path):
+    workdir = str(tmp_path / "diverge")
+    driver.train_and_evaluate(mlp_config(steps=15), workdir)
+    checkpoint_dir = os.path.join(workdir, "checkpoints")
+    before = {
+        name: os.path.getmtime(os.path.join(checkpoint_dir, name))
+        for name in os.listdir(checkpoint_dir)
+    }
+    # Resume with an absurd learning rate: the loss overflows within a few steps.
+    exploding = mlp_config(
+        steps=45, **{"optimizer.learning_rate": 1e30, "optimizer.schedule": "constant"}
+    )
+    with pytest.raises(FloatingPointError, match=r"Non-finite (loss|params) .* at step \d+"):
+        driver.train_and_evaluate(exploding, workdir, allow_config_change=True)
+    after = {
+        name: os.path.getmtime(os.path.join(checkpoint_dir, name))
+        for name in os.listdir(checkpoint_dir)
+    }
+    assert after == before
+
+
+def test_divergence_sets_aside_exploded_checkpoints_and_names_the_resume_step(tmp_path):
+    driver.train_and_evaluate(mlp_config(steps=10, checkpoint_every=10), str(tmp_path))
+    exploding = mlp_config(
+        steps=200, checkpoint_every=2, log_every=4,
+        **{"optimizer.learning_rate": 300.0, "optimizer.schedule": "constant"},
+    )  # fmt: skip
+    with pytest.raises(FloatingPointError, match=r"Non-finite loss .* at step \d+") as error:
+        driver.train_and_evaluate(exploding, str(tmp_path), allow_config_change=True)
+    message = str(error.value)
+    resume = int(message.rsplit("A rerun resumes from step ", 1)[1].rstrip("."))
+    first = int(message.split("first exploded at step ")[1].split()[0])
+    assert resume == steps_on_disk(tmp_path)[-1] and resume < first - 1
+    aside = [n for n in os.listdir(tmp_path / "checkpoints") if ".diverged-" in n]
+    assert all(int(n.split(".")[0]) >= first - 1 for n in aside)

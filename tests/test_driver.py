@@ -1,0 +1,312 @@
+"""End-to-end tests of `driver.train_and_evaluate` on the `mlp` experiment (4 simulated devices).
+
+In-process runs of a small `mlp`: what a run writes, resumes, refuses and
+records, its warm start, profile and checkpoint timer. The command line around
+it is `test_train.py`'s; a diverging run is `test_divergence.py`'s.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from configs import mlp_config, steps_on_disk
+from image_trees import CORRUPTIONS, write_imagefolder
+
+from haiku_state import data, driver, evaluation, loop, prepare, summaries, train
+from haiku_state.checkpoint import Checkpointer
+from haiku_state.checkpoint.diagnostics import leaf_name
+from haiku_state.data import order
+from haiku_state.experiment import build_experiment
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("mlp"))
+    final = driver.train_and_evaluate(mlp_config(), workdir)
+    return workdir, final
+
+
+def test_run_writes_metrics_tensorboard_curves_and_checkpoints(finished_run):
+    workdir, final = finished_run
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    train_records = [r for r in records if r["split"] == "train"]
+    eval_records = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train_records] == [10, 20, 30]
+    assert [r["step"] for r in eval_records] == [30]
+    for record in train_records:
+        assert {"loss", "accuracy", "examples_per_s", "learning_rate"} <= set(record)
+        assert record["examples_per_s"] > 0
+    assert set(eval_records[0]) == {"step", "split", "loss", "accuracy"}
+    assert eval_records[0]["accuracy"] == pytest.approx(final["accuracy"])
+    # Better than chance (10%) after 30 steps of a working setup.
+    assert final["accuracy"] > 0.5
+    assert any(
+        name.startswith("events.out.tfevents")
+        for name in os.listdir(os.path.join(workdir, "tensorboard"))
+    )
+    assert os.path.getsize(os.path.join(workdir, summaries.CURVES_FILE)) > 0
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["15", "30"]
+
+
+def test_rerun_of_finished_run_evaluates_without_training(finished_run):
+    workdir, final = finished_run
+    again = driver.train_and_evaluate(mlp_config(), workdir)
+    assert again == pytest.approx(final)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["15", "30"]
+
+
+def test_eval_mode_matches_final_eval(finished_run):
+    workdir, final = finished_run
+    assert evaluation.evaluate_checkpoint(mlp_config(), workdir) == pytest.approx(final)
+
+
+def test_the_command_line_module_re_exports_train_and_evaluate():
+    assert train.train_and_evaluate is driver.train_and_evaluate
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"batch_size": 63}, r"config.batch_size=63 is not divisible by the 4 local devices"),
+        ({"steps": 0}, r"config.steps=0 must be a positive integer"),
+        ({"optimizer.name": "rmsprop"}, r"Unknown config.optimizer.name 'rmsprop'.*sgd"),
+        ({"data.name": "imagenet"}, r"Unknown config.data.name 'imagenet'.*digits"),
+        ({"model.name": "vit"}, r"Unknown config.model.name 'vit'.*resnet"),
+        ({"optimizer.warmup_steps": 30}, r"warmup_steps=30 must be in \[0, steps=30\)"),
+        ({"model.widht": 3}, r"Model 'mlp' does not take \['widht'\]"),
+        # NaN compares false with every bound: each is refused by name all the same.
+        ({"optimizer.learning_rate": float("nan")}, r"config.optimizer.learning_rate=nan must"),
+        ({"optimizer.learning_rate": float("inf")}, r"config.optimizer.learning_rate=inf must"),
+        ({"optimizer.weight_decay": float("nan")}, r"config.optimizer.weight_decay=nan must"),
+        ({"optimizer.weight_decay": -1e-4}, r"config.optimizer.weight_decay=-0.0001 must be in"),
+        ({"seed": -1}, r"config.seed=-1 must be in \[0, 4294967296\)"),
+        ({"model.dropout_rate": 1.0}, r"config.model.dropout_rate=1.0 must be in \[0.0, 1.0\)"),
+        ({"profile_steps": (5, 2)}, r"config.profile_steps=\(5, 2\) must be"),
+        ({"keep_best_mode": "best"}, r"Unknown config.keep_best_mode 'best'"),
+        ({"init_skip": "("}, r"config.init_skip='\(' is not a regex"),
+        ({"num_epochs": 0}, r"config.num_epochs=0 must be a positive integer"),
+        ({"batch_size": 2048}, r"batch_size=2048 is larger than the 1437 training examples"),
+        ({"data.workers": -1}, r"config.data.workers=-1 must be >= 0"),
+        ({"data.image_size": 32}, r"digits images are 8x8 and are not resized"),
+        ({"data.name": "imagefolder"}, r"imagefolder needs data.image_size"),
+        (
+            {"data.name": "imagefolder", "data.image_size": 16},
+            r"data.name='imagefolder' needs data.dir",
+        ),
+        (
+            {"data.name": "imagefolder", "data.image_size": 16, "data.dir": "/no/such/tree"},
+            r"ImageFolder data.dir '/no/such/tree' is not a directory",
+        ),
+        (
+            {"data.name": "arrayrecord", "data.image_size": 16, "data.dir": "/no/such/shards"},
+            r"ArrayRecord data.dir '/no/such/shards' is not a directory",
+        ),
+    ],
+)
+def test_bad_config_is_refused_before_anything_is_written(tmp_path, overrides, message):
+    workdir = tmp_path / "never_created"
+    with pytest.raises(ValueError, match=message):
+        driver.train_and_evaluate(mlp_config(**overrides), str(workdir))
+    assert not workdir.exists()
+
+
+def test_num_epochs_gives_the_steps_of_that_many_epochs_of_the_training_split():
+    # 1,437 training digits in batches of 64: 22 steps per epoch.
+    config = mlp_config(num_epochs=3, steps=5, **{"optimizer.warmup_steps": 40})
+    experiment = build_experiment(config)
+    assert experiment.total_steps == 66
+    assert driver._epochs_note(config, experiment) == " (3 epochs of 22 steps)"
+    by_steps = mlp_config(steps=11)
+    assert driver._epochs_note(by_steps, build_experiment(by_steps)) == (
+        " (0.5 epochs of 22 steps)"
+    )
+    assert float(experiment.learning_rate(40)) == pytest.approx(config.optimizer.learning_rate)
+    too_long_warmup = mlp_config(num_epochs=1, **{"optimizer.warmup_steps": 22})
+    with pytest.raises(ValueError, match=r"warmup_steps=22 must be in \[0, steps=22\)"):
+        build_experiment(too_long_warmup)
+
+
+def test_allow_config_change_continues_and_records_the_change(tmp_path):
+    driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path))
+    with pytest.raises(ValueError, match=r"steps: 30 -> 40"):
+        driver.train_and_evaluate(mlp_config(checkpoint_every=10, steps=40), str(tmp_path))
+    final = driver.train_and_evaluate(
+        mlp_config(checkpoint_every=10, steps=40), str(tmp_path), allow_config_change=True
+    )
+    assert final["accuracy"] > 0.5
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["config"]["steps"] == 40 and "steps: 30 -> 40" in record["changes"][0]["changes"]
+    # Cadence and retention may change freely.
+    driver.train_and_evaluate(
+        mlp_config(checkpoint_every=10, steps=40, log_every=5, max_to_keep=1), str(tmp_path)
+    )
+
+
+def test_init_from_loads_params_and_state_except_the_skipped_head(
+    finished_run, tmp_path, monkeypatch
+):
+    source, _ = finished_run
+    with Checkpointer(os.path.join(source, "checkpoints"), read_only=True) as reader:
+        saved = reader.read_trees(30)
+    saved_params = {
+        leaf_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(saved["params"])
+    }
+
+    with pytest.raises(ValueError, match=r"params/mlp/linear/w: checkpoint \(64, 32\).* vs model"):
+        driver.train_and_evaluate(
+            mlp_config(
+                checkpoint_every=10, steps=10, **{"model.hidden_sizes": (16,), "init_from": source}
+            ),
+            str(tmp_path / "wider"),
+        )
+    assert not (tmp_path / "wider").exists()  # Refused before anything was written.
+
+    config = mlp_config(checkpoint_every=10, steps=10, init_skip="linear_1",
+                        init_from=os.path.join(source, "checkpoints", "30"))  # fmt: skip
+    captured = {}
+    original = driver.warm_start
+
+    def capture(*args, **kwargs):
+        state = original(*args, **kwargs)  # Donated to the first step: keep host copies.
+        captured["params"], captured["step"] = jax.device_get((state.params, state.step))
+        return state
+
+    monkeypatch.setattr(driver, "warm_start", capture)
+    driver.train_and_evaluate(config, str(tmp_path / "warm"))
+    assert int(captured["step"][0]) == 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(captured["params"]):
+        name = leaf_name(path)
+        same = np.array_equal(np.asarray(leaf)[0], saved_params[name])
+        assert same == ("linear_1" not in name), name
+    with open(tmp_path / "warm" / "metrics.jsonl") as f:
+        assert json.loads(f.readline())["step"] == 10  # A fresh run of its own.
+
+
+def test_train_metrics_hold_the_norms_and_a_profile_is_written(tmp_path):
+    config = mlp_config(checkpoint_every=10, steps=20, profile_steps=(5, 8))
+    driver.train_and_evaluate(config, str(tmp_path))
+    records = [r for r in summaries.read_metrics(str(tmp_path)) if r["split"] == "train"]
+    for record in records:
+        assert record["l2_grads"] > 0 and record["l2_params"] > 0 and record["l2_updates"] > 0
+    assert glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)
+
+
+def test_interrupted_logs_are_superseded_on_resume_and_a_cut_line_tolerated(tmp_path):
+    driver.train_and_evaluate(mlp_config(steps=20, checkpoint_every=10), str(tmp_path))
+    path = tmp_path / "metrics.jsonl"
+    os.rename(tmp_path / "checkpoints" / "20", tmp_path / "elsewhere")  # As if killed at 19.
+    with open(path, "a") as f:
+        f.write('{"step": 25, "split": "tr')  # Cut mid-write.
+    driver.train_and_evaluate(mlp_config(steps=20, checkpoint_every=10), str(tmp_path))
+    records = [json.loads(line) for line in open(path)]
+    superseded = [(r["split"], r["step"]) for r in records if r.get("superseded")]
+    assert ("train", 20) in superseded and ("eval", 20) in superseded
+    current = summaries.read_metrics(str(tmp_path))
+    keys = [(r["split"], r["step"]) for r in current]
+    assert keys == sorted(set(keys)) and ("train", 20) in keys
+
+
+def test_checkpoints_are_also_saved_on_a_timer_at_log_boundaries(tmp_path):
+    config = mlp_config(
+        steps=30, checkpoint_every=1000, checkpoint_every_secs=1e-6, max_to_keep=None
+    )
+    driver.train_and_evaluate(config, str(tmp_path))
+    assert steps_on_disk(tmp_path) == [10, 20, 30]
+
+
+class _StopAfterChecks(loop.StopRequest):
+    """A stop request that a signal reaches after its first `checks` checks."""
+
+    def __init__(self, checks: int):
+        super().__init__()
+        self.checks = checks
+
+    def should_stop_now(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0
+
+
+def test_the_evaluation_of_an_already_trained_run_stops_on_a_signal(tmp_path):
+    driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path))
+    # The first check is before the evaluation; the signal comes during it.
+    stop = _StopAfterChecks(1)
+    assert (
+        driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path), stop=stop) == {}
+    )
+
+
+# -- Image folders and shards ----------------------------------------------------------------------
+
+
+def _imagefolder_config(tree, **overrides):
+    settings = {
+        "steps": 12,
+        "log_every": 4,
+        "eval_every": 12,
+        "check_every": 12,
+        "checkpoint_every": 4,
+        "batch_size": 16,
+        "eval_batch_size": 16,
+        "data.name": "imagefolder",
+        "data.dir": tree,
+        "data.image_size": 12,
+        "data.workers": 0,
+        "optimizer.warmup_steps": 2,
+    }
+    return mlp_config(**{**settings, **overrides})
+
+
+def _records(workdir):
+    """The metrics of a run, without its timings."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k != "examples_per_s"} for r in records]
+
+
+def test_an_imagefolder_and_its_arrayrecord_shards_train_to_identical_metrics(tmp_path):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(12, 4))
+    shards = str(tmp_path / "shards")
+    prepare.convert(f"imagefolder:{tree}", shards, examples_per_shard=10)
+    folder_final = driver.train_and_evaluate(_imagefolder_config(tree), str(tmp_path / "folder"))
+    shards_config = _imagefolder_config(shards, **{"data.name": "arrayrecord"})
+    shards_final = driver.train_and_evaluate(shards_config, str(tmp_path / "shards_run"))
+    assert shards_final == folder_final
+    assert _records(tmp_path / "shards_run") == _records(tmp_path / "folder")
+
+
+def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_checkpoint(
+    tmp_path,
+):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(8, 2))
+    workdir = str(tmp_path / "run")
+    driver.train_and_evaluate(_imagefolder_config(tree, steps=4), workdir)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    before = {n: os.path.getmtime(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)}
+    # Overwrite one image in place: the file index (names and labels) stays the same.
+    split = data.load_dataset("imagefolder", data_dir=tree, image_size=12).train
+    path = split.records.describe(5)
+    with open(path, "wb") as f:
+        f.write(CORRUPTIONS["truncated"](np.random.default_rng(0)))
+    with pytest.raises(data.CorruptImageError) as error:
+        driver.train_and_evaluate(_imagefolder_config(tree), workdir, allow_config_change=True)
+    # 24 examples in batches of 16: each step (an epoch) holds 16 of them.
+    split_order = order.batch_order(24, 16, 0)
+    holding = [s + 1 for s in range(12) if 5 in order.step_indices(split_order, s)]
+    first = next(s for s in holding if s > 4)
+    assert f"{path} (example 5) for step {first}:" in str(error.value)
+    after = {n: os.path.getmtime(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)}
+    assert after == before
+    skipping = _imagefolder_config(tree, **{"data.skip_corrupt": True})
+    driver.train_and_evaluate(skipping, workdir, allow_config_change=True)
+    # Replaced at every step that holds it: once among the 16 examples of such a step.
+    logged = {
+        r["step"]: r["corrupt_fraction"] for r in _records(workdir) if "corrupt_fraction" in r
+    }
+    for end in (8, 12):
+        steps_holding = len([s for s in holding if end - 4 < s <= end])
+        assert logged[end] == pytest.approx(steps_holding / 4 / 16)

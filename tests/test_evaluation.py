@@ -1,0 +1,58 @@
+"""Tests of haiku_state.evaluation: `--mode=eval` of a chosen step, stopping between batches.
+
+`--mode=eval_follow` beside a training run is a test of the command line
+(`test_train.py`); the final evaluation of a run is `test_driver.py`'s.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+from configs import mlp_config
+
+from haiku_state import checkpoint, driver, evaluation, loop
+from haiku_state.experiment import build_experiment, placeholder_batch
+
+
+def _config():
+    """Every 10 steps a checkpoint and an evaluation, all kept; the best one by accuracy."""
+    return mlp_config(checkpoint_every=10, max_to_keep=None, keep_best_by="accuracy", eval_every=10)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("trained"))
+    final = driver.train_and_evaluate(_config(), workdir)
+    return workdir, final
+
+
+def test_eval_mode_records_a_separate_evaluation_of_the_chosen_step(trained):
+    workdir, final = trained
+    config = _config()
+    assert evaluation.evaluate_checkpoint(config, workdir) == pytest.approx(final)
+    at_10 = evaluation.evaluate_checkpoint(config, workdir, step=10)
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    separate = [r for r in records if r.get("separate")]
+    assert [(r["split"], r["step"]) for r in separate] == [("eval", 30), ("eval", 10)]
+    assert separate[1]["accuracy"] == pytest.approx(at_10["accuracy"])
+    assert glob.glob(os.path.join(workdir, "tensorboard", "eval", "events.out.tfevents*"))
+    best = evaluation.evaluate_checkpoint(config, workdir, step="best")
+    accuracies = {r["step"]: r["accuracy"] for r in records if r["split"] == "eval"
+                  and not r.get("separate")}  # fmt: skip
+    assert best["accuracy"] == pytest.approx(max(accuracies.values()))
+
+
+def test_a_stop_request_interrupts_an_evaluation_between_batches(trained):
+    workdir, _ = trained
+    experiment = build_experiment(mlp_config())
+    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as reader:
+        like = experiment.updater.init(0, placeholder_batch(experiment.dataset, 64))
+        train_state = reader.restore(like)
+    stop = loop.StopRequest()
+    args = (experiment.updater, train_state, experiment.dataset.test, 64)
+    assert evaluation.evaluate_split(*args, stop=stop) is not None
+    stop.signal_name = "SIGTERM"
+    assert evaluation.evaluate_split(*args, stop=stop) is None
