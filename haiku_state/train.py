@@ -22,11 +22,9 @@ from typing import Any
 
 import jax
 from absl import logging
-from etils import epath
 
 from haiku_state import actions, asserts, checkpoint, data, loop, summaries
 from haiku_state import workdir as workdir_lib
-from haiku_state.checkpoint import layout
 from haiku_state.checkpoint.warm_start import warm_start
 from haiku_state.config import validate_config
 from haiku_state.evaluation import evaluate_test_split
@@ -90,8 +88,7 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     fresh = experiment.updater.init(
         config.seed, placeholder_batch(experiment.dataset, config.batch_size)
     )
-    checkpoints = layout.StepDirectories(epath.Path(workdir) / "checkpoints")
-    if not config.init_from or checkpoints.complete_steps():
+    if not config.init_from or checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
         return fresh
     return warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
 

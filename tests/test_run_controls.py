@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from haiku_state import checkpoint, evaluation, loop, summaries, train
-from haiku_state.checkpoint.diagnostics import leaf_name
+from haiku_state.checkpoint.format import leaf_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = (
