@@ -30,7 +30,6 @@ from absl import logging
 
 from haiku_state import asserts, checkpoint, data, divergence, loop, summaries
 from haiku_state import workdir as workdir_lib
-from haiku_state.checkpoint.warm_start import warm_start
 from haiku_state.config import validate_config
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import (
@@ -171,7 +170,7 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     )
     if not config.init_from or checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
         return fresh
-    return warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+    return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
 
 
 def _on_process_0(what: str, fn: Callable[[], Any]) -> None:

@@ -19,7 +19,7 @@ from image_trees import CORRUPTIONS, write_imagefolder
 
 from haiku_state import data, driver, evaluation, loop, prepare, summaries, train
 from haiku_state.checkpoint import Checkpointer
-from haiku_state.checkpoint.diagnostics import leaf_name
+from haiku_state.checkpoint.format import leaf_name
 from haiku_state.data import order
 from haiku_state.experiment import build_experiment
 

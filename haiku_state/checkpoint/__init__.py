@@ -1,25 +1,36 @@
 """Orbax checkpoints of the whole `TrainState`, with exact resume.
 
-`manager` holds the `Checkpointer`, the one object callers use. Behind it, by
-job: `encoding` turns a replicated `TrainState` into what is written and back;
-`items` is what a step directory holds and reading it back; `writer` writes one
-step at a time in the background; `layout` knows which step directories are
-complete and sets damaged ones aside; `retention` decides which steps to keep;
-`diagnostics` says where a checkpoint does not fit a model; `warm_start` loads
-another run's params and state.
+By job:
+
+* `checkpointer`: the `Checkpointer`, the one door the rest of the library
+  uses: saves written in its own background thread, restores that fall back
+  over damaged steps, and the step directories (complete ones, setting one
+  aside). `complete_steps` lists a directory's steps without touching it.
+* `format`: the on-disk format and its `FORMAT_VERSION`: what a step holds,
+  a `TrainState` encoded and read back, checksums, where a checkpoint does not
+  fit a model. A step of a version not in `READABLE_FORMAT_VERSIONS` is refused
+  with `UnsupportedFormatError` and left where it is.
+* `retention`: which steps to keep: the newest, milestones, the best.
+* `warm_start`: a fresh run's params and state from another run's checkpoint.
+  (`haiku_state.checkpoint.warm_start` is the function; its module's other
+  names are imported as `from haiku_state.checkpoint.warm_start import locate`.)
 """
 
-import os
+from haiku_state.checkpoint.checkpointer import Checkpointer, complete_steps
+from haiku_state.checkpoint.format import (
+    FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
+    UnsupportedFormatError,
+    package_versions,
+)
+from haiku_state.checkpoint.warm_start import warm_start
 
-from etils import epath
-
-from haiku_state.checkpoint import layout
-from haiku_state.checkpoint.items import package_versions
-from haiku_state.checkpoint.manager import Checkpointer
-
-__all__ = ["Checkpointer", "complete_steps", "package_versions"]
-
-
-def complete_steps(directory: str | os.PathLike) -> list[int]:
-    """The complete steps under a checkpoint directory, ascending, read without a Checkpointer."""
-    return layout.StepDirectories(epath.Path(directory)).complete_steps()
+__all__ = [
+    "FORMAT_VERSION",
+    "READABLE_FORMAT_VERSIONS",
+    "Checkpointer",
+    "UnsupportedFormatError",
+    "complete_steps",
+    "package_versions",
+    "warm_start",
+]

@@ -1,8 +1,9 @@
 """Which checkpoints to keep: the newest, milestones, and the best by an eval metric.
 
-An Orbax preservation policy. Only countable steps (complete on disk, or the one
-being saved) take part: a step that is not countable is always preserved, the
-user's to inspect or remove, and never takes the place of a good one.
+An Orbax preservation policy. Only countable steps (the one being saved, or
+complete on disk in a format version this code reads) take part: a step that
+is not countable is always preserved, the user's to inspect or remove, and
+never takes the place of a good one.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from haiku_state.checkpoint import layout
+from haiku_state.checkpoint import format
 
 Metrics = Mapping[str, float]
 
@@ -20,8 +21,10 @@ class Retention:
 
     Args:
       max_to_keep: the newest countable steps to keep; None keeps all.
-      steps: the step directories on disk.
-      read_metrics: the eval metrics recorded with a step, or None (read once per step).
+      is_complete: whether a step's directory is complete on disk.
+      read_metrics: the eval metrics recorded with a step, or None (read once per
+        step); raises `format.UnsupportedFormatError` for a step of a format
+        version this code does not read, which then never counts.
       keep_every_steps: steps divisible by this are milestones, kept forever; 0: none.
       keep_best_by: the eval metric that ranks steps; "": none.
       keep_best_mode: "max" or "min": which end of the ranking is best.
@@ -30,7 +33,7 @@ class Retention:
     def __init__(
         self,
         max_to_keep: int | None,
-        steps: layout.StepDirectories,
+        is_complete: Callable[[int], bool],
         read_metrics: Callable[[int], Metrics | None],
         *,
         keep_every_steps: int = 0,
@@ -45,16 +48,23 @@ class Retention:
         self.keep_best_mode = keep_best_mode
         self.saving_step: int | None = None  # Counts while it is written.
         self.protected: set[int] = set()  # Kept whatever the policy says (this process only).
-        self._steps = steps
+        self._is_complete = is_complete
         self._read_metrics = read_metrics
         self._metrics: dict[int, Metrics | None] = {}
+        self._unsupported: set[int] = set()  # Steps of a format version this code does not read.
 
     def record(self, step: int, metrics: Metrics | None) -> None:
         """The eval metrics of a step being saved, so they need not be read back."""
         self._metrics[step] = metrics
+        self._unsupported.discard(step)
 
     def is_countable(self, step: int) -> bool:
-        return step == self.saving_step or self._steps.is_complete(step)
+        if step == self.saving_step:
+            return True
+        if not self._is_complete(step):
+            return False
+        self._metric_of(step)  # Reads the step's format version once.
+        return step not in self._unsupported
 
     def steps_to_keep(self, steps: Sequence[int]) -> set[int]:
         """The countable `steps` this policy keeps."""
@@ -89,6 +99,9 @@ class Retention:
         if step not in self._metrics:
             try:
                 self._metrics[step] = self._read_metrics(step)
+            except format.UnsupportedFormatError:
+                self._metrics[step] = None
+                self._unsupported.add(step)
             except Exception:  # An unreadable metadata item ranks nowhere.
                 self._metrics[step] = None
         return self._metrics[step]

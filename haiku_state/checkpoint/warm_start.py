@@ -5,7 +5,9 @@ optimizer starts afresh). Leaves whose name matches `skip` keep their fresh
 initialisation, e.g. `skip="logits"` for a classifier head of another class
 count; every other difference between the checkpoint and the model is refused
 by name. Names are `<tree>/<haiku path>`, e.g. `params/logits/w` or
-`state/stem_bn/~/mean_ema/average`, matched with `re.search`.
+`state/stem_bn/~/mean_ema/average`, matched with `re.search`. The checkpoint is
+read through a read-only `Checkpointer`, so its format version and checksums are
+checked as a resume checks them.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import jax
 from absl import logging
 
 from haiku_state import replication
-from haiku_state.checkpoint.diagnostics import leaf_name
-from haiku_state.checkpoint.manager import Checkpointer
+from haiku_state.checkpoint.checkpointer import Checkpointer
+from haiku_state.checkpoint.format import leaf_name
 from haiku_state.updater import TrainState
 
 WARM_STARTED_TREES = ("params", "state")
@@ -75,6 +77,8 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
 
     Raises:
       FileNotFoundError: if `path` holds no complete checkpoint.
+      checkpoint.UnsupportedFormatError: if the step is of a format version this
+        code does not read (a directory's newest step: no fallback past it).
       ValueError: naming every leaf that differs and is not skipped; nothing is loaded.
     """
     directory, step = locate(path)

@@ -1,0 +1,357 @@
+"""Tests of haiku_state.checkpoint.format: what a step holds and its version, exact round
+trips, checksums, shape mismatches and device-count changes."""
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import zlib
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from checkpoint_helpers import (
+    NUM_DEVICES,
+    Setup,
+    assert_bit_identical,
+    at_step,
+    host_copy,
+    listing,
+    make_setup,
+    make_updater,
+    read_step_item,
+    remove_format_version,
+    save_steps,
+    set_format_version,
+    step_dirs,
+    write_step_item,
+)
+
+import haiku_state as hs
+from haiku_state import checkpoint, losses, models
+from haiku_state.checkpoint import Checkpointer, package_versions
+from haiku_state.updater import LossScaledOptState, per_device_keys
+
+# A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
+# they surface as unraisable exceptions whenever garbage collection runs, in any later test.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    return make_setup()
+
+
+# What a step holds.
+
+
+def test_round_trip_is_bit_identical_and_the_step_matches_the_format(setup, tmp_path):
+    train_state = setup.train(setup.init(), setup.batches[:2])
+    expected = host_copy(train_state)
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory) as checkpointer:
+        assert checkpointer.save(train_state, metadata={"config": {"model": "mlp", "width": 16}})
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(setup.init(seed=1))
+        assert checkpointer.latest_step() == 2
+        assert checkpointer.all_steps() == [2]
+        metadata = checkpointer.metadata()
+
+    assert_bit_identical(restored, expected)
+    for leaf, like_leaf in zip(
+        jax.tree.leaves(restored), jax.tree.leaves(train_state), strict=True
+    ):
+        assert leaf.sharding == like_leaf.sharding  # Ready for the pmapped step as it is.
+
+    step_dir = directory / "2"
+    assert {p.name for p in step_dir.iterdir() if p.is_dir()} == {
+        "train_state",
+        "step",
+        "metadata",
+    }
+    assert (step_dir / "commit_success.txt").is_file()
+    with open(step_dir / "metadata" / "metadata") as f:
+        on_disk = json.load(f)
+    assert on_disk == metadata
+    assert on_disk["config"] == {"model": "mlp", "width": 16}
+    assert on_disk["device_count"] == NUM_DEVICES
+    assert on_disk["package_versions"] == package_versions()
+    assert set(on_disk["package_versions"]) >= {"jax", "jaxlib", "dm-haiku", "orbax-checkpoint"}
+    step_item = read_step_item(step_dir)
+    checksums = step_item.pop("checksums")  # Checked below.
+    assert step_item == {"format_version": 1, "step": 2, "key_impl": "threefry2x32"}
+    assert checkpoint.FORMAT_VERSION == 1 and checkpoint.READABLE_FORMAT_VERSIONS == (1,)
+    saved = ocp.StandardCheckpointer().restore(step_dir / "train_state")
+    assert set(saved) == {"params", "state", "opt_state", "rng"}
+    # One CRC-32 per saved array, of its bytes.
+    saved_leaves = jax.tree_util.tree_leaves_with_path(saved)
+    assert len(checksums) == len(saved_leaves)
+    assert set(checksums.values()) == {
+        zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+        for _, leaf in saved_leaves
+    }
+    np.testing.assert_array_equal(saved["rng"]["key_data"], expected.rng)  # Every device's.
+    assert_bit_identical(saved["params"], jax.tree.map(lambda x: x[0], expected.params))
+
+
+def test_empty_opt_state_round_trips(setup, tmp_path):
+    # Plain SGD has no optimizer state: a subtree without arrays.
+    train_state = setup.init()
+    sgd_state = optax.sgd(0.1).init(hs.unreplicate(train_state.params))
+    train_state = train_state._replace(opt_state=hs.replicate(sgd_state))
+    assert not jax.tree.leaves(train_state.opt_state)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(train_state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(train_state)
+    assert_bit_identical(restored, train_state)
+
+
+def test_float16_run_with_dynamic_loss_scale_resumes_bit_identically(tmp_path):
+    # The loss scale lives in opt_state (LossScaledOptState) and must survive Orbax.
+    network = models.make_network(
+        "mlp", 10, cross_replica_axis="i", hidden_sizes=(16,), precision="float16"
+    )
+    updater = hs.Updater(
+        network,
+        optax.sgd(0.1, momentum=0.9),
+        losses.classification_loss(10),
+        loss_scale=jmp.DynamicLossScale(jnp.float32(2**15), period=2),
+    )
+    half = make_setup(updater)
+    uninterrupted = host_copy(half.train(half.init(), half.batches))
+
+    first_half = half.train(half.init(), half.batches[:3])
+    assert isinstance(first_half.opt_state, LossScaledOptState)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(first_half)
+    with Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(half.init(seed=7))
+    assert_bit_identical(restored.opt_state, host_copy(first_half.opt_state))
+    resumed = half.train(restored, half.batches[3:])
+
+    assert_bit_identical(resumed, uninterrupted)
+
+
+# The format version.
+
+
+def test_a_version_1_step_without_the_field_is_read_and_resumes_bit_identically(setup, tmp_path):
+    uninterrupted = host_copy(setup.train(setup.init(), setup.batches))
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(setup.train(setup.init(), setup.batches[:3]), metadata={"run": 1})
+    remove_format_version(tmp_path / "3")  # As every step was written before versions were.
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.metadata(3)["run"] == 1
+        restored = checkpointer.restore(setup.init(seed=7))
+    assert int(restored.step[0]) == 3
+    assert_bit_identical(setup.train(restored, setup.batches[3:]), uninterrupted)
+
+
+def test_a_step_of_an_unknown_format_version_is_refused_by_name_and_left_where_it_is(
+    setup, tmp_path, caplog
+):
+    train_state = setup.init()
+    save_steps(tmp_path, [at_step(train_state, 10), at_step(train_state, 40)])
+    set_format_version(tmp_path / "40", 99)
+    before = listing(tmp_path)
+    refused = re.escape(
+        f"Checkpoint {tmp_path / '40'} has format version 99; this haiku_state reads format "
+        "versions [1]."
+    )
+    for read_only in (False, True):
+        with Checkpointer(tmp_path, read_only=read_only) as checkpointer:
+            with caplog.at_level(logging.WARNING):
+                # The newest step: refused, with no fallback to step 10 behind it.
+                with pytest.raises(checkpoint.UnsupportedFormatError, match=refused):
+                    checkpointer.restore(train_state)
+                with pytest.raises(checkpoint.UnsupportedFormatError, match=refused):
+                    checkpointer.restore(train_state, step=40)
+                with pytest.raises(checkpoint.UnsupportedFormatError, match=refused):
+                    checkpointer.read_trees(40)
+                with pytest.raises(checkpoint.UnsupportedFormatError, match=refused):
+                    checkpointer.metadata()
+            assert checkpointer.all_steps() == [10, 40]
+            assert int(checkpointer.restore(train_state, step=10).step[0]) == 10  # Asked for.
+    assert listing(tmp_path) == before and step_dirs(tmp_path) == {"10", "40"}
+    assert sorted(os.listdir(tmp_path)) == ["10", "40"]  # Nothing set aside.
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()]
+    assert issubclass(checkpoint.UnsupportedFormatError, ValueError)  # One line on the CLI.
+
+
+@pytest.mark.parametrize("version", ["1", True, None, 1.0])
+def test_a_format_version_that_is_not_an_integer_this_code_reads_is_refused(
+    setup, tmp_path, version
+):
+    train_state = setup.init()
+    save_steps(tmp_path, [train_state])
+    set_format_version(tmp_path / "0", version)
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(checkpoint.UnsupportedFormatError, match=f"version {version!r};"):
+            checkpointer.restore(train_state)
+    assert sorted(os.listdir(tmp_path)) == ["0"]
+
+
+def test_eval_mode_refuses_a_step_of_an_unknown_format_version_in_one_line(setup, tmp_path):
+    save_steps(tmp_path / "checkpoints", [at_step(setup.init(), 40)])
+    set_format_version(tmp_path / "checkpoints" / "40", 7)
+    before = listing(tmp_path / "checkpoints")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "haiku_state.train", "--config=experiments/mlp.py",
+         "--cpu_devices=4", f"--workdir={tmp_path}", "--mode=eval"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert f"{tmp_path / 'checkpoints' / '40'} has format version 7" in error
+    assert "reads format versions [1]" in error and error.endswith("from an earlier step.")
+    assert listing(tmp_path / "checkpoints") == before
+
+
+# Damage found by the checksums and the finiteness check.
+
+
+def test_a_checksum_that_does_not_match_is_damage(setup, tmp_path, caplog):
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
+    step_item = read_step_item(tmp_path / "2")
+    name = next(iter(step_item["checksums"]))
+    step_item["checksums"][name] ^= 1
+    write_step_item(tmp_path / "2", step_item)
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+    assert any(f"{name}: its bytes do not match" in r.getMessage() for r in caplog.records)
+
+
+def test_non_finite_params_are_damage(setup, tmp_path, caplog):
+    train_state = setup.init()
+    nan_params = jax.tree.map(lambda x: x * np.nan, train_state.params)
+    save_steps(
+        tmp_path, [at_step(train_state, 1), at_step(train_state, 2)._replace(params=nan_params)]
+    )
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+    assert any("holds non-finite values" in r.getMessage() for r in caplog.records)
+
+
+# Mismatches, device counts and other hardware.
+
+
+def test_mismatches_name_the_first_path_and_change_nothing(setup, tmp_path):
+    train_state = setup.init()
+    save_steps(tmp_path, [train_state])
+    before = listing(tmp_path)
+    wider = make_updater(32).init(0, setup.batches[0])
+    no_momentum = train_state._replace(
+        opt_state=hs.replicate(optax.sgd(0.1).init(hs.unreplicate(train_state.params)))
+    )
+    with Checkpointer(tmp_path) as checkpointer:
+        expected = "params['mlp/batch_norm']['offset']: checkpoint (1, 16) vs model (1, 32)"
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            checkpointer.restore(wider)
+        expected = "opt_state[0]['trace']['mlp/batch_norm']['offset']: in the checkpoint"
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            checkpointer.restore(no_momentum)
+    assert listing(tmp_path) == before
+
+
+_RESTORE_ON_TWO_DEVICES = """
+import sys
+
+import jax
+import numpy as np
+
+import haiku_state as hs
+from checkpoint_helpers import make_batch, make_updater
+from haiku_state.checkpoint import Checkpointer
+
+assert jax.local_device_count() == 2
+updater = make_updater(16)
+batch = make_batch(0)
+like = updater.init(5, batch)
+with Checkpointer(sys.argv[1]) as checkpointer:
+    restored = checkpointer.restore(like)
+with Checkpointer(sys.argv[1]) as checkpointer:  # Again, from scratch.
+    again = checkpointer.restore(like)
+hs.assert_replicas_identical(restored.params)
+arrays = {
+    "params" + jax.tree_util.keystr(path): np.asarray(leaf)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(restored.params)
+}
+arrays["key_data"] = np.asarray(jax.random.key_data(restored.rng))
+arrays["key_data_again"] = np.asarray(jax.random.key_data(again.rng))
+arrays["step"] = np.asarray(restored.step)
+_, metrics = updater.update(restored, batch)
+arrays["loss"] = np.asarray(metrics["loss"])
+np.savez(sys.argv[2], **arrays)
+"""
+
+
+def test_restore_onto_fewer_devices_rederives_the_keys(setup, tmp_path):
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    saved = host_copy(train_state)
+    save_steps(tmp_path / "checkpoints", [train_state])
+    script = tmp_path / "restore_on_two_devices.py"
+    script.write_text(_RESTORE_ON_TWO_DEVICES)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(
+            [REPO_ROOT, os.path.join(REPO_ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "checkpoints"), str(tmp_path / "out.npz")],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "re-deriving the per-device keys" in run.stderr
+    restored = dict(np.load(tmp_path / "out.npz"))
+
+    for path, leaf in jax.tree_util.tree_leaves_with_path(saved.params):
+        params = restored["params" + jax.tree_util.keystr(path)]
+        assert params.shape == (2,) + leaf.shape[1:]
+        for device in range(2):
+            assert params[device].tobytes() == leaf[0].tobytes()  # Device 0's saved copy.
+    np.testing.assert_array_equal(restored["step"], [1, 1])
+    assert np.isfinite(restored["loss"])  # The pmapped step runs on the restored state.
+    hs.assert_keys_distinct(restored["key_data"])
+    # Deterministic: the same in a second restore, and as derived here in another process.
+    np.testing.assert_array_equal(restored["key_data"], restored["key_data_again"])
+    expected_keys = per_device_keys(jax.random.wrap_key_data(saved.rng[0]), 2)
+    np.testing.assert_array_equal(restored["key_data"], jax.random.key_data(expected_keys))
+
+
+def test_restores_a_checkpoint_written_on_other_hardware(setup, tmp_path):
+    # Arrays are saved from host copies, so no saved sharding names a device: a
+    # checkpoint written on a GPU restores on a CPU. Any sharding Orbax does record is
+    # rewritten to name a device this process lacks, as if written on a GPU.
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    expected = host_copy(train_state)
+    save_steps(tmp_path, [train_state])
+    for root, _, files in os.walk(tmp_path / "1"):
+        for name in files:
+            if name == "_sharding":
+                path = os.path.join(root, name)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(text.replace("cpu:0", "cuda:0"))
+    with Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(setup.init(seed=1))
+    assert_bit_identical(restored, expected)

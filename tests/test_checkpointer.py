@@ -1,0 +1,188 @@
+"""Tests of haiku_state.checkpoint.checkpointer: saves and exact resume, async saves under
+donation, the step directories, partial and damaged checkpoints set aside, never deleted."""
+
+import logging
+import os
+import shutil
+
+import jax
+import pytest
+from checkpoint_helpers import (
+    Setup,
+    assert_bit_identical,
+    at_step,
+    damage,
+    host_copy,
+    largest_file,
+    listing,
+    make_setup,
+    save_steps,
+    set_aside_dirs,
+    step_dirs,
+)
+
+import haiku_state as hs
+from haiku_state import checkpoint
+from haiku_state.checkpoint import Checkpointer
+
+# A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
+# they surface as unraisable exceptions whenever garbage collection runs, in any later test.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    return make_setup()
+
+
+def test_no_checkpoint_and_existing_steps_and_bad_metadata(setup, tmp_path):
+    train_state = setup.init()
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.restore(train_state) is None
+        assert checkpointer.latest_step() is None
+        assert checkpointer.metadata() is None
+        with pytest.raises(ValueError, match="replicated TrainState"):
+            checkpointer.save(hs.unreplicate(train_state))
+        with pytest.raises(TypeError, match="JSON-serialisable"):
+            checkpointer.save(train_state, metadata={"seed": object()})
+        assert checkpointer.save(train_state)
+        checkpointer.wait_until_finished()
+        before = listing(tmp_path)
+        # A final save at the step of the last periodic one: nothing is overwritten.
+        assert not checkpointer.save(train_state)
+        assert listing(tmp_path) == before
+        with pytest.raises(FileNotFoundError, match="step 5"):
+            checkpointer.restore(train_state, step=5)
+    with Checkpointer(tmp_path, read_only=True) as reader:
+        with pytest.raises(PermissionError, match="read-only"):
+            reader.save(at_step(train_state, 1))
+    assert listing(tmp_path) == before
+
+
+def test_complete_steps_only_looks(setup, tmp_path):
+    assert checkpoint.complete_steps(tmp_path / "missing") == []
+    assert not (tmp_path / "missing").exists()
+    save_steps(tmp_path, [at_step(setup.init(), 3)])
+    shutil.copytree(tmp_path / "3", tmp_path / "5.orbax-checkpoint-tmp")  # Killed mid-save.
+    shutil.copytree(tmp_path / "3", tmp_path / "7")
+    os.remove(tmp_path / "7" / "commit_success.txt")  # Never finished.
+    before = listing(tmp_path)
+    assert checkpoint.complete_steps(tmp_path) == [3]
+    assert checkpoint.complete_steps(str(tmp_path)) == [3]
+    assert listing(tmp_path) == before and step_dirs(tmp_path) == {"3", "7"}
+
+
+# Resumption.
+
+
+def test_resume_continues_bit_identically(setup, tmp_path):
+    uninterrupted = host_copy(setup.train(setup.init(), setup.batches))
+
+    first_half = setup.train(setup.init(), setup.batches[:3])
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(first_half)
+    with Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(setup.init(seed=7))
+    assert int(restored.step[0]) == 3
+    resumed = setup.train(restored, setup.batches[3:])
+
+    assert_bit_identical(resumed, uninterrupted)
+
+
+def test_async_save_is_unaffected_by_donating_the_state_right_after(setup, tmp_path):
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    expected = host_copy(train_state)
+    with Checkpointer(tmp_path, async_save=True) as checkpointer:
+        checkpointer.save(train_state)
+        donated = train_state
+        train_state = setup.train(train_state, setup.batches[1:4])
+        # The update really donated the buffers the save was given.
+        assert jax.tree.leaves(donated.params)[0].is_deleted()
+        assert donated.rng.is_deleted()
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(setup.init(seed=1), step=1)
+    assert_bit_identical(restored, expected)
+
+
+# Partial and damaged checkpoints.
+
+
+def test_partial_checkpoints_are_never_loaded_and_unmarked_ones_are_moved_aside(setup, tmp_path):
+    train_state = setup.init()
+    save_steps(tmp_path, [at_step(train_state, 1)])
+    # Killed mid-save: Orbax writes into `<step>.orbax-checkpoint-tmp` and renames it when done.
+    shutil.copytree(tmp_path / "1", tmp_path / "5.orbax-checkpoint-tmp")
+    # A step directory without Orbax's commit marker (e.g. an interrupted copy).
+    shutil.copytree(tmp_path / "1", tmp_path / "7")
+    os.remove(tmp_path / "7" / "commit_success.txt")
+    unmarked = listing(tmp_path / "7")
+
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.all_steps() == [1]
+        assert checkpointer.latest_step() == 1
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+        # The unmarked directory is moved aside, so its step can be saved; the killed
+        # save's step is redone.
+        [moved] = set_aside_dirs(tmp_path, 7)
+        assert listing(moved) == unmarked
+        assert checkpointer.save(at_step(train_state, 7))
+        assert checkpointer.save(at_step(train_state, 5))
+        checkpointer.wait_until_finished()
+        assert checkpointer.all_steps() == [1, 5, 7]
+        assert int(checkpointer.restore(train_state).step[0]) == 7
+    assert not (tmp_path / "5.orbax-checkpoint-tmp").exists()
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete", "overwrite"])
+def test_damaged_latest_checkpoint_is_moved_aside_and_falls_back(setup, tmp_path, caplog, how):
+    one_step = setup.train(setup.init(), setup.batches[:1])
+    expected = host_copy(one_step)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(one_step)
+        checkpointer.save(setup.train(one_step, setup.batches[1:2]))
+    damage(largest_file(tmp_path / "2" / "train_state" / "d"), how)
+    damaged = listing(tmp_path / "2")
+
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        restored = checkpointer.restore(setup.init(seed=3))
+    assert_bit_identical(restored, expected)
+    [moved] = set_aside_dirs(tmp_path, 2)
+    assert listing(moved) == damaged  # Renamed as it was, never deleted.
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(tmp_path / "2") in w and str(moved) in w for w in warnings), warnings
+
+
+def test_a_damaged_final_step_is_saved_again(setup, tmp_path):
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
+    damage(largest_file(tmp_path / "2" / "train_state" / "d"), "truncate")
+    with Checkpointer(tmp_path) as checkpointer:
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+        assert checkpointer.save(at_step(train_state, 2))  # Its number is free again.
+        checkpointer.wait_until_finished()
+        assert int(checkpointer.restore(train_state).step[0]) == 2
+
+
+def test_only_damaged_checkpoints_raise(setup, tmp_path):
+    train_state = setup.init()
+    save_steps(tmp_path, [train_state])
+    os.remove(largest_file(tmp_path / "0" / "train_state" / "d"))
+    with Checkpointer(tmp_path, read_only=True) as reader:
+        with pytest.raises(ValueError, match="step 0 is damaged"):
+            reader.restore(train_state, step=0)
+        assert step_dirs(tmp_path) == {"0"}  # A reader moves nothing.
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(RuntimeError, match="Every complete checkpoint .* is damaged"):
+            checkpointer.restore(train_state)
+    assert len(set_aside_dirs(tmp_path, 0)) == 1
+
+
+def test_an_unreadable_step_item_is_damage(setup, tmp_path, caplog):
+    # Its format version cannot be read, so it cannot be told apart from damage.
+    train_state = setup.init()
+    save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
+    (tmp_path / "2" / "step" / "metadata").write_text('{"format_version": 1, "ste')
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+    assert len(set_aside_dirs(tmp_path, 2)) == 1
+    assert any("JSONDecodeError" in r.getMessage() for r in caplog.records)
