@@ -50,6 +50,10 @@ def get_config() -> ml_collections.ConfigDict:
     # 0: decode in the training process) and batches kept ready on the devices.
     config.data.workers = ml_collections.config_dict.placeholder(int)
     config.data.prefetch = 2
+    # Who computes the pixels of imagefolder / arrayrecord images: "cpu" (the decoding
+    # processes) or "gpu" (nvJPEG on the device; the optional gpu-decode extra). The host
+    # draws every crop and flip either way; the pixels differ slightly between the two.
+    config.data.decoder = "cpu"
     # False: an unreadable image stops the run naming the file and the step. True: it is
     # replaced deterministically and counted in the train metrics (corrupt_fraction).
     config.data.skip_corrupt = False

@@ -210,7 +210,21 @@ def _check_run_controls(config: Any) -> None:
 
 
 def _check_data_options(data_config: Any) -> None:
-    """The input pipeline's settings: workers >= 0 (or None), prefetch and image_size >= 1."""
+    """The input pipeline's settings: workers >= 0 (or None), prefetch and image_size >= 1.
+
+    `decoder="gpu"` is refused where it cannot run (no GPU, nvImageCodec missing),
+    before anything is written.
+    """
+    decoder = data_config.get("decoder", "cpu")
+    if decoder not in data.DECODER_NAMES:
+        raise ValueError(
+            f"Unknown config.data.decoder {decoder!r}; expected one of {data.DECODER_NAMES}."
+        )
+    if decoder == "gpu" and (reason := data.gpu_decoder_unavailable()):
+        raise ValueError(
+            "config.data.decoder='gpu' decodes on an NVIDIA GPU with nvImageCodec; "
+            f"{reason}. Use config.data.decoder='cpu'."
+        )
     workers = data_config.get("workers")
     if workers is not None and workers < 0:
         raise ValueError(

@@ -54,6 +54,7 @@ def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineO
         workers=data_config.get("workers"),
         prefetch=data_config.get("prefetch", 2),
         skip_corrupt=data_config.get("skip_corrupt", False),
+        decoder=data_config.get("decoder", "cpu"),
     )
     return dataset, options
 

@@ -49,6 +49,7 @@ FREE_KEYS = (
     "init_skip",
     "data.workers",
     "data.prefetch",
+    "data.decoder",  # Which examples, crops and flips a step sees does not depend on it.
 )
 STEP_INDEPENDENT_SCHEDULES = ("constant",)
 

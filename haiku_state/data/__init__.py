@@ -11,6 +11,8 @@ Nothing here touches the network. The modules, in the order data flows:
 - `preprocess`: decoding by content and the host's random crops and flips,
   seeded by each example's place in the global batch.
 - `pipeline`: grain's workers decoding the batches of encoded splits.
+- `gpu_decode`: the optional GPU decoder: the workers' bytes, boxes and flips
+  decoded on the device (`config.data.decoder="gpu"`).
 - `batches`: host batches of splits in memory.
 - `device`: batches onto the devices (`prefetch_to_device`), or drawn there for
   small splits (`device_train_batches`).
@@ -35,6 +37,7 @@ from haiku_state.data.device import (
     fits_on_device,
     prefetch_to_device,
 )
+from haiku_state.data.gpu_decode import unavailable_reason as gpu_decoder_unavailable
 from haiku_state.data.in_memory import CIFAR10_MEAN, CIFAR10_STD, DIGITS_NUM_TEST
 from haiku_state.data.inputs import (
     DEFAULT_OPTIONS,
@@ -44,6 +47,7 @@ from haiku_state.data.inputs import (
 )
 from haiku_state.data.order import steps_per_epoch
 from haiku_state.data.pipeline import (
+    DECODER_NAMES,
     default_workers,
     encoded_eval_batches,
     encoded_train_batches,
@@ -63,6 +67,7 @@ __all__ = [
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "DATASETS",
+    "DECODER_NAMES",
     "DEFAULT_OPTIONS",
     "DEVICE_RESIDENT_MAX_BYTES",
     "DIGITS_NUM_TEST",
@@ -80,6 +85,7 @@ __all__ = [
     "encoded_train_batches",
     "eval_batches",
     "fits_on_device",
+    "gpu_decoder_unavailable",
     "load_dataset",
     "make_augment_fn",
     "num_examples",

@@ -98,6 +98,7 @@ DECODERS = {
         gpu_decode.train_request, gpu_decode.eval_request, gpu_decode.blank_request, True
     ),
 }
+DECODER_NAMES = tuple(DECODERS)
 
 
 def default_workers() -> int:
@@ -290,7 +291,9 @@ def _check_workers(workers: int | None, where: str) -> int:
     return workers
 
 
-def _check_decoder(decoder: str, where: str) -> Decoder:
+def _check_decoder(decoder: str | Decoder, where: str) -> Decoder:
+    if isinstance(decoder, Decoder):
+        return decoder
     if decoder not in DECODERS:
         raise ValueError(
             f"{where}: unknown decoder {decoder!r}; expected one of {tuple(DECODERS)}."
@@ -309,7 +312,7 @@ def encoded_train_batches(
     process_count: int = 1,
     workers: int | None = None,
     skip_corrupt: bool = False,
-    decoder: str = "cpu",
+    decoder: str | Decoder = "cpu",
 ) -> Iterator[Batch]:
     """This process's training batches of an encoded split, decoded and cropped on the host.
 
@@ -326,8 +329,8 @@ def encoded_train_batches(
       skip_corrupt: replace unreadable images (see `LoadTrainExample`); the batches
         then carry `"replaced"`, 1.0 where an example stands in for a corrupt one.
       decoder: `"cpu"`: the workers decode; `"gpu"`: the batches carry each
-        example's bytes, crop box and flip instead of `"image"`, for
-        `gpu_decode.decoded_batches` (`DECODERS`).
+        example's bytes, crop box and flip, for `gpu_decode.decoded_batches`
+        (`DECODERS`); or a `Decoder` of the caller's (importable by the workers).
 
     Returns:
       A generator of `{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}`;
@@ -355,7 +358,7 @@ def encoded_eval_batches(
     process_count: int = 1,
     workers: int | None = None,
     skip_corrupt: bool = False,
-    decoder: str = "cpu",
+    decoder: str | Decoder = "cpu",
 ) -> Iterator[Batch]:
     """One pass over an encoded split in centre crops, padded and masked as `eval_batches` is.
 
