@@ -20,9 +20,11 @@ with the file's name or replaces it (`skip_corrupt`) exactly as the CPU decoder
 would. The request functions run in the workers and import nothing of
 nvImageCodec; `DeviceDecoder` imports it when built.
 
-The region each image decodes is its box rounded out to whole pixels and
-padded to a size rounded up to `CANVAS_QUANTUM` (beyond the image, filled
-with zeros): the resize then compiles once per padded size, not per image.
+The region each image decodes is its box rounded out to whole pixels, padded
+to a square whose side is a multiple of `CANVAS_QUANTUM` (beyond the image,
+filled with zeros); a device batch is resized in chunks of `CHUNK` such
+canvases of one side (the images sorted by size). The resize then compiles
+once per side, not per image, and launches once per chunk.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from haiku_state.replication import DEFAULT_AXIS_NAME, local_mesh
 
 # Decoded regions are padded to a multiple of this many pixels along each side.
 CANVAS_QUANTUM = 128
+# Canvases resized by one launch.
+CHUNK = 64
 INSTALL_HINT = "pip install 'haiku_state[gpu-decode-cu13]' (or -cu12, as JAX's CUDA plugin)"
 _JPEG_END = b"\xff\xd9"
 # The fields of a request that `DeviceDecoder` consumes (with the host's "image").
@@ -140,6 +144,12 @@ def crop_resize(canvas: jax.Array, box: jax.Array, flip: jax.Array, image_size: 
     return jnp.clip(jnp.round(out), 0, 255).astype(jnp.uint8)
 
 
+# `crop_resize` of a chunk of same-shaped canvases at once: one launch per chunk.
+_crop_resize_chunk = jax.jit(
+    jax.vmap(crop_resize.__wrapped__, in_axes=(0, 0, 0, None)), static_argnums=3
+)
+
+
 # `(encoded images, regions (top, left, height, width), device) -> one uint8 [height, width, 3]
 # array per image on `device` (the region, zeros beyond the image), or None where it fails.
 RegionDecoder = Callable[[list[bytes], list[tuple[int, int, int, int]], Any], list[Any]]
@@ -196,34 +206,52 @@ class DeviceDecoder:
         batch = {name: np.array(leaf) for name, leaf in batch.items()}
         devices = self._sharding.mesh.devices.ravel()
         per_device = len(batch["label"]) // len(devices)
-        images = []
-        for k, device in enumerate(devices):
-            rows = range(k * per_device, (k + 1) * per_device)
-            images.append(jnp.stack(self._device_images(batch, rows, device)))
+        images = [
+            self._device_images(batch, range(k * per_device, (k + 1) * per_device), device)
+            for k, device in enumerate(devices)
+        ]
         shape = (len(batch["label"]), self._image_size, self._image_size, 3)
         batch["image"] = jax.make_array_from_single_device_arrays(shape, self._sharding, images)
         return {name: leaf for name, leaf in batch.items() if name not in REQUEST_FIELDS}
 
-    def _device_images(self, batch: Batch, rows: range, device: Any) -> list[jax.Array]:
-        """The images of `rows` on `device`; a refused one is loaded again on the host."""
-        out = {i: batch["image"][i] for i in rows if not batch["encoded"][i]}
-        todo = [i for i in rows if i not in out]
-        boxes = {i: batch["box"][i] for i in todo}
-        regions = {i: region(boxes[i]) for i in todo}
-        if todo:
-            side = max(max(regions[i][2:]) for i in todo)  # One canvas shape per call.
-            regions = {i: (*regions[i][:2], side, side) for i in todo}
-            decoded = self._regions(
-                [batch["encoded"][i] for i in todo], list(regions.values()), device
-            )
-            for i, canvas in zip(todo, decoded, strict=True):
-                if canvas is None:
-                    out[i] = self._redo_on_host(batch, i)
-                    continue
-                top, left = regions[i][:2]
-                box = boxes[i] - np.array([left, top, left, top], np.float32)
-                out[i] = crop_resize(canvas, box, batch["flip"][i], self._image_size)
-        return [jax.device_put(out[i], device) for i in rows]
+    def _device_images(self, batch: Batch, rows: range, device: Any) -> jax.Array:
+        """`[len(rows), S, S, 3]` on `device`: the requests' images, decoded there if they can be.
+
+        The regions are decoded in one call, then resized in chunks of `CHUNK`
+        canvases of one shape (the examples sorted by size, so a chunk's canvas
+        is about its images' size).
+        """
+        todo = sorted((i for i in rows if batch["encoded"][i]), key=lambda i: _side(batch, i))
+        chunks = [todo[start : start + CHUNK] for start in range(0, len(todo), CHUNK)]
+        regions = {}
+        for chunk in chunks:
+            side = _side(batch, chunk[-1])  # The chunk's largest.
+            regions.update({i: (*region(batch["box"][i])[:2], side, side) for i in chunk})
+        encoded = [batch["encoded"][i] for i in todo]
+        decoded = self._regions(encoded, [regions[i] for i in todo], device)
+        decoded = dict(zip(todo, decoded, strict=True))
+        parts, order = [], {}  # The resized chunks, and where each row lies in them.
+        for chunk in chunks:
+            kept = [i for i in chunk if decoded[i] is not None]
+            if not kept:
+                continue
+            padded = kept + kept[:1] * (CHUNK - len(kept))  # One shape for every chunk.
+            offsets = np.array([(regions[i][1], regions[i][0]) * 2 for i in padded], np.float32)
+            boxes = np.stack([batch["box"][i] for i in padded]) - offsets
+            flips = np.array([batch["flip"][i] for i in padded])
+            canvases = jnp.stack([decoded[i] for i in padded])
+            order.update({i: CHUNK * len(parts) + j for j, i in enumerate(kept)})
+            parts.append(_crop_resize_chunk(canvases, boxes, flips, self._image_size))
+        host = [i for i in rows if i not in order]  # Decoded in the worker, or refused here.
+        if host:
+            pixels = [
+                self._redo_on_host(batch, i) if batch["encoded"][i] else batch["image"][i]
+                for i in host
+            ]
+            order.update({i: CHUNK * len(parts) + j for j, i in enumerate(host)})
+            parts.append(jax.device_put(np.stack(pixels), device))
+        rows_in_parts = np.array([order[i] for i in rows])
+        return jnp.concatenate(parts)[rows_in_parts] if len(parts) > 1 else parts[0][rows_in_parts]
 
     def _redo_on_host(self, batch: Batch, i: int) -> np.ndarray:
         """Example `i` as the CPU decoder loads it from its slot; its fields replace the batch's."""
@@ -232,6 +260,11 @@ class DeviceDecoder:
             if name != "image":
                 batch[name][i] = value
         return example["image"]
+
+
+def _side(batch: Batch, i: int) -> int:
+    """The side of the square canvas the box of example `i` fits in."""
+    return max(region(batch["box"][i])[2:])
 
 
 def decoded_batches(host_batches: Iterator[Batch], decoder: DeviceDecoder) -> Iterator[Batch]:
