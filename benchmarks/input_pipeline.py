@@ -1,15 +1,22 @@
 r"""The input pipeline's throughput: decoding alone, and the training loop it feeds.
 
-    python -m benchmarks.input_pipeline [--images=2048] [--image_size=224] \
+    python -m benchmarks.input_pipeline [--images=2048] [--image_size=224] [--decoder=cpu] \
         [--loop_experiment=mlp --loop_image_size=64 --loop_batch_size=64 --loop_steps=120]
 
 1. Writes ImageNet-like JPEGs (500x375, about 100 KB: smooth noise at several
    scales plus grain, so they compress as photos do) into a temporary ImageFolder.
 2. One core, one image at a time: decode + random crop + resize to
-   `image_size` squared, by libjpeg-turbo (simplejpeg) and by PIL.
+   `image_size` squared, by libjpeg-turbo (simplejpeg) and by PIL; the whole
+   training example of the CPU decoder (`cpu`), and of the CPU decoder before
+   OpenCV resized (`cpu_baseline`, `benchmarks/baseline_decode.py`).
 3. The pipeline alone (`data.encoded_train_batches`): images/s into
    `image_size` squared uint8 batches, for 1 worker and for as many workers as
    this process may use cores; per worker, and the scaling between the two.
+   Each worker count runs `--repeats` times with the decoder of `--decoder` and
+   as many with the baseline decoder through the same pipeline, interleaved
+   (which goes first alternates): the figures are the medians, and
+   `ratio_vs_baseline` the median of the per-repeat ratios, with its spread.
+   With `--decoder=gpu` the batches are decoded on the device too.
 4. The training loop (`driver.train_and_evaluate`) fed by the pipeline, against
    the smaller of the pipeline alone and the bare update at the same settings
    (a model and image size a CPU trains). On a CPU the update runs on the first
@@ -41,9 +48,10 @@ import jax
 import numpy as np
 from PIL import Image
 
+from benchmarks import baseline_decode
 from haiku_state import config as config_lib
 from haiku_state import data, driver, summaries
-from haiku_state.data import imagefolder, preprocess
+from haiku_state.data import gpu_decode, imagefolder, pipeline, preprocess
 from haiku_state.experiment import build_experiment, placeholder_batch
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
@@ -84,28 +92,39 @@ def write_tree(root: str, num_images: int, num_distinct: int, seed: int = 0) -> 
 def decoder_rates(root: str, image_size: int, seconds: float) -> dict[str, float]:
     """Images/s on one core (this thread) of decode + random crop + resize, per decoder.
 
-    The decoders take turns in short rounds, and each keeps its median round, so a
-    change in the machine's load meanwhile touches both alike.
+    `libjpeg-turbo` and `pil`: the CPU decoder's two libraries on a fixed box;
+    `cpu` and `cpu_baseline`: a whole training example (box and flip drawn) by
+    today's CPU decoder and by the baseline's. The decoders take turns in short
+    rounds, and each keeps its median round, so a change in the machine's load
+    meanwhile touches all alike.
     """
     split = data.load_dataset("imagefolder", data_dir=root, image_size=image_size).train
     images = [split.records[i][0] for i in range(min(64, len(split.records)))]
     boxes = [preprocess.random_crop_box(WIDTH, HEIGHT, np.random.default_rng(i)) for i in range(64)]
     decoders = {
-        "libjpeg-turbo": lambda jpeg, box: np.asarray(
-            preprocess._decode_crop_turbo(jpeg, (WIDTH, HEIGHT), box, image_size)
+        "libjpeg-turbo": lambda jpeg, i: preprocess.decode_crop(
+            jpeg, lambda w, h: boxes[i], image_size
         ),
-        "pil": lambda jpeg, box: np.asarray(
-            preprocess._decode_crop_pil(jpeg, lambda w, h: box, image_size)
+        "pil": lambda jpeg, i: preprocess.resize_crop(
+            *preprocess._decode_pil(jpeg, lambda w, h: boxes[i], image_size), image_size, False
+        ),
+        "cpu": lambda jpeg, i: preprocess.train_image(jpeg, np.random.default_rng(i), image_size),
+        "cpu_baseline": lambda jpeg, i: baseline_decode.train_image(
+            jpeg, np.random.default_rng(i), image_size
         ),
     }
     rounds = {name: [] for name in decoders}
     for _ in range(max(1, int(seconds / 0.25))):
         for name, decode in decoders.items():
             start = time.perf_counter()
-            for image, box in zip(images, boxes, strict=True):
-                decode(image, box)
+            for i, image in enumerate(images):
+                decode(image, i)
             rounds[name].append(len(images) / (time.perf_counter() - start))
-    return {name: statistics.median(rates) for name, rates in rounds.items()}
+    rates = {name: statistics.median(rates) for name, rates in rounds.items()}
+    rates["cpu_vs_baseline"] = statistics.median(
+        new / old for new, old in zip(rounds["cpu"], rounds["cpu_baseline"], strict=True)
+    )
+    return rates
 
 
 def _children() -> list[str]:
@@ -141,8 +160,24 @@ def _resident_mb(pids: list[str]) -> float:
     return total
 
 
+def _decoded_on_device(
+    batches: Any, split: data.EncodedSplit, decoder: str | pipeline.Decoder
+) -> Any:
+    """The GPU decoder's device half after its workers; other decoders' batches as they are."""
+    if decoder != "gpu":
+        return batches
+    host_load = pipeline.LoadTrainExample(split, 0, False)
+    return gpu_decode.decoded_batches(
+        batches, gpu_decode.DeviceDecoder(split.image_size, host_load)
+    )
+
+
 def pipeline_rate(
-    split: data.EncodedSplit, batch_size: int, workers: int, steps: int
+    split: data.EncodedSplit,
+    batch_size: int,
+    workers: int,
+    steps: int,
+    decoder: str | pipeline.Decoder = "cpu",
 ) -> dict[str, float]:
     """The host pipeline alone, once its workers are up (their first batches excluded).
 
@@ -151,16 +186,22 @@ def pipeline_rate(
     count the time other processes of a shared machine take from them.
     """
     warmup = max(workers, 1)
-    batches = data.encoded_train_batches(
-        split, batch_size, seed=0, num_steps=steps + warmup, workers=workers
+    batches = _decoded_on_device(
+        data.encoded_train_batches(
+            split, batch_size, seed=0, num_steps=steps + warmup, workers=workers, decoder=decoder
+        ),
+        split,
+        decoder,
     )
     for _ in range(warmup):
-        next(batches)
+        jax.block_until_ready(next(batches)["image"])
     cpu = time.process_time if workers == 0 else _children_cpu_seconds
     start, start_cpu = time.perf_counter(), cpu()
     count = 0
     for _ in range(steps):
-        count += len(next(batches)["label"])
+        batch = next(batches)
+        jax.block_until_ready(batch["image"])
+        count += len(batch["label"])
     seconds, cpu_seconds = time.perf_counter() - start, cpu() - start_cpu
     resident_mb = _resident_mb(["self", *_children()])
     batches.close()
@@ -192,6 +233,7 @@ def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
         dir=root,
         image_size=args.loop_image_size,
         workers=workers,
+        decoder=args.decoder,
         max_shift=0,
         flip=False,
     )
@@ -231,21 +273,61 @@ def loop_rate(config: Any, workdir: str) -> dict[str, float]:
 
 
 def measure_pipeline(
-    split: data.EncodedSplit, batch_size: int, worker_counts: list[int], steps: int
+    split: data.EncodedSplit,
+    batch_size: int,
+    worker_counts: list[int],
+    steps: int,
+    decoder: str = "cpu",
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """The pipeline alone for each worker count, and the scaling from the first to the last."""
-    runs = {w: pipeline_rate(split, batch_size, w, steps) for w in worker_counts}
-    rates = {w: run["images_per_s"] for w, run in runs.items()}
-    first, last = worker_counts[0], worker_counts[-1]
+    """The pipeline alone for each worker count with `decoder` and with the baseline's.
+
+    Every repeat runs each worker count with both decoders, the first of the two
+    alternating; the figures are medians over the repeats.
+    """
+    runs: dict[int, list[dict[str, float]]] = {w: [] for w in worker_counts}
+    baseline: dict[int, list[dict[str, float]]] = {w: [] for w in worker_counts}
+    for repeat in range(repeats):
+        for w in worker_counts:
+            pair = [(runs[w], decoder), (baseline[w], baseline_decode.DECODER)]
+            for results, run_decoder in pair[:: 1 if repeat % 2 == 0 else -1]:
+                results.append(pipeline_rate(split, batch_size, w, steps, run_decoder))
+
+    def median(results: dict[int, list[dict[str, float]]], key: str) -> dict[str, float]:
+        return {str(w): statistics.median(r[key] for r in results[w]) for w in worker_counts}
+
+    def each(results: dict[int, list[dict[str, float]]]) -> dict[str, list[float]]:
+        return {str(w): [r["images_per_s"] for r in results[w]] for w in worker_counts}
+
+    rates = median(runs, "images_per_s")
+    ratios = {
+        str(w): [
+            new["images_per_s"] / old["images_per_s"]
+            for new, old in zip(runs[w], baseline[w], strict=True)
+        ]
+        for w in worker_counts
+    }
+    first, last = str(worker_counts[0]), str(worker_counts[-1])
+    scales = first != last and worker_counts[0] > 0
     return {
         "image_size": split.image_size,
         "batch_size": batch_size,
-        "images_per_s": {str(w): rate for w, rate in rates.items()},
-        "images_per_s_per_worker": {str(w): rate / max(w, 1) for w, rate in rates.items()},
-        "images_per_worker_cpu_s": {str(w): run["images_per_cpu_s"] for w, run in runs.items()},
-        "resident_mb_with_workers": {str(w): run["resident_mb"] for w, run in runs.items()},
-        "scaling": rates[last] / rates[first] if last != first else None,
-        "scaling_target": 0.8 * last / first if last != first else None,
+        "decoder": decoder,
+        "repeats": repeats,
+        "images_per_s": rates,
+        "images_per_s_per_worker": {str(w): rates[str(w)] / max(w, 1) for w in worker_counts},
+        "images_per_worker_cpu_s": median(runs, "images_per_cpu_s"),
+        "resident_mb_with_workers": median(runs, "resident_mb"),
+        "scaling": rates[last] / rates[first] if scales else None,
+        "scaling_target": 0.8 * worker_counts[-1] / worker_counts[0] if scales else None,
+        "images_per_s_runs": each(runs),
+        "baseline": "benchmarks/baseline_decode.py: the CPU decoder of 6e7fcfe, same pipeline",
+        "baseline_images_per_s": median(baseline, "images_per_s"),
+        "baseline_images_per_s_runs": each(baseline),
+        "baseline_images_per_worker_cpu_s": median(baseline, "images_per_cpu_s"),
+        "ratio_vs_baseline": {w: statistics.median(r) for w, r in ratios.items()},
+        "ratio_vs_baseline_runs": ratios,
+        "ratio_vs_baseline_1_worker": (statistics.median(ratios["1"]) if "1" in ratios else None),
     }
 
 
@@ -291,10 +373,12 @@ def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str,
     steps = args.loop_steps // 2
     pinned = args.pin_update_core and len(os.sched_getaffinity(0)) > workers > 0
     with update_core_apart(pinned):
-        before = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
+        before = pipeline_rate(split, config.batch_size, workers, steps, args.decoder)
+        before = before["images_per_s"]
         with tempfile.TemporaryDirectory(prefix="bench_loop_") as workdir:
             loop = loop_rate(config, workdir)["examples_per_s"]
-        after = pipeline_rate(split, config.batch_size, workers, steps)["images_per_s"]
+        after = pipeline_rate(split, config.batch_size, workers, steps, args.decoder)
+        after = after["images_per_s"]
         update = bare_update_rate(config, args.loop_steps)
     alone = (before + after) / 2
     bound = min(alone, update)
@@ -322,6 +406,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=24, help="batches timed per worker count")
     parser.add_argument("--workers", default="", help="worker counts, e.g. 1,15 (1 and cores)")
+    parser.add_argument(
+        "--decoder", default="cpu", choices=tuple(pipeline.DECODERS), help="config.data.decoder"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per worker count, each beside the baseline"
+    )
     parser.add_argument("--decoder_seconds", type=float, default=4.0, help="rounds x 0.25 s")
     parser.add_argument("--loop_experiment", default="mlp", help="or resnet50:imagenet, ...")
     parser.add_argument("--loop_workers", type=int, default=None, help="default: cores - 1")
@@ -338,6 +428,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--out", default="", help="also write the JSON record here")
     args = parser.parse_args(argv)
+    if args.decoder == "gpu" and (reason := gpu_decode.unavailable_reason()):
+        parser.error(f"--decoder=gpu decodes on the GPU: {reason}.")
     cores = len(os.sched_getaffinity(0))
     worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else [1, cores]
     record: dict[str, Any] = {
@@ -357,7 +449,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             root, args.image_size, args.decoder_seconds
         )
         split = data.load_dataset("imagefolder", data_dir=root, image_size=args.image_size).train
-        record["pipeline"] = measure_pipeline(split, args.batch_size, worker_counts, args.steps)
+        record["pipeline"] = measure_pipeline(
+            split, args.batch_size, worker_counts, args.steps, args.decoder, args.repeats
+        )
         if not args.no_loop:
             workers = data.default_workers() if args.loop_workers is None else args.loop_workers
             record["loop"] = measure_loop(args, root, workers)

@@ -446,7 +446,7 @@ def _notes(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[str]:
 # benchmarks.input_pipeline's settings: its defaults for a full run; for --quick, a smoke run
 # of the decoders and the workers on a few images, without the loop.
 QUICK_INPUT_PIPELINE = ("--images=64", "--distinct=16", "--steps=3", "--decoder_seconds=0.5",
-                        "--no_loop")  # fmt: skip
+                        "--repeats=1", "--no_loop")  # fmt: skip
 
 
 def _run_input_pipeline(args: argparse.Namespace) -> dict[str, Any]:

@@ -174,6 +174,10 @@ SCHEMA = (
         "0: decode in the training process"),
     Key("data.prefetch", 2, int, bounds=POSITIVE_INT, free=True,
         help="batches kept ready on the devices"),
+    Key("data.decoder", "cpu", str, choices=data.DECODER_NAMES, free=True,
+        help="who computes the pixels of encoded images: the decoding processes (cpu) or "
+        "nvJPEG on the device (gpu); the host draws every crop and flip either way, and "
+        "the pixels differ slightly between the two"),
     Key("data.skip_corrupt", False, bool,
         help="False: an unreadable image stops the run naming the file and the step; True: it "
         "is replaced deterministically and counted as corrupt_fraction"),
@@ -333,6 +337,7 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
     _check_warmup(config)
     _check_profile_steps(config)
     _check_init_skip(config)
+    _check_decoder(config)
 
 
 def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
@@ -432,6 +437,15 @@ def _check_init_skip(config: Any) -> None:
         raise ValueError(f"config.init_skip={config.init_skip!r} is not a regex: {e}.") from None
     if config.init_skip and not config.init_from:
         raise ValueError("config.init_skip is set but config.init_from is empty.")
+
+
+def _check_decoder(config: Any) -> None:
+    """`data.decoder="gpu"` is refused where it cannot run, before anything is written."""
+    if config.data.decoder == "gpu" and (reason := data.gpu_decoder_unavailable()):
+        raise ValueError(
+            "config.data.decoder='gpu' decodes on an NVIDIA GPU with nvImageCodec; "
+            f"{reason}. Use config.data.decoder='cpu'."
+        )
 
 
 def training_steps(config: Any, num_train_examples: int) -> int:

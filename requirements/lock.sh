@@ -6,8 +6,8 @@
 # Pins already in LOCK_FILE are kept (they constrain the install), so adding a
 # dependency to setup.cfg adds it and its own dependencies and moves nothing else;
 # UPGRADE=1 resolves everything afresh within setup.cfg's ranges. The accelerator
-# extras (cuda12, cuda13, tpu) are not locked: their plugins cannot run here, and
-# `make` installs them at the lock's jax version.
+# extras (cuda12, cuda13, tpu; gpu-decode-cu12, gpu-decode-cu13) are not locked: they
+# cannot run here, and `make` installs the plugins at the lock's jax version.
 set -euo pipefail
 python=$1
 lock=$2

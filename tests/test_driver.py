@@ -17,7 +17,7 @@ import pytest
 from configs import mlp_config, steps_on_disk
 from image_trees import CORRUPTIONS, write_imagefolder
 
-from haiku_state import data, driver, evaluation, loop, prepare, summaries, train
+from haiku_state import checkpoint, data, driver, evaluation, loop, prepare, summaries, train
 from haiku_state.checkpoint import Checkpointer
 from haiku_state.checkpoint.format import leaf_name
 from haiku_state.data import order
@@ -169,14 +169,14 @@ def test_init_from_loads_params_and_state_except_the_skipped_head(
     config = mlp_config(checkpoint_every=10, steps=10, init_skip="linear_1",
                         init_from=os.path.join(source, "checkpoints", "30"))  # fmt: skip
     captured = {}
-    original = driver.warm_start
+    original = checkpoint.warm_start
 
     def capture(*args, **kwargs):
         state = original(*args, **kwargs)  # Donated to the first step: keep host copies.
         captured["params"], captured["step"] = jax.device_get((state.params, state.step))
         return state
 
-    monkeypatch.setattr(driver, "warm_start", capture)
+    monkeypatch.setattr(checkpoint, "warm_start", capture)
     driver.train_and_evaluate(config, str(tmp_path / "warm"))
     assert int(captured["step"][0]) == 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(captured["params"]):

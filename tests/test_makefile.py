@@ -46,7 +46,8 @@ _TARGET_EXTRAS = {
     "lint": "test",
     "format": "test",
 }
-_PLUGIN_EXTRAS = ("cuda12", "cuda13", "tpu")
+# Extras for accelerators (JAX's plugins, the GPU decoder): not locked, they cannot run here.
+_PLUGIN_EXTRAS = ("cuda12", "cuda13", "tpu", "gpu-decode-cu12", "gpu-decode-cu13")
 
 
 def _make(*args: str, env: dict[str, str] | None = None, cwd=REPO) -> list[str]:

@@ -24,6 +24,8 @@ The modules, in the order data flows:
   - `pipeline`: grain's workers reading and decoding the batches of encoded
     splits, with `preprocess`'s decoding and random crops and flips, seeded by
     each example's place in the global batch.
+  - `gpu_decode`: the optional GPU decoder: the workers' bytes, boxes and
+    flips decoded on the device (`config.data.decoder="gpu"`).
 - `augment`: on-device random shifts and flips inside the step.
 
 Images travel as stored: uint8 pixels (float32 for synthetic data), never
@@ -43,9 +45,11 @@ from haiku_state.data.device import (
     fits_on_device,
     prefetch_to_device,
 )
+from haiku_state.data.gpu_decode import unavailable_reason as gpu_decoder_unavailable
 from haiku_state.data.in_memory import CIFAR10_MEAN, CIFAR10_STD, DIGITS_NUM_TEST
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice, steps_per_epoch
 from haiku_state.data.pipeline import (
+    DECODER_NAMES,
     default_workers,
     encoded_eval_batches,
     encoded_train_batches,
@@ -78,6 +82,7 @@ __all__ = [
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "DATASETS",
+    "DECODER_NAMES",
     "DEFAULT_OPTIONS",
     "DEVICE_RESIDENT_MAX_BYTES",
     "DIGITS_NUM_TEST",
@@ -100,6 +105,7 @@ __all__ = [
     "encoded_train_batches",
     "eval_batches",
     "fits_on_device",
+    "gpu_decoder_unavailable",
     "load_dataset",
     "make_augment_fn",
     "num_examples",

@@ -20,6 +20,11 @@ module level here and in `preprocess`, and they receive the split's records
 
 Host memory is bounded by the batches in flight: each worker holds about
 `READ_AHEAD + 1` batches, whatever the size of the dataset.
+
+What a worker computes from an example's bytes depends on the decoder
+(`DECODERS`, `config.data.decoder`): the pixels (`"cpu"`, `preprocess`), or the
+bytes with the crop box and flip the host drew, for the device to decode
+(`"gpu"`, `gpu_decode`). Either way the host draws every box and flip.
 """
 
 from __future__ import annotations
@@ -28,15 +33,16 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
+import cv2
 import grain
 import numpy as np
 from absl import flags, logging
 
+from haiku_state.data import gpu_decode, preprocess
 from haiku_state.data import order as order_lib
-from haiku_state.data import preprocess
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import Batch, CorruptImageError, DataError, EncodedSplit
 
@@ -50,6 +56,50 @@ MAX_REPLACEMENTS = 64
 _ENDLESS_STEPS = 2**40
 # How often a worker checks that the process that started it is still there.
 ORPHAN_CHECK_S = 1.0
+
+
+class Decoder(NamedTuple):
+    """What a worker computes from an example's bytes, for one `config.data.decoder`.
+
+    Attributes:
+      train: `(bytes, generator, image_size) -> fields` of a training example;
+        the generator is the example's own (`order.example_seed`).
+      eval: `(bytes, image_size) -> fields` of an evaluation example.
+      blank: `image_size -> fields` of an evaluation example left out (masked).
+      on_device: the device finishes the decoding after the workers; the examples
+        then also carry their `"slot"`, to redo on the host one the device refuses.
+    """
+
+    train: Callable[[bytes, np.random.Generator, int], Batch]
+    eval: Callable[[bytes, int], Batch]
+    blank: Callable[[int], Batch]
+    on_device: bool = False
+
+
+def cpu_train_example(data: bytes, rng: np.random.Generator, image_size: int) -> Batch:
+    """The pixels of the drawn crop and flip: `{"image": uint8 [S, S, 3]}`."""
+    return {"image": preprocess.train_image(data, rng, image_size)}
+
+
+def cpu_eval_example(data: bytes, image_size: int) -> Batch:
+    """The pixels of the centre crop: `{"image": uint8 [S, S, 3]}`."""
+    return {"image": preprocess.eval_image(data, image_size)}
+
+
+def cpu_blank_example(image_size: int) -> Batch:
+    return {"image": np.zeros((image_size, image_size, 3), np.uint8)}
+
+
+CPU_DECODER = Decoder(cpu_train_example, cpu_eval_example, cpu_blank_example)
+# `config.data.decoder`: the pixels computed in the workers ("cpu"), or the bytes with
+# the box and flip the host drew, decoded on the device (`gpu_decode`) after them.
+DECODERS = {
+    "cpu": CPU_DECODER,
+    "gpu": Decoder(
+        gpu_decode.train_request, gpu_decode.eval_request, gpu_decode.blank_request, True
+    ),
+}
+DECODER_NAMES = tuple(DECODERS)
 
 
 def default_workers() -> int:
@@ -104,10 +154,15 @@ class LoadTrainExample:
       seed: the run's seed.
       skip_corrupt: replace an unreadable image by the next readable example of the
         split (the same one whichever worker reads it) instead of stopping.
+      decoder: what the example's fields are computed by (`DECODERS`): the
+        pixels, `"image"`, or what the device decodes them from.
     """
 
-    def __init__(self, split: EncodedSplit, seed: int, skip_corrupt: bool):
+    def __init__(
+        self, split: EncodedSplit, seed: int, skip_corrupt: bool, decoder: Decoder = CPU_DECODER
+    ):
         self._split, self._seed, self._skip_corrupt = split, seed, skip_corrupt
+        self._decoder = decoder
 
     def __call__(self, slot: tuple[int, int, int]) -> dict[str, np.ndarray]:
         step, position, index = slot
@@ -117,7 +172,7 @@ class LoadTrainExample:
             candidate = (index + attempt) % len(records)
             try:
                 data, label = records[candidate]
-                image = preprocess.train_image(data, np.random.default_rng(example_seed), size)
+                fields = self._decoder.train(data, np.random.default_rng(example_seed), size)
             except Exception as e:  # Any failure to read or decode is the file's.
                 if not self._skip_corrupt or attempt == MAX_REPLACEMENTS:
                     raise _corrupt(self._split, candidate, f"for step {step + 1}", e) from None
@@ -129,7 +184,9 @@ class LoadTrainExample:
                 )
                 continue
             _check_label(self._split, candidate, label)
-            example = {"image": image, "label": np.int32(label)}
+            example = {**fields, "label": np.int32(label)}
+            if self._decoder.on_device:
+                example["slot"] = np.array(slot, np.int64)
             if self._skip_corrupt:
                 example["replaced"] = np.float32(attempt > 0)
             return example
@@ -137,28 +194,31 @@ class LoadTrainExample:
 
 
 class LoadEvalExample:
-    """Slot -> `{"image", "label", "mask"}`; an unreadable image is masked out if skipping."""
+    """Slot -> `{"image", "label", "mask"}`; an unreadable image is masked out if skipping.
 
-    def __init__(self, split: EncodedSplit, skip_corrupt: bool):
-        self._split, self._skip_corrupt = split, skip_corrupt
+    `decoder` is `LoadTrainExample`'s.
+    """
+
+    def __init__(self, split: EncodedSplit, skip_corrupt: bool, decoder: Decoder = CPU_DECODER):
+        self._split, self._skip_corrupt, self._decoder = split, skip_corrupt, decoder
 
     def __call__(self, slot: tuple[int, float]) -> dict[str, np.ndarray]:
         index, mask = slot
         records, size = self._split.records, self._split.image_size
         try:
             data, label = records[index]
-            image = preprocess.eval_image(data, size)
+            fields = self._decoder.eval(data, size)
         except Exception as e:  # Any failure to read or decode is the file's.
             if not self._skip_corrupt:
                 raise _corrupt(self._split, index, "in evaluation", e) from None
             logging.warning("Evaluation leaves out unreadable %s (%s).", records.describe(index), e)
-            return {
-                "image": np.zeros((size, size, 3), np.uint8),
-                "label": np.int32(0),
-                "mask": np.float32(0.0),
-            }
-        _check_label(self._split, index, label)
-        return {"image": image, "label": np.int32(label), "mask": np.float32(mask)}
+            fields, label, mask = self._decoder.blank(size), 0, 0.0
+        else:
+            _check_label(self._split, index, label)
+        example = {**fields, "label": np.int32(label), "mask": np.float32(mask)}
+        if self._decoder.on_device:
+            example["slot"] = np.array(slot, np.int64)
+        return example
 
 
 def _corrupt(split: EncodedSplit, index: int, when: str, error: Exception) -> CorruptImageError:
@@ -205,9 +265,13 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
 
     Ctrl-C reaches every process of the terminal's group: a worker ignores it
     and leaves the stop to the training process, which closes the pipeline.
+
+    A worker decodes on one core: OpenCV's own threads would compete with the
+    other workers for theirs.
     """
     del worker_index, worker_count  # The same for every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cv2.setNumThreads(1)
     parent = os.getppid()
 
     def watch() -> None:
@@ -228,6 +292,16 @@ def _check_workers(workers: int | None, where: str) -> int:
     return workers
 
 
+def _check_decoder(decoder: str | Decoder, where: str) -> Decoder:
+    if isinstance(decoder, Decoder):
+        return decoder
+    if decoder not in DECODERS:
+        raise ValueError(
+            f"{where}: unknown decoder {decoder!r}; expected one of {tuple(DECODERS)}."
+        )
+    return DECODERS[decoder]
+
+
 def encoded_train_batches(
     split: EncodedSplit,
     batch_size: int,
@@ -238,6 +312,7 @@ def encoded_train_batches(
     process: ProcessSlice = SINGLE_PROCESS,
     workers: int | None = None,
     skip_corrupt: bool = False,
+    decoder: str | Decoder = "cpu",
 ) -> Iterator[Batch]:
     """This process's training batches of an encoded split, decoded and cropped on the host.
 
@@ -252,6 +327,9 @@ def encoded_train_batches(
         `default_workers()`.
       skip_corrupt: replace unreadable images (see `LoadTrainExample`); the batches
         then carry `"replaced"`, 1.0 where an example stands in for a corrupt one.
+      decoder: `"cpu"`: the workers decode; `"gpu"`: the batches carry each
+        example's bytes, crop box and flip, for `gpu_decode.decoded_batches`
+        (`DECODERS`); or a `Decoder` of the caller's (importable by the workers).
 
     Returns:
       A generator of `{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}`;
@@ -265,7 +343,7 @@ def encoded_train_batches(
     where = "encoded_train_batches"
     order = order_lib.batch_order(len(split.records), batch_size, seed, start_step, process, where)
     slots = TrainSlots(order, start_step, _ENDLESS_STEPS if num_steps is None else num_steps)
-    load = LoadTrainExample(split, seed, skip_corrupt)
+    load = LoadTrainExample(split, seed, skip_corrupt, _check_decoder(decoder, where))
     return _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
 
 
@@ -276,13 +354,14 @@ def encoded_eval_batches(
     process: ProcessSlice = SINGLE_PROCESS,
     workers: int | None = None,
     skip_corrupt: bool = False,
+    decoder: str | Decoder = "cpu",
 ) -> Iterator[Batch]:
     """One pass over an encoded split in centre crops, padded and masked as `eval_batches` is.
 
     With `skip_corrupt`, an unreadable image is masked out (and logged) instead
-    of stopping the evaluation.
+    of stopping the evaluation. `decoder` as in `encoded_train_batches`.
     """
     where = "encoded_eval_batches"
     order = order_lib.eval_order(len(split.records), batch_size, process, where)
-    load = LoadEvalExample(split, skip_corrupt)
+    load = LoadEvalExample(split, skip_corrupt, _check_decoder(decoder, where))
     return _grain_batches(EvalSlots(order), load, order.local_size, _check_workers(workers, where))

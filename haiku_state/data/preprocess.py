@@ -7,16 +7,26 @@ centred square of side `0.875 x` the short side, resized to `image_size`: the
 usual "resize the short side to `image_size / 0.875`, centre-crop `image_size`"
 with one resampling instead of two.
 
-The crop is chosen from the image's size alone (read from its header), before
-the pixels are decoded, so a JPEG can be decoded at 1/2, 1/4 or 1/8 scale in the
-DCT domain when the crop stays at least `image_size` wide: large photos then
-cost a fraction of a full decode. The random draws come from the generator the
+The crop and the flip are drawn from the image's size alone (read from its
+header), before the pixels are decoded (`train_plan`), from the generator the
 caller passes, seeded by the example's place in the global batch (see
-`order.example_seed`), never from a worker's state.
+`order.example_seed`), never from a worker's state. So the host decides every
+box and flip, whichever decoder computes the pixels (this module on the CPU,
+or `gpu_decode` on the device).
 
-Decoding goes by content, not by file name: JPEGs in RGB or grayscale go through
-libjpeg-turbo (`simplejpeg`); everything else (PNG, CMYK JPEGs, a PNG named
-`.JPEG`, files libjpeg-turbo refuses) through PIL. All come out RGB.
+The CPU decoder:
+- JPEGs in RGB or grayscale go through libjpeg-turbo (`simplejpeg`), at the
+  largest DCT scale (1/2, 1/4 or 1/8) that keeps the crop at least `image_size`
+  wide: large photos cost a fraction of a full decode. Everything else (PNG,
+  CMYK JPEGs, a PNG named `.JPEG`, files libjpeg-turbo refuses) goes through PIL
+  (with the same DCT scaling for JPEGs). All come out RGB.
+- The box, rounded to whole pixels of the decoded image, is resized by OpenCV's
+  bilinear interpolation (`cv2.INTER_LINEAR`: fixed-point, no antialiasing,
+  what TensorFlow's `resize_bilinear` computes). The DCT scaling leaves a JPEG
+  crop less than twice `image_size` along its short side; a crop still larger
+  than that (a large PNG) is area-averaged instead (`cv2.INTER_AREA`), so it
+  does not alias.
+- The mirror image is taken of the resized crop (`cv2.flip`).
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
+import cv2
 import numpy as np
 import simplejpeg
 from PIL import Image
@@ -41,6 +53,18 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")
 _DCT_SCALES = (8, 4, 2)
 _SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
+
+
+class Plan(NamedTuple):
+    """What the host draws for one training example before any pixel is decoded.
+
+    Attributes:
+      box: the crop, `(left, top, right, bottom)` in pixels of the full image.
+      flip: whether the resized crop is mirrored left to right.
+    """
+
+    box: Box
+    flip: bool
 
 
 def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
@@ -77,33 +101,78 @@ def center_crop_box(width: int, height: int) -> Box:
     return (left, top, left + side, top + side)
 
 
-def decode_crop(data: bytes, crop: CropFn, image_size: int) -> np.ndarray:
+def train_plan(width: int, height: int, rng: np.random.Generator) -> Plan:
+    """The random crop and flip of a training image of this size: two draws, in this order."""
+    box = random_crop_box(width, height, rng)
+    return Plan(box, bool(rng.uniform() < 0.5))
+
+
+def encoded_size(data: bytes) -> tuple[int, int]:
+    """`(width, height)` from the header of an encoded image.
+
+    Raises:
+      Whatever PIL raises for bytes that are not an image it knows.
+    """
+    size = _turbo_size(data)
+    if size is not None:
+        return size
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size
+
+
+def decode_crop(data: bytes, crop: CropFn, image_size: int, flip: bool = False) -> np.ndarray:
     """Decodes an encoded image and resizes the box `crop` picks to `image_size` squared.
 
     Args:
       data: the file's bytes: JPEG, PNG, or anything else PIL reads.
       crop: `(width, height) -> box`, called once with the image's full size.
       image_size: the side of the output.
+      flip: mirror the output left to right.
 
     Returns:
-      uint8 `[image_size, image_size, 3]`, RGB.
+      uint8 `[image_size, image_size, 3]`, RGB, C-contiguous.
 
     Raises:
       Whatever PIL raises for bytes it cannot read (`PIL.UnidentifiedImageError`,
       `OSError` for a truncated file, ...).
     """
-    return np.asarray(_decode_crop_image(data, crop, image_size))
+    pixels, box = _decode(data, crop, image_size)
+    return resize_crop(pixels, box, image_size, flip)
 
 
-def _decode_crop_image(data: bytes, crop: CropFn, image_size: int) -> Image.Image:
-    size = _turbo_size(data)
-    if size is None:
-        return _decode_crop_pil(data, crop, image_size)
-    box = crop(*size)
-    try:
-        return _decode_crop_turbo(data, size, box, image_size)
-    except ValueError:  # A defect libjpeg-turbo refuses (strictly): PIL decides, same box.
-        return _decode_crop_pil(data, lambda width, height: box, image_size)
+def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.ndarray:
+    """A random crop of the encoded image, resized to `image_size`, mirrored half the time."""
+    plans = []
+
+    def crop(width: int, height: int) -> Box:
+        plans.append(train_plan(width, height, rng))
+        return plans[0].box
+
+    pixels, box = _decode(data, crop, image_size)
+    return resize_crop(pixels, box, image_size, plans[0].flip)
+
+
+def eval_image(data: bytes, image_size: int) -> np.ndarray:
+    """The centre crop of the encoded image, resized to `image_size`."""
+    return decode_crop(data, center_crop_box, image_size)
+
+
+def resize_crop(pixels: np.ndarray, box: Box, image_size: int, flip: bool) -> np.ndarray:
+    """`box` of `pixels` (uint8 `[H, W, 3]`), rounded to whole pixels, resized, maybe mirrored."""
+    height, width = pixels.shape[:2]
+    left, right = _pixel_span(box[0], box[2], width)
+    top, bottom = _pixel_span(box[1], box[3], height)
+    crop = pixels[top:bottom, left:right]
+    shrink_twice = min(right - left, bottom - top) >= 2 * image_size
+    interpolation = cv2.INTER_AREA if shrink_twice else cv2.INTER_LINEAR
+    out = cv2.resize(crop, (image_size, image_size), interpolation=interpolation)
+    return cv2.flip(out, 1) if flip else out
+
+
+def _pixel_span(start: float, end: float, limit: int) -> tuple[int, int]:
+    """`[start, end)` rounded to whole pixels inside `[0, limit)`, at least one pixel wide."""
+    first = min(max(round(start), 0), limit - 1)
+    return first, min(max(round(end), first + 1), limit)
 
 
 def _turbo_size(data: bytes) -> tuple[int, int] | None:
@@ -123,35 +192,46 @@ def _dct_scale(box: Box, image_size: int) -> int:
     return next((s for s in _DCT_SCALES if shortest / s >= image_size), 1)
 
 
-def _resized(
-    image: Image.Image, box: Box, scale: tuple[float, float], image_size: int
-) -> Image.Image:
-    """`box` (in pixels of the undecoded image) of `image` (decoded at `scale`), resized."""
-    sx, sy = scale
-    scaled_box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-    return image.resize((image_size, image_size), Image.Resampling.BILINEAR, box=scaled_box)
+def _decode(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box]:
+    """The decoded pixels (DCT-scaled for the crop) and `crop`'s box in their pixels.
+
+    `crop` is called once, with the full size, whichever library decodes.
+    """
+    size = _turbo_size(data)
+    if size is None:
+        return _decode_pil(data, crop, image_size)
+    box = crop(*size)
+    try:
+        pixels = _decode_turbo(data, size, box, image_size)
+    except ValueError:  # A defect libjpeg-turbo refuses (strictly): PIL decides, same box.
+        return _decode_pil(data, lambda width, height: box, image_size)
+    return pixels, _scaled(box, size, pixels)
 
 
-def _decode_crop_turbo(data: bytes, size: tuple[int, int], box: Box, image_size: int) -> np.ndarray:
+def _scaled(box: Box, size: tuple[int, int], pixels: np.ndarray) -> Box:
+    """`box`, in pixels of an image of `size`, in pixels of its decoding `pixels`."""
+    sx, sy = pixels.shape[1] / size[0], pixels.shape[0] / size[1]
+    return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+
+def _decode_turbo(data: bytes, size: tuple[int, int], box: Box, image_size: int) -> np.ndarray:
     width, height = size
     scale = _dct_scale(box, image_size)
-    pixels = simplejpeg.decode_jpeg(
+    return simplejpeg.decode_jpeg(
         data, colorspace="RGB", min_height=-(-height // scale), min_width=-(-width // scale)
     )
-    decoded = (pixels.shape[1] / width, pixels.shape[0] / height)
-    return _resized(Image.fromarray(pixels), box, decoded, image_size)
 
 
-def _decode_crop_pil(data: bytes, crop: CropFn, image_size: int) -> Image.Image:
+def _decode_pil(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box]:
+    """The pixels PIL decodes (at a DCT scale for a JPEG) and `crop`'s box in their pixels."""
     with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-        box = crop(width, height)
+        size = image.size
+        box = crop(*size)
         scale = _dct_scale(box, image_size)
         if scale > 1:  # JPEG only; PIL ignores the draft of other formats.
-            image.draft("RGB", (width // scale, height // scale))
-        rgb = _to_rgb(image)
-        decoded = (rgb.width / width, rgb.height / height)
-        return _resized(rgb, box, decoded, image_size)
+            image.draft("RGB", (size[0] // scale, size[1] // scale))
+        pixels = np.asarray(_to_rgb(image))
+    return pixels, _scaled(box, size, pixels)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -162,18 +242,3 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")  # What PIL asks for before dropping the alpha.
     return image.convert("RGB")
-
-
-def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.ndarray:
-    """A random crop of the encoded image, resized to `image_size`, mirrored half the time."""
-    pixels = decode_crop(
-        data, lambda width, height: random_crop_box(width, height, rng), image_size
-    )
-    if rng.uniform() < 0.5:
-        pixels = pixels[:, ::-1]
-    return np.ascontiguousarray(pixels)
-
-
-def eval_image(data: bytes, image_size: int) -> np.ndarray:
-    """The centre crop of the encoded image, resized to `image_size`."""
-    return np.ascontiguousarray(decode_crop(data, center_crop_box, image_size))

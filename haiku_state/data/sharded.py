@@ -16,19 +16,19 @@ as a pmapped step takes them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
-from haiku_state.data import batches, device, pipeline
+from haiku_state.data import batches, device, gpu_decode, pipeline
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import AnySplit, Batch, EncodedSplit
 
 
 class PipelineOptions(NamedTuple):
-    """How the host side of the input runs (`config.data.workers`, `prefetch`, `skip_corrupt`).
+    """How the host side of the input runs (`config.data.workers`, `prefetch`, ...).
 
     None of them changes which batches a run sees, except `skip_corrupt` where an
-    image is unreadable.
+    image is unreadable; `decoder` changes the pixels slightly, not the crops.
 
     Attributes:
       workers: decoding processes for encoded splits; 0 decodes in the prefetch
@@ -36,11 +36,14 @@ class PipelineOptions(NamedTuple):
       prefetch: host batches kept ready on the devices.
       skip_corrupt: replace (training) or leave out (evaluation) unreadable images
         instead of stopping with an error naming the file.
+      decoder: who computes an encoded split's pixels: `"cpu"`, the workers, or
+        `"gpu"`, the devices (`gpu_decode`), from the workers' bytes, boxes and flips.
     """
 
     workers: int | None = None
     prefetch: int = 2
     skip_corrupt: bool = False
+    decoder: str = "cpu"
 
 
 DEFAULT_OPTIONS = PipelineOptions()
@@ -82,7 +85,11 @@ def sharded_train_batches(
             process=process,
             workers=options.workers,
             skip_corrupt=options.skip_corrupt,
+            decoder=options.decoder,
         )
+        if options.decoder == "gpu":
+            host_load = pipeline.LoadTrainExample(split, seed, options.skip_corrupt)
+            host_batches = _on_device(host_batches, split, host_load)
     elif device.fits_on_device(split):
         return device.device_train_batches(
             split, batch_size, seed=seed, start_step=start_step, process=process
@@ -112,7 +119,19 @@ def sharded_eval_batches(
             process=process,
             workers=options.workers,
             skip_corrupt=options.skip_corrupt,
+            decoder=options.decoder,
         )
+        if options.decoder == "gpu":
+            host_load = pipeline.LoadEvalExample(split, options.skip_corrupt)
+            host_batches = _on_device(host_batches, split, host_load)
     else:
         host_batches = batches.eval_batches(split, batch_size, process=process)
     return device.prefetch_to_device(host_batches, size=options.prefetch)
+
+
+def _on_device(
+    host_batches: Iterator[Batch], split: EncodedSplit, host_load: Callable[[Any], Batch]
+) -> Iterator[Batch]:
+    """The GPU decoder's device half; `host_load` (the CPU decoder's) redoes what it refuses."""
+    decoder = gpu_decode.DeviceDecoder(split.image_size, host_load)
+    return gpu_decode.decoded_batches(host_batches, decoder)
