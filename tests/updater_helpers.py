@@ -13,7 +13,7 @@ import optax
 from trees import is_typed_key
 
 import haiku_state as hs
-from haiku_state import losses, models, replication
+from haiku_state import data, losses, models, replication
 
 NUM_DEVICES = 4
 NUM_CLASSES = 10
@@ -108,12 +108,36 @@ def train_for_comparison(model_name: str, num_steps: int = 3) -> dict[str, np.nd
     train_state = updater.init(0, batches[0])
     train_state, metrics = run_steps(updater, train_state, batches)
     hs.assert_replicas_identical((train_state.params, train_state.state))
+    return flat_result(hs.unreplicate(train_state), metrics)
+
+
+def flat_result(train_state: hs.TrainState, metrics: list) -> dict[str, np.ndarray]:
+    """Params, BatchNorm state, key and per-step losses of an unreplicated or global TrainState."""
     result = {"loss": np.array([m["loss"] for m in metrics])}
-    for field in ("params", "state"):
-        tree = to_host(hs.unreplicate(getattr(train_state, field)))
+    for field in ("params", "state", "rng"):
+        tree = to_host(getattr(train_state, field))
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             result[f"{field}{jax.tree_util.keystr(path)}"] = leaf
     return result
+
+
+def train_jit_with_dropout(num_steps: int = 3) -> dict[str, np.ndarray]:
+    """3 jit steps with dropout and augmentation on fixed global batches, on this process's devices.
+
+    The randomness is drawn over the global batch from the one key, so the result must
+    not depend on the device count. Run in-process (4 devices) and in 1- and 8-device
+    subprocesses.
+    """
+    updater = hs.Updater(
+        bn_mlp(None, dropout_rate=0.3),
+        optax.sgd(0.1, momentum=0.9),
+        losses.classification_loss(NUM_CLASSES),
+        augment_fn=data.make_augment_fn(max_shift=1),
+        backend="jit",
+    )
+    batches = [hs.shard(host_batch(seed)) for seed in range(10, 10 + num_steps)]
+    train_state, metrics = run_steps(updater, updater.init(0, batches[0]), batches)
+    return flat_result(train_state, metrics)
 
 
 def per_device_step_reference(forward, loss_fn, host_train_state, batch):
