@@ -432,17 +432,22 @@ class Updater:
     # The jit backend: the same functions on the global batch, with explicit shardings.
 
     def _init_global(self, init_key: jax.Array, run_key: jax.Array, batch: Batch) -> TrainState:
-        keys = jax.device_put((init_key, run_key), sharding.replicated(self._mesh))
+        # The keys as host data: every process holds the same, and the program places
+        # them on every device (a device array cannot be put on other processes' devices).
+        key_data = np.stack([jax.device_get(jax.random.key_data(k)) for k in (init_key, run_key)])
+        key_impl = str(jax.random.key_impl(init_key))
         batch = sharding.global_batch_view(batch, self._mesh)
         try:
-            like = jax.eval_shape(self._init_global_fn, keys, batch)
+            like = jax.eval_shape(
+                functools.partial(self._init_global_fn, key_impl=key_impl), key_data, batch
+            )
         except NameError as e:
             self._refuse_unbound_axis(e, "init")
             raise
-        return self._global_programs_for(like).init(keys, batch)
+        return self._global_programs_for(like).init(key_data, batch, key_impl)
 
-    def _init_global_fn(self, keys, batch) -> TrainState:
-        init_key, run_key = keys
+    def _init_global_fn(self, key_data, batch, key_impl: str) -> TrainState:
+        init_key, run_key = (jax.random.wrap_key_data(k, impl=key_impl) for k in key_data)
         batch = sharding.merge_device_axis(batch, self._mesh)
         params, state, opt_state = self._init_fn(init_key, batch)
         return TrainState(params, state, opt_state, run_key, jnp.zeros((), jnp.int32))
@@ -479,7 +484,10 @@ class Updater:
         return _GlobalPrograms(
             shardings=shardings,
             init=jax.jit(
-                self._init_global_fn, in_shardings=(whole, batch), out_shardings=shardings
+                self._init_global_fn,
+                in_shardings=(whole, batch),
+                out_shardings=shardings,
+                static_argnums=2,  # key_impl
             ),
             update=update,
             evaluate=jax.jit(
