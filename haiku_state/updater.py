@@ -167,6 +167,15 @@ def _norms(grads: Any, params: Any, updates: Any) -> Metrics:
     }
 
 
+def _raise_deleted(train_state: TrainState, where: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"{where}: train_state{jax.tree_util.keystr(path)} is deleted: this TrainState "
+                "was donated to an earlier update; use the TrainState that update returned."
+            )
+
+
 def _signature(tree: Any) -> tuple:
     """What the jit backend's shardings of a tree depend on: its structure, shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -542,6 +551,12 @@ class Updater:
         if not isinstance(train_state, TrainState):
             raise TypeError(f"{where}: expected a TrainState, got {type(train_state).__name__}.")
         replication.check_batch(batch, where)
+        # A train state passed to update before: its buffers are gone (jax 0.10 crashes on it).
+        if any(
+            isinstance(leaf, jax.Array) and leaf.is_deleted()
+            for leaf in jax.tree.leaves(train_state)
+        ):
+            _raise_deleted(train_state, where)
         if self._backend == "jit":
             if not sharding.is_global(train_state):
                 raise ValueError(

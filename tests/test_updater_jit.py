@@ -404,7 +404,8 @@ def test_update_donates_the_train_state_and_refuses_it_afterwards(runs):
     for field in ("params", "opt_state", "rng", "step"):
         assert all(leaf.is_deleted() for leaf in jax.tree.leaves(getattr(train_state, field)))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_state))
-    with pytest.raises(RuntimeError, match="deleted"):
+    # Refused before jit sees it (jax 0.10 would crash on the deleted buffers).
+    with pytest.raises(ValueError, match=r"^update: train_state\.params.* is deleted: this Train"):
         step_updater.update(train_state, batch)
 
 
