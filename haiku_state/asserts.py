@@ -1,14 +1,16 @@
 """Checks of the invariants a data-parallel run relies on.
 
 Every replica of params, state and opt_state is bit-identical; every device
-draws from its own PRNG key; losses and params stay finite. In a multi-process
-run (`jax.distributed`) the replica and key checks compare the devices of
-every process, not only the local ones; they are then collectives, which
-every process must call alike.
+draws from its own PRNG key (pmap layout), or every device holds the same one
+key (jit layout); every sharded leaf's shards tile it exactly; losses and
+params stay finite. In a multi-process run (`jax.distributed`) the replica and
+key checks compare the devices of every process, not only the local ones; they
+are then collectives, which every process must call alike.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -18,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from haiku_state import replication
+from haiku_state import replication, sharding
 
 PyTree = Any
 
@@ -125,19 +128,22 @@ def assert_replicas_identical(tree: PyTree) -> None:
     mismatch_fn = _global_replica_mismatch if multiprocess else _replica_mismatch
     mismatch = jax.device_get(mismatch_fn(leaves))
     for (path, leaf), differs in zip(paths_and_leaves, mismatch, strict=True):
-        if not np.any(differs):
-            continue
-        name = jax.tree_util.keystr(path) or "<root>"
-        bad_devices = np.flatnonzero(differs).tolist()
-        if multiprocess:
-            raise AssertionError(
-                f"Replicas differ at leaf {name}: global devices {bad_devices} differ from "
-                f"global device 0 (process 0) across the {jax.process_count()} processes."
-            )
+        if np.any(differs):
+            name = jax.tree_util.keystr(path) or "<root>"
+            report = "" if multiprocess else _elementwise_report(leaf, np.flatnonzero(differs)[0])
+            _raise_replicas_differ(name, differs, report)
+
+
+def _raise_replicas_differ(name: str, differs: np.ndarray, report: str = "") -> None:
+    bad_devices = np.flatnonzero(differs).tolist()
+    if jax.process_count() > 1:
         raise AssertionError(
-            f"Replicas differ at leaf {name}: devices {bad_devices} differ from device 0."
-            + _elementwise_report(leaf, bad_devices[0])
+            f"Replicas differ at leaf {name}: global devices {bad_devices} differ from "
+            f"global device 0 (process 0) across the {jax.process_count()} processes."
         )
+    raise AssertionError(
+        f"Replicas differ at leaf {name}: devices {bad_devices} differ from device 0." + report
+    )
 
 
 def _elementwise_report(leaf: jax.Array, device: int) -> str:
@@ -182,7 +188,168 @@ def assert_keys_distinct(keys: jax.Array) -> None:
         first_seen[signature] = device
 
 
+def assert_global_layout(tree: PyTree) -> None:
+    """Asserts the invariants of global arrays (the jit layout), naming the leaf that breaks one.
+
+    * Every leaf lives on every device (the mesh of `sharding.mesh`).
+    * A replicated leaf is bit-identical on every device: each device's copy (its
+      addressable shard) is compared with global device 0's on device, and only a
+      boolean per leaf and device comes back. In a multi-process run that covers
+      the devices of every process, as `assert_replicas_identical` does; every
+      process must call it.
+    * A sharded leaf's shards tile it exactly: every element is held by exactly
+      one device, and each addressable shard holds the block its sharding assigns.
+
+    Raises:
+      AssertionError: naming the first leaf path that breaks an invariant.
+    """
+    all_devices = set(jax.devices())
+    replicated = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        name = jax.tree_util.keystr(path) or "<root>"
+        if not isinstance(leaf, jax.Array):
+            raise AssertionError(f"Leaf {name} is a {type(leaf).__name__}, not a jax.Array.")
+        if leaf.sharding.device_set != all_devices:
+            held_by = sorted(device.id for device in leaf.sharding.device_set)
+            raise AssertionError(
+                f"Leaf {name} lives on devices {held_by}, not on all {len(all_devices)} devices."
+            )
+        if leaf.sharding.is_fully_replicated:
+            replicated.append((name, leaf))
+            continue
+        blocks = leaf.sharding.devices_indices_map(leaf.shape)
+        problem = tiling_problem({d.id: index for d, index in blocks.items()}, leaf.shape)
+        if problem or (problem := _shards_problem(leaf)):
+            raise AssertionError(
+                f"Shards of leaf {name} do not tile its shape {leaf.shape}: {problem}"
+            )
+    if not replicated:
+        return
+    mismatch = jax.device_get(_copies_mismatch([_copies(leaf) for _, leaf in replicated]))
+    for (name, leaf), differs in zip(replicated, mismatch, strict=True):
+        if np.any(differs):
+            multiprocess = jax.process_count() > 1
+            report = "" if multiprocess else _copies_report(leaf, np.flatnonzero(differs)[0])
+            _raise_replicas_differ(name, differs, report)
+
+
+Block = tuple[tuple[int, int], ...]  # (start, stop) along every axis.
+
+
+def tiling_problem(indices: Mapping[int, tuple[slice, ...]], shape: tuple[int, ...]) -> str | None:
+    """What keeps the blocks of `indices` from covering `shape` exactly once; None if nothing.
+
+    Args:
+      indices: device id -> the index (one slice per axis) of the block it holds,
+        as `Sharding.devices_indices_map` gives it.
+      shape: the global shape.
+    """
+    holders: dict[Block, list[int]] = {}
+    for device_id, index in indices.items():
+        holders.setdefault(_block(index, shape), []).append(device_id)
+    for block, device_ids in holders.items():
+        if len(device_ids) > 1:
+            return f"devices {sorted(device_ids)} all hold the block {_format_block(block)}."
+    for a, b in itertools.combinations(holders, 2):
+        if all(
+            max(a_lo, b_lo) < min(a_hi, b_hi)
+            for (a_lo, a_hi), (b_lo, b_hi) in zip(a, b, strict=True)
+        ):
+            return (
+                f"the blocks {_format_block(a)} of devices {holders[a]} and "
+                f"{_format_block(b)} of devices {holders[b]} overlap."
+            )
+    covered, size = sum(_volume(block) for block in holders), math.prod(shape)
+    if covered != size:
+        return f"the blocks cover {covered} of its {size} elements."
+    return None
+
+
+def _block(index: tuple[slice, ...], shape: tuple[int, ...]) -> Block:
+    return tuple(axis.indices(size)[:2] for axis, size in zip(index, shape, strict=True))
+
+
+def _volume(block: Block) -> int:
+    return math.prod(stop - start for start, stop in block)
+
+
+def _format_block(block: Block) -> str:
+    return "[" + ", ".join(f"{start}:{stop}" for start, stop in block) + "]"
+
+
+def _shards_problem(leaf: jax.Array) -> str | None:
+    """Whether an addressable shard's data is not the shape of the block assigned to its device."""
+    blocks = leaf.sharding.devices_indices_map(leaf.shape)
+    for shard in leaf.addressable_shards:
+        block = _block(blocks[shard.device], leaf.shape)
+        if shard.data.shape != tuple(stop - start for start, stop in block):
+            return (
+                f"device {shard.device.id} holds data of shape {shard.data.shape} for the "
+                f"block {_format_block(block)}."
+            )
+    return None
+
+
+def _copies(leaf: jax.Array) -> jax.Array:
+    """A replicated leaf's copies side by side: `[devices * n, ...]`, split over the devices.
+
+    Made of the devices' own buffers (nothing is copied), so block `g` is what
+    global device `g` holds. A scalar's copies become `[devices]`.
+    """
+    check_mesh = replication.global_mesh(_CHECK_AXIS)
+    copies = [
+        shard.data if leaf.ndim else shard.data.reshape(1) for shard in leaf.addressable_shards
+    ]
+    shape = copies[0].shape
+    return jax.make_array_from_single_device_arrays(
+        (check_mesh.size * shape[0], *shape[1:]),
+        NamedSharding(check_mesh, PartitionSpec(_CHECK_AXIS)),
+        copies,
+    )
+
+
+@jax.jit
+def _copies_mismatch(copies: list[jax.Array]) -> list[jax.Array]:
+    """Per leaf of `_copies`: `[global_devices]` booleans, does this copy differ from device 0's?"""
+    return jax.shard_map(
+        _differs_from_global_device_0,
+        mesh=replication.global_mesh(_CHECK_AXIS),
+        in_specs=PartitionSpec(_CHECK_AXIS),
+        out_specs=PartitionSpec(),
+        check_vma=False,  # The comparison is of copies that claim to be equal.
+    )(copies)
+
+
+def _copies_report(leaf: jax.Array, device: int) -> str:
+    """chex's report of how device `device`'s copy of `leaf` differs from device 0's (1 process)."""
+    copies = {shard.device: shard.data for shard in leaf.addressable_shards}
+    devices = jax.devices()
+    first, other = (
+        np.asarray(
+            _leaf_bits(copies[devices[d]]) if replication.is_key(leaf) else copies[devices[d]]
+        )
+        for d in (0, device)
+    )
+    try:
+        chex.assert_trees_all_equal(first, other)
+    except AssertionError as e:
+        return f"\n{e}"
+    return ""
+
+
 def assert_train_state_invariants(train_state: Any) -> None:
-    """Replicas identical (params, state, opt_state, step) and keys distinct per device."""
+    """The replica and key invariants of a `TrainState` of either layout.
+
+    pmap layout (`pmap`, `shard_map` backends): replicas identical (params,
+    state, opt_state, step) and keys distinct per device.
+
+    jit layout (`sharding.is_global`): `assert_global_layout` of every leaf. The
+    one key is a replicated leaf like the step: "keys distinct per device"
+    becomes "the key is replicated identically", since the step draws from it
+    once, over the global batch, instead of once per device.
+    """
+    if sharding.is_global(train_state):
+        assert_global_layout(train_state)
+        return
     assert_replicas_identical(train_state._replace(rng=()))
     assert_keys_distinct(train_state.rng)

@@ -7,8 +7,11 @@ on devices when they carry the sharding pmap itself would produce:
 this module produces exactly that layout, so the arrays it returns can be fed
 to a pmapped function every step without being copied again.
 
-`parallelize` maps a per-device function over that layout with either backend,
-`jax.pmap` or `jax.jit(jax.shard_map(...))`, so the Updater is written once.
+`parallelize` maps a per-device function over that layout with either
+per-device backend, `jax.pmap` or `jax.jit(jax.shard_map(...))`, so the Updater
+is written once. The Updater's third backend, `jit`, keeps global arrays with no
+device axis instead (`haiku_state.sharding`); it reads its batch from this
+module's layout.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 PyTree = Any
 DEFAULT_AXIS_NAME = "i"
-BACKENDS = ("pmap", "shard_map")
+# The Updater's backends; the first two map per-device functions (`parallelize`).
+BACKENDS = ("pmap", "shard_map", "jit")
+PER_DEVICE_BACKENDS = ("pmap", "shard_map")
 
 
 @functools.cache
@@ -210,8 +215,10 @@ def parallelize(
     Returns:
       The mapped function; it has `.lower(*args)` for cost and memory analysis.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"Unknown backend {backend!r}; expected one of {BACKENDS}.")
+    if backend not in PER_DEVICE_BACKENDS:
+        raise ValueError(
+            f"Unknown per-device backend {backend!r}; expected one of {PER_DEVICE_BACKENDS}."
+        )
     if backend == "pmap":
         return jax.pmap(
             per_device_fn, axis_name=axis_name, out_axes=out_axes, donate_argnums=donate_argnums

@@ -1,13 +1,24 @@
 """The Updater: one data-parallel training step over Haiku params and state.
 
-A `TrainState` holds everything that changes during training. Every leaf has a
-leading axis of `jax.local_device_count()`: `params`, `state` and `opt_state`
-are identical across that axis, `rng` holds one distinct PRNG key per device and
-`step` the (identical) step count.
+A `TrainState` holds everything that changes during training, in one of two
+layouts, by backend:
 
-The step is a pure function `(train_state, batch) -> (train_state, metrics)`
-mapped once over the devices (`replication.parallelize`) with the train state's
-buffers donated:
+* `pmap`, `shard_map`: every leaf has a leading axis of
+  `jax.local_device_count()`. `params`, `state` and `opt_state` are identical
+  across that axis, `rng` holds one distinct PRNG key per device and `step` the
+  (identical) step count.
+* `jit`: global `jax.Array`s on `sharding.mesh(axis_name)`, every device of every
+  process, with no device axis. `params` and `opt_state` are replicated or
+  split over the devices (`param_sharding`, see `haiku_state.sharding`), `state`
+  is replicated, `rng` is one replicated key and `step` a replicated scalar.
+
+The step is a pure function `(train_state, batch) -> (train_state, metrics)`,
+written once. The per-device backends map it over the devices
+(`replication.parallelize`); `jit` compiles it once over the global batch,
+with the shardings of `haiku_state.sharding`. Either way the train state's
+buffers are donated.
+
+Per-device backends:
 
 * each device splits its own key, so dropout masks and augmentations differ
   across devices and are fresh every step;
@@ -20,6 +31,13 @@ buffers donated:
   step on one device with the same global batch. Integer leaves (BatchNorm's
   `counter`) are identical anyway and are kept as they are: averaging would
   turn them into floats.
+
+`jit`: the step sees the global batch, so there is nothing to average. Its one
+key is split once per step, and dropout masks and augmentations are drawn over
+the global batch: a run does not depend on the number of devices or processes
+it is spread over. BatchNorm built with `cross_replica_axis=None` computes the
+statistics of the global batch (XLA inserts the reductions); a network built
+with a `cross_replica_axis` is refused (no device axis is bound under jit).
 """
 
 from __future__ import annotations
@@ -36,9 +54,10 @@ import jmp
 import numpy as np
 import optax
 
-from haiku_state import asserts, replication
+from haiku_state import asserts, replication, sharding
 
 BACKENDS = replication.BACKENDS
+PARAM_SHARDINGS = sharding.PARAM_SHARDINGS
 
 Batch = Mapping[str, Any]
 Metrics = dict[str, jax.Array]
@@ -49,19 +68,23 @@ AugmentFn = Callable[[jax.Array, Batch], Batch]
 class TrainState(NamedTuple):
     """Everything a training run carries from one step to the next.
 
-    Every leaf has a leading axis of `jax.local_device_count()`.
+    pmap and shard_map backends: every leaf has a leading axis of
+    `jax.local_device_count()`. jit backend: global arrays without it (see the
+    module docstring); `sharding.is_global` tells the layouts apart.
     """
 
     params: hk.Params
     state: hk.State
     opt_state: optax.OptState
-    rng: jax.Array  # typed PRNG keys, one distinct key per device: shape [devices]
-    step: jax.Array  # int32 [devices]
+    # Typed PRNG keys: one distinct key per device, shape [devices] (pmap, shard_map),
+    # or one replicated key, shape () (jit).
+    rng: jax.Array
+    step: jax.Array  # int32: [devices] (pmap, shard_map) or () replicated (jit)
 
 
 def step_of(train_state: TrainState) -> int:
-    """The step a replicated `TrainState` is at, on the host (waits for it)."""
-    return int(jax.device_get(train_state.step.addressable_data(0))[0])
+    """The step a `TrainState` of either layout is at, on the host (waits for it)."""
+    return int(np.ravel(jax.device_get(train_state.step.addressable_data(0)))[0])
 
 
 class LossScaledOptState(NamedTuple):
@@ -125,7 +148,7 @@ def _checked_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Arra
     if jnp.shape(loss) != ():
         raise ValueError(
             f"loss_fn must return a scalar loss; got shape {jnp.shape(loss)}. Reduce it "
-            "over the per-device batch (e.g. with jnp.mean)."
+            "over the batch (e.g. with jnp.mean)."
         )
     for name, value in metrics.items():
         if jnp.shape(value) != ():
@@ -144,6 +167,30 @@ def _norms(grads: Any, params: Any, updates: Any) -> Metrics:
     }
 
 
+def _raise_deleted(train_state: TrainState, where: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"{where}: train_state{jax.tree_util.keystr(path)} is deleted: this TrainState "
+                "was donated to an earlier update; use the TrainState that update returned."
+            )
+
+
+def _signature(tree: Any) -> tuple:
+    """What the jit backend's shardings of a tree depend on: its structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+
+
+class _GlobalPrograms(NamedTuple):
+    """The jit backend's compiled functions for train states of one shape."""
+
+    shardings: TrainState  # Of every leaf, by the param_sharding rule.
+    init: Callable[..., TrainState]
+    update: dict[bool, Callable[..., tuple[TrainState, Metrics]]]  # By with_norms.
+    evaluate: Callable[..., Metrics]
+
+
 class Updater:
     """Initialises and updates a `TrainState` with a data-parallel step.
 
@@ -151,10 +198,15 @@ class Updater:
       forward: `hk.transform_with_state` of `f(batch, is_training) -> outputs`.
       optimizer: the optax transformation applied to the averaged gradients.
       loss_fn: `loss_fn(outputs, batch) -> (scalar loss, dict of scalar metrics)`,
-        evaluated on each device's shard of the batch.
-      axis_name: the device axis; BatchNorm's `cross_replica_axis` must match it.
+        evaluated on each device's shard of the batch (pmap, shard_map) or on the
+        global batch (jit).
+      axis_name: the device axis; with a per-device backend BatchNorm's
+        `cross_replica_axis` must match it. With `jit` it names the mesh's axis,
+        and the network must not use it (build BatchNorm with
+        `cross_replica_axis=None`): `init` refuses a network that does.
       augment_fn: optional `(key, batch) -> batch`, run on device at the start of
-        every training step with a per-device key (not during evaluation).
+        every training step (not during evaluation), with a per-device key on
+        each device's shard (pmap, shard_map) or with one key on the global batch (jit).
       check_finite: if True, `update` waits for every step's loss and raises
         `FloatingPointError` naming the step when it is not finite. That is a
         host sync per step: a debugging aid, off by default.
@@ -163,8 +215,16 @@ class Updater:
         after. The scale is part of `opt_state` (a `LossScaledOptState`); a
         `jmp.DynamicLossScale` halves on non-finite gradients, whose step is then
         skipped on every device alike, and grows after a run of good steps.
-      backend: `"pmap"` or `"shard_map"` (see `replication.parallelize`); both
-        use the same `TrainState` layout, so checkpoints move freely between them.
+      backend: `"pmap"` or `"shard_map"` (see `replication.parallelize`), which
+        share the per-device `TrainState` layout, so checkpoints move freely
+        between them; or `"jit"`, one program over the global batch and a
+        `TrainState` of global arrays (see the module docstring).
+      param_sharding: with `backend="jit"`, how params and `opt_state` are laid
+        out over the devices: `"replicated"` or `"fsdp"` (`haiku_state.sharding`).
+        The per-device backends replicate them: they take only `"replicated"`.
+
+    Raises:
+      ValueError: for an unknown backend or param_sharding, or `"fsdp"` without jit.
     """
 
     def __init__(
@@ -178,7 +238,16 @@ class Updater:
         check_finite: bool = False,
         loss_scale: jmp.LossScale | None = None,
         backend: str = "pmap",
+        param_sharding: str = "replicated",
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"Unknown backend {backend!r}; expected one of {BACKENDS}.")
+        sharding.check_param_sharding(param_sharding)
+        if param_sharding != "replicated" and backend != "jit":
+            raise ValueError(
+                f"param_sharding={param_sharding!r} needs backend='jit'; backend={backend!r} "
+                "holds a whole replica on every device (param_sharding='replicated')."
+            )
         self._forward = forward
         self._optimizer = optimizer
         self._loss_fn = loss_fn
@@ -187,14 +256,20 @@ class Updater:
         self._check_finite = check_finite
         self._loss_scale = loss_scale
         self._backend = backend
+        self._param_sharding = param_sharding
+        if backend == "jit":
+            self._mesh = sharding.mesh(axis_name)
+            # Built on first use for each shape of train state: the shardings depend on it.
+            self._global_programs: dict[tuple, _GlobalPrograms] = {}
+            return
         parallel = dict(backend=backend, axis_name=axis_name)
-        self._init_parallel = replication.parallelize(self._init_per_device, **parallel)
+        self._init_parallel = replication.parallelize(self._init_fn, **parallel)
         # Two programs of the step: with the global norms, and without (their three
         # passes over the parameters are the cost of a small model's step worth saving on
         # the steps nobody logs). Each compiles when first called.
         self._update_parallel = {
             with_norms: replication.parallelize(
-                functools.partial(self._update_per_device, with_norms=with_norms),
+                functools.partial(self._update_fn, with_norms=with_norms),
                 out_axes=(0, None),
                 donate_argnums=(0,),
                 **parallel,
@@ -202,7 +277,7 @@ class Updater:
             for with_norms in (True, False)
         }
         self._evaluate_parallel = replication.parallelize(
-            self._evaluate_per_device, out_axes=None, **parallel
+            self._evaluate_fn, out_axes=None, **parallel
         )
 
     @property
@@ -213,23 +288,36 @@ class Updater:
     def backend(self) -> str:
         return self._backend
 
+    @property
+    def param_sharding(self) -> str:
+        return self._param_sharding
+
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
-        """Builds the initial, replicated `TrainState`.
+        """Builds the initial `TrainState`, in the layout of the backend.
 
         Args:
           seed: an int or a PRNG key (typed or raw). An `hk.PRNGSequence` of it
-            gives the key that initialises the params (the same on every device)
-            and the key from which the per-device keys are folded.
-          batch: a device-sharded batch (leaves `[local_devices, per_device, ...]`);
-            only its shapes and dtypes matter.
+            gives two keys: the first initialises the params (the same on every
+            device), the second is the run's key. The per-device backends fold
+            each device's global index into it, one key per device; `jit` keeps it
+            as the train state's one key.
+          batch: a device-sharded batch (leaves `[local_devices, per_device, ...]`,
+            as `hs.shard` makes it), for every backend; only its shapes and dtypes
+            matter, and under `jit` its values for data-dependent initialisers.
+
+        Raises:
+          ValueError: for a batch not laid out per device; with `jit`, for a network
+            that uses a collective axis (BatchNorm's `cross_replica_axis`).
         """
         replication.check_batch(batch, "init")
         sequence = hk.PRNGSequence(seed)
         init_key = _as_typed_key(next(sequence))
-        device_seed_key = _as_typed_key(next(sequence))
+        run_key = _as_typed_key(next(sequence))
+        if self._backend == "jit":
+            return self._init_global(init_key, run_key, batch)
         num_devices = jax.local_device_count()
         device_axis = replication.device_axis_sharding(self._axis_name)
-        rng = per_device_keys(device_seed_key, num_devices, jax.process_index() * num_devices)
+        rng = per_device_keys(run_key, num_devices, jax.process_index() * num_devices)
         init_keys = replication.replicate(init_key, self._axis_name)
         params, state, opt_state = self._init_parallel(init_keys, batch)
         rng, step = jax.device_put((rng, np.zeros((num_devices,), np.int32)), device_axis)
@@ -241,19 +329,20 @@ class Updater:
         """One training step. `train_state`'s buffers are donated: use the result.
 
         Args:
-          train_state: the replicated train state.
+          train_state: the train state, in the backend's layout.
           batch: a device-sharded batch.
           with_norms: whether the metrics hold the global norms; the training loop
             asks for them on the steps it logs, as big_vision logs them.
 
         Returns:
-          The new train state, and `metrics` as scalars without a device axis:
-          `loss` and the loss_fn metrics averaged over devices, and (`with_norms`)
-          the global norms `l2_grads` (of the averaged gradients), `l2_params`
-          (after the update) and `l2_updates`.
+          The new train state, and `metrics` as scalars without a device axis
+          (replicated global arrays under `jit`): `loss` and the loss_fn metrics of
+          the global batch (the mean over devices of equal per-device means), and
+          (`with_norms`) the global norms `l2_grads` (of the averaged gradients),
+          `l2_params` (after the update) and `l2_updates`.
         """
         self._check_arguments(train_state, batch, "update")
-        update = self._update_parallel[with_norms]
+        update, batch = self._program(train_state, batch, "update", with_norms)
         if not self._check_finite:
             return self._call(update, train_state, batch, "update")
         step = step_of(train_state)
@@ -264,7 +353,8 @@ class Updater:
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
         """The loss and metrics with `is_training=False`; the state is untouched."""
         self._check_arguments(train_state, batch, "evaluate")
-        return self._call(self._evaluate_parallel, train_state, batch, "evaluate")
+        evaluate, batch = self._program(train_state, batch, "evaluate")
+        return self._call(evaluate, train_state, batch, "evaluate")
 
     def lower_update(
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
@@ -272,16 +362,30 @@ class Updater:
         """The training step lowered for these arguments, for XLA's cost and memory analysis.
 
         Lowering neither runs the step nor consumes the donated `train_state`.
+        Under `jit` the figures of the compiled program are per device.
         """
         self._check_arguments(train_state, batch, "lower_update")
-        return self._update_parallel[with_norms].lower(train_state, batch)
+        update, batch = self._program(train_state, batch, "lower_update", with_norms)
+        try:
+            return update.lower(train_state, batch)
+        except NameError as e:
+            self._refuse_unbound_axis(e, "lower_update")
+            raise
 
-    # The per-device functions.
+    # The step, written once: per device (pmap, shard_map) or on the global batch (jit).
 
-    def _init_per_device(self, init_key, batch):
+    def _mean_over_devices(self, tree: Any, *, floating_only: bool = False) -> Any:
+        """`pmean` over the device axis; under jit the values are of the global batch already."""
+        if self._backend == "jit":
+            return tree
+        if floating_only:
+            return _pmean_floating(tree, self._axis_name)
+        return jax.lax.pmean(tree, self._axis_name)
+
+    def _init_fn(self, init_key, batch):
         params, state = self._forward.init(init_key, batch, is_training=True)
         # Averaging makes replicas identical even for data-dependent initialisers.
-        state = _pmean_floating(state, self._axis_name)
+        state = self._mean_over_devices(state, floating_only=True)
         opt_state = self._optimizer.init(params)
         if self._loss_scale is not None:
             opt_state = pack_loss_scale(opt_state, self._loss_scale)
@@ -292,7 +396,7 @@ class Updater:
         loss, metrics = _checked_loss(self._loss_fn, outputs, batch)
         return loss_scale.scale(loss), (loss, new_state, metrics)
 
-    def _update_per_device(self, train_state: TrainState, batch, with_norms: bool):
+    def _update_fn(self, train_state: TrainState, batch, with_norms: bool):
         params, state, opt_state, rng, step = train_state
         rng, step_key = jax.random.split(rng)
         augment_key, apply_key = jax.random.split(step_key)
@@ -306,8 +410,8 @@ class Updater:
 
         grad_fn = jax.grad(self._loss, has_aux=True)
         grads, (loss, new_state, metrics) = grad_fn(params, state, apply_key, batch, loss_scale)
-        grads = loss_scale.unscale(jax.lax.pmean(grads, self._axis_name))
-        new_state = _pmean_floating(new_state, self._axis_name)
+        grads = loss_scale.unscale(self._mean_over_devices(grads))
+        new_state = self._mean_over_devices(new_state, floating_only=True)
         updates, new_optimizer_state = self._optimizer.update(grads, optimizer_state, params)
         new_params = optax.apply_updates(params, updates)
         new_opt_state = new_optimizer_state
@@ -324,33 +428,120 @@ class Updater:
             )
             new_opt_state = pack_loss_scale(new_optimizer_state, loss_scale.adjust(grads_finite))
             metrics["loss_scale"] = loss_scale.loss_scale
-        metrics = jax.lax.pmean(metrics, self._axis_name)
+        metrics = self._mean_over_devices(metrics)
         return TrainState(new_params, new_state, new_opt_state, rng, step + 1), metrics
 
-    def _evaluate_per_device(self, train_state: TrainState, batch):
+    def _evaluate_fn(self, train_state: TrainState, batch):
         outputs, _ = self._forward.apply(
             train_state.params, train_state.state, train_state.rng, batch, is_training=False
         )
         loss, metrics = _checked_loss(self._loss_fn, outputs, batch)
-        return jax.lax.pmean({"loss": loss, **metrics}, self._axis_name)
+        return self._mean_over_devices({"loss": loss, **metrics})
+
+    # The jit backend: the same functions on the global batch, with explicit shardings.
+
+    def _init_global(self, init_key: jax.Array, run_key: jax.Array, batch: Batch) -> TrainState:
+        # The keys as host data: every process holds the same, and the program places
+        # them on every device (a device array cannot be put on other processes' devices).
+        key_data = np.stack([jax.device_get(jax.random.key_data(k)) for k in (init_key, run_key)])
+        key_impl = str(jax.random.key_impl(init_key))
+        batch = sharding.global_batch_view(batch, self._mesh)
+        try:
+            like = jax.eval_shape(
+                functools.partial(self._init_global_fn, key_impl=key_impl), key_data, batch
+            )
+        except NameError as e:
+            self._refuse_unbound_axis(e, "init")
+            raise
+        return self._global_programs_for(like).init(key_data, batch, key_impl)
+
+    def _init_global_fn(self, key_data, batch, key_impl: str) -> TrainState:
+        init_key, run_key = (jax.random.wrap_key_data(k, impl=key_impl) for k in key_data)
+        batch = sharding.merge_device_axis(batch, self._mesh)
+        params, state, opt_state = self._init_fn(init_key, batch)
+        return TrainState(params, state, opt_state, run_key, jnp.zeros((), jnp.int32))
+
+    def _update_global_fn(self, train_state: TrainState, batch, with_norms: bool):
+        return self._update_fn(
+            train_state, sharding.merge_device_axis(batch, self._mesh), with_norms
+        )
+
+    def _evaluate_global_fn(self, train_state: TrainState, batch):
+        return self._evaluate_fn(train_state, sharding.merge_device_axis(batch, self._mesh))
+
+    def _global_programs_for(self, train_state: Any) -> _GlobalPrograms:
+        """The programs for train states shaped like `train_state` (arrays or shapes)."""
+        signature = _signature(train_state)
+        programs = self._global_programs.get(signature)
+        if programs is None:
+            programs = self._global_programs[signature] = self._build_global_programs(train_state)
+        return programs
+
+    def _build_global_programs(self, train_state: Any) -> _GlobalPrograms:
+        shardings = sharding.train_state_shardings(train_state, self._mesh, self._param_sharding)
+        batch = sharding.batch_sharding(self._mesh)
+        whole = sharding.replicated(self._mesh)
+        update = {
+            with_norms: jax.jit(
+                functools.partial(self._update_global_fn, with_norms=with_norms),
+                in_shardings=(shardings, batch),
+                out_shardings=(shardings, whole),
+                donate_argnums=0,
+            )
+            for with_norms in (True, False)
+        }
+        return _GlobalPrograms(
+            shardings=shardings,
+            init=jax.jit(
+                self._init_global_fn,
+                in_shardings=(whole, batch),
+                out_shardings=shardings,
+                static_argnums=2,  # key_impl
+            ),
+            update=update,
+            evaluate=jax.jit(
+                self._evaluate_global_fn, in_shardings=(shardings, batch), out_shardings=whole
+            ),
+        )
+
+    def _program(
+        self, train_state: TrainState, batch: Batch, where: str, with_norms: bool = True
+    ) -> tuple[Callable, Batch]:
+        """The program that runs `where` on these arguments, and the batch as it takes it."""
+        if self._backend != "jit":
+            if where == "evaluate":
+                return self._evaluate_parallel, batch
+            return self._update_parallel[with_norms], batch
+        programs = self._global_programs_for(train_state)
+        batch = sharding.global_batch_view(batch, self._mesh)
+        if where == "evaluate":
+            return programs.evaluate, batch
+        return programs.update[with_norms], batch
 
     # Argument checks: clear errors before anything runs or is donated.
 
-    def _call(self, parallel_fn: Callable, train_state: TrainState, batch: Batch, where: str):
-        """Calls a parallel step; if it rejects its arguments, names the train-state leaf at fault.
+    def _call(self, program: Callable, train_state: TrainState, batch: Batch, where: str):
+        """Calls a step program; if it rejects its arguments, names the train-state leaf at fault.
 
-        pmap refuses a misshapen train state itself, before it runs or donates
-        anything (the batch, checked first, fixes the mapped size), so the
-        per-leaf check in Python runs only when the call fails.
+        pmap and jit refuse a misshapen or mis-sharded train state themselves,
+        before they run or donate anything (the batch, checked first, fixes the
+        mapped size), so the per-leaf check in Python runs only when the call fails.
         """
         try:
-            return parallel_fn(train_state, batch)
+            return program(train_state, batch)
         except (ValueError, TypeError):
-            replication.check_device_axis(train_state, where)  # The clear message, if it is that.
+            # The clear message, if it is that.
+            if self._backend == "jit":
+                self._check_shardings(train_state, where)
+            else:
+                replication.check_device_axis(train_state, where)
+            raise
+        except NameError as e:
+            self._refuse_unbound_axis(e, where)
             raise
 
     def _check_arguments(self, train_state: Any, batch: Batch, where: str) -> None:
-        """Rejects what is not a `TrainState` and batches that are not laid out per device.
+        """Rejects what is not a `TrainState` of the backend's layout, and batches not per device.
 
         `shard_map` would not refuse a leaf whose leading axis is a multiple of the
         device count (the keys of a run on more devices): it would quietly hand each
@@ -360,8 +551,45 @@ class Updater:
         if not isinstance(train_state, TrainState):
             raise TypeError(f"{where}: expected a TrainState, got {type(train_state).__name__}.")
         replication.check_batch(batch, where)
+        # A train state passed to update before: its buffers are gone (jax 0.10 crashes on it).
+        if any(
+            isinstance(leaf, jax.Array) and leaf.is_deleted()
+            for leaf in jax.tree.leaves(train_state)
+        ):
+            _raise_deleted(train_state, where)
+        if self._backend == "jit":
+            if not sharding.is_global(train_state):
+                raise ValueError(
+                    f"{where}: train_state.rng has shape {np.shape(train_state.rng)}: the "
+                    "per-device layout of backend='pmap'/'shard_map'; backend='jit' takes "
+                    "global arrays with one key, as its Updater.init makes them."
+                )
+            return
         num_devices = jax.local_device_count()
         if self._backend == "shard_map" and not all(
             np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)
         ):
             replication.check_device_axis(train_state, where)
+
+    def _check_shardings(self, train_state: TrainState, where: str) -> None:
+        """Raises ValueError naming the first leaf not laid out as this jit Updater lays it out."""
+        expected = self._global_programs_for(train_state).shardings
+        for (path, leaf), want in zip(
+            jax.tree_util.tree_leaves_with_path(train_state), jax.tree.leaves(expected), strict=True
+        ):
+            have = getattr(leaf, "sharding", None)
+            if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
+                raise ValueError(
+                    f"{where}: train_state{jax.tree_util.keystr(path)} has sharding {have}; "
+                    f"param_sharding={self._param_sharding!r} lays it out as {want.spec} on "
+                    f"the mesh of all {self._mesh.size} devices."
+                )
+
+    def _refuse_unbound_axis(self, error: NameError, where: str) -> None:
+        """Under jit, a collective names an axis nothing binds: BatchNorm's cross_replica_axis."""
+        if "unbound axis name" in str(error):
+            raise ValueError(
+                f"{where}: the network uses a device axis ({error}); backend='jit' binds none: "
+                f"build its BatchNorm with cross_replica_axis=None (not {self._axis_name!r}), "
+                "whose statistics under jit are those of the global batch."
+            ) from error

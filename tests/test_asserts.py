@@ -7,10 +7,12 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from trees import replicated_tree, with_replica_changed
 
 import haiku_state as hs
-from haiku_state import asserts
+from haiku_state import asserts, sharding
 
 NUM_DEVICES = 4
 
@@ -127,3 +129,95 @@ class FiniteTest(chex.TestCase):
         tree = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3), "count": jnp.int32(3)}
         self.assertTrue(bool(asserts.all_finite(tree)))
         self.assertFalse(bool(asserts.all_finite({**tree, "b": jnp.array([0.0, jnp.nan, 0.0])})))
+
+
+class AssertGlobalLayoutTest(chex.TestCase):
+    """The jit layout: global arrays, each replicated or split over every device."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = sharding.mesh("i")
+        self.devices = jax.devices()
+        self.tree = {
+            "split": jax.device_put(
+                jnp.arange(32.0).reshape(8, 4), NamedSharding(self.mesh, P("i"))
+            ),
+            "whole": jax.device_put(jnp.full((3,), jnp.nan), sharding.replicated(self.mesh)),
+            "count": jax.device_put(jnp.int32(7), sharding.replicated(self.mesh)),
+            "key": jax.device_put(jax.random.key(0), sharding.replicated(self.mesh)),
+        }
+
+    def _with_copy(self, name, device, value):
+        """`self.tree` with device `device`'s copy of the replicated leaf `name` set to `value`."""
+        leaf = self.tree[name]
+        copies = [
+            jax.device_put(value if d == self.devices[device] else leaf.addressable_data(0), d)
+            for d in self.devices
+        ]
+        changed = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, copies)
+        return {**self.tree, name: changed}
+
+    def test_global_layout_passes_on_split_and_replicated_leaves_with_nans_and_keys(self):
+        asserts.assert_global_layout(self.tree)
+        asserts.assert_global_layout({})
+
+    def test_global_layout_names_a_replicated_leaf_whose_copy_differs(self):
+        perturbed = self._with_copy("whole", 3, jnp.array([jnp.nan, 0.0, jnp.nan]))
+        with self.assertRaisesRegex(
+            AssertionError, r"at leaf \['whole'\]: devices \[3\] differ from device 0"
+        ):
+            asserts.assert_global_layout(perturbed)
+        with self.assertRaisesRegex(AssertionError, r"\['count'\]: devices \[1\]"):
+            asserts.assert_global_layout(self._with_copy("count", 1, jnp.int32(8)))
+        with self.assertRaisesRegex(AssertionError, r"\['key'\]: devices \[2\]"):
+            asserts.assert_global_layout(self._with_copy("key", 2, jax.random.key(1)))
+
+    def test_global_layout_names_a_leaf_split_over_part_of_the_devices_twice(self):
+        mesh_2x2 = jax.sharding.Mesh(np.array(self.devices).reshape(2, 2), ("a", "b"))
+        twice = jax.device_put(self.tree["split"], NamedSharding(mesh_2x2, P("a")))
+        with self.assertRaisesRegex(
+            AssertionError,
+            r"Shards of leaf \['split'\] do not tile its shape \(8, 4\): devices \[0, 1\] all "
+            r"hold the block \[0:4, 0:4\]",
+        ):
+            asserts.assert_global_layout({**self.tree, "split": twice})
+
+    def test_global_layout_names_a_leaf_not_on_every_device(self):
+        half_mesh = jax.sharding.Mesh(np.array(self.devices[:2]), ("i",))
+        half = jax.device_put(self.tree["split"], NamedSharding(half_mesh, P("i")))
+        with self.assertRaisesRegex(
+            AssertionError, r"Leaf \['split'\] lives on devices \[0, 1\], not on all 4 devices"
+        ):
+            asserts.assert_global_layout({**self.tree, "split": half})
+        with self.assertRaisesRegex(AssertionError, r"Leaf \['host'\] is a ndarray"):
+            asserts.assert_global_layout({"host": np.zeros(3)})
+
+    def test_tiling_problem_finds_gaps_overlaps_and_repeats(self):
+        rows = lambda start, stop: (slice(start, stop), slice(None))  # noqa: E731
+        shape = (8, 4)
+        exact = {0: rows(0, 4), 1: rows(4, 8)}
+        self.assertIsNone(asserts.tiling_problem(exact, shape))
+        self.assertEqual(
+            asserts.tiling_problem({0: rows(0, 4), 1: rows(5, 8)}, shape),
+            "the blocks cover 28 of its 32 elements.",
+        )
+        self.assertEqual(
+            asserts.tiling_problem({0: rows(0, 5), 1: rows(4, 8)}, shape),
+            "the blocks [0:5, 0:4] of devices [0] and [4:8, 0:4] of devices [1] overlap.",
+        )
+        self.assertEqual(
+            asserts.tiling_problem({**exact, 2: rows(4, 8)}, shape),
+            "devices [1, 2] all hold the block [4:8, 0:4].",
+        )
+
+    def test_train_state_invariants_check_the_layout_they_are_given(self):
+        # The jit layout: one replicated key; the same key on every device is right.
+        train_state = hs.TrainState(
+            {"w": self.tree["split"]}, {}, {}, self.tree["key"], self.tree["count"]
+        )
+        asserts.assert_train_state_invariants(train_state)
+        # The pmap layout: the same key on every device is wrong.
+        per_device = hs.replicate(train_state._replace(params={"w": jnp.zeros(2)}, rng=()))
+        per_device = per_device._replace(rng=hs.replicate(jax.random.key(0)))
+        with self.assertRaisesRegex(AssertionError, r"devices 0 and 1 are equal"):
+            asserts.assert_train_state_invariants(per_device)

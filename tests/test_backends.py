@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import haiku_state as hs
-from haiku_state import data, losses, models, updater
+from haiku_state import data, losses, models, replication
 
 NUM_STEPS = 4
 
@@ -46,7 +46,7 @@ def _as_arrays(train_state):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {backend: _run(backend) for backend in updater.BACKENDS}
+    return {backend: _run(backend) for backend in replication.PER_DEVICE_BACKENDS}
 
 
 def test_backends_give_the_same_params_state_keys_and_metrics(runs):
@@ -69,7 +69,7 @@ def test_backends_give_the_same_params_state_keys_and_metrics(runs):
         np.testing.assert_allclose(pmap_eval[name], shard_map_eval[name], rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", updater.BACKENDS)
+@pytest.mark.parametrize("backend", replication.PER_DEVICE_BACKENDS)
 def test_backend_keeps_replicas_identical_and_keys_distinct(runs, backend):
     train_state = runs[backend][0]
     hs.assert_replicas_identical(train_state._replace(rng=()))
@@ -93,7 +93,7 @@ def test_unknown_backend_is_refused():
         hs.Updater(lambda: None, optax.sgd(0.1), losses.classification_loss(10), backend="vmap")
 
 
-@pytest.mark.parametrize("backend", updater.BACKENDS)
+@pytest.mark.parametrize("backend", replication.PER_DEVICE_BACKENDS)
 def test_keys_of_another_device_count_are_refused_by_name_and_nothing_is_donated(runs, backend):
     # Eight keys on four devices: shard_map would quietly hand each device two of them (and
     # use the first) if the Updater did not check; no shape check downstream would notice.
@@ -114,7 +114,7 @@ def test_keys_of_another_device_count_are_refused_by_name_and_nothing_is_donated
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(train_state))
 
 
-@pytest.mark.parametrize("backend", updater.BACKENDS)
+@pytest.mark.parametrize("backend", replication.PER_DEVICE_BACKENDS)
 def test_lower_update_gives_the_per_device_cost_without_consuming_the_state(runs, backend):
     train_state = runs[backend][0]
     step_updater = hs.Updater(

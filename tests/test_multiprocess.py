@@ -287,3 +287,33 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_saved_step(tmp_
     saved = sorted(int(name) for name in os.listdir(workdir / "checkpoints"))
     assert len(saved) == 1 and saved[0] % 10 == 0  # At a log_every boundary.
     assert load_checkpoint(str(workdir), saved[0])["step"]["step"] == saved[0]
+
+
+def test_jit_fsdp_on_two_processes_equals_one_process_of_four_devices(tmp_path):
+    """The jit backend's global arrays span both processes; the run is that of 1 x 4.
+
+    Dropout and augmentation are drawn from one key over the global batch, so the
+    2 x 2 run equals a 1-process 4-device run (this process's devices) up to
+    reduction order; the replica checks compare copies across the processes.
+    """
+    import updater_helpers  # The 4 devices of this test process (tests/conftest.py).
+
+    port = _free_port()
+    out_path = str(tmp_path / "two_processes.npz")
+    script = os.path.join(REPO, "tests", "multiprocess_jit.py")
+    results = _launch(
+        lambda process_id: (script, str(port), "2", str(process_id), out_path), 2, "jit"
+    )
+    with np.load(out_path) as saved:
+        two_processes = dict(saved)
+    one_process = updater_helpers.train_jit_with_dropout("fsdp")
+    assert set(two_processes) == set(one_process)
+    for key, want in one_process.items():
+        np.testing.assert_allclose(two_processes[key], want, rtol=RTOL, atol=ATOL, err_msg=key)
+    for result in results:
+        verdict = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+        assert verdict == [
+            "RESULT perturbed raised: Replicas differ at leaf "
+            ".state['mlp/batch_norm/~/mean_ema']['average']: global devices [3] differ from "
+            "global device 0 (process 0) across the 2 processes."
+        ]

@@ -262,6 +262,9 @@ class UpdaterInvariantsTest(chex.TestCase):
             for leaf in jax.tree.leaves(getattr(train_state, field)):
                 self.assertTrue(leaf.is_deleted(), field)
         self.assertFalse(any(leaf.is_deleted() for leaf in jax.tree.leaves(new_state)))
+        # Used again, it is refused naming a leaf (jax 0.10's pmap would crash on it).
+        with self.assertRaisesRegex(ValueError, r"update: train_state\.params.* is deleted"):
+            self.updater.update(train_state, self.batches[0])
 
     # 6. Bad input.
 

@@ -10,10 +10,11 @@ import haiku as hk
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from trees import is_typed_key
 
 import haiku_state as hs
-from haiku_state import losses, models, replication
+from haiku_state import data, losses, models, replication
 
 NUM_DEVICES = 4
 NUM_CLASSES = 10
@@ -53,11 +54,16 @@ def sharding():
 
 
 def to_host(tree):
-    """Host numpy copy of a tree; typed keys become their uint32 key data."""
+    """Host numpy copy of a tree; typed keys become their uint32 key data.
+
+    Global arrays that span processes are gathered: then every process must call it.
+    """
 
     def leaf(x):
         if is_typed_key(x):
             x = jax.random.key_data(x)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
 
     return jax.tree.map(leaf, tree)
@@ -108,11 +114,50 @@ def train_for_comparison(model_name: str, num_steps: int = 3) -> dict[str, np.nd
     train_state = updater.init(0, batches[0])
     train_state, metrics = run_steps(updater, train_state, batches)
     hs.assert_replicas_identical((train_state.params, train_state.state))
+    return flat_result(hs.unreplicate(train_state), metrics)
+
+
+def flat_result(train_state: hs.TrainState, metrics: list) -> dict[str, np.ndarray]:
+    """Params, BatchNorm state, key and per-step losses of an unreplicated or global TrainState."""
     result = {"loss": np.array([m["loss"] for m in metrics])}
-    for field in ("params", "state"):
-        tree = to_host(hs.unreplicate(getattr(train_state, field)))
+    for field in ("params", "state", "rng"):
+        tree = to_host(getattr(train_state, field))
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             result[f"{field}{jax.tree_util.keystr(path)}"] = leaf
+    return result
+
+
+def train_jit_with_dropout(
+    param_sharding: str = "replicated", num_steps: int = 3, keep_train_state: bool = False
+) -> dict:
+    """3 jit steps with dropout and augmentation on fixed global batches, on every device.
+
+    The randomness is drawn over the global batch from the one key, so the result must
+    not depend on the device count or the processes. Run in-process (4 devices), in 1-
+    and 8-device subprocesses and on 2 processes x 2 devices; each process feeds its
+    slice of the global batch, as the input pipeline does.
+
+    Returns:
+      `flat_result` of the run, and its final `train_state` if `keep_train_state`.
+    """
+    updater = hs.Updater(
+        bn_mlp(None, dropout_rate=0.3),
+        optax.sgd(0.1, momentum=0.9),
+        losses.classification_loss(NUM_CLASSES),
+        augment_fn=data.make_augment_fn(max_shift=1),
+        backend="jit",
+        param_sharding=param_sharding,
+    )
+    per_process = GLOBAL_BATCH // jax.process_count()
+    first = jax.process_index() * per_process
+    batches = [
+        hs.shard(jax.tree.map(lambda x: x[first : first + per_process], host_batch(seed)))
+        for seed in range(10, 10 + num_steps)
+    ]
+    train_state, metrics = run_steps(updater, updater.init(0, batches[0]), batches)
+    result = flat_result(train_state, metrics)
+    if keep_train_state:
+        result["train_state"] = train_state
     return result
 
 

@@ -1,0 +1,224 @@
+"""The global layout of the `jit` backend: one mesh, and where each train-state leaf lives.
+
+Under `backend="jit"` the train state holds global `jax.Array`s on a one-axis
+`Mesh` of every device of every process (`mesh`), with no device axis. Which
+part of a leaf each device holds is a pure function of the leaf's shape and
+dtype, given by a named rule (`PARAM_SHARDINGS`), as big_vision names its
+sharding rules:
+
+* `"replicated"`: every device holds every leaf, as the pmap layout does.
+* `"fsdp"`: each leaf of params and `opt_state` is split over the devices along
+  its largest axis that divides by the device count (the first such axis, if
+  two are equally large), so a device holds `1/N` of it. Leaves smaller than
+  `FSDP_MIN_BYTES`, and leaves with no axis that divides, stay replicated:
+  splitting a bias or a scalar saves nothing and costs a collective.
+
+BatchNorm `state`, the PRNG key and the step are small and read whole by every
+device: they stay replicated under either rule.
+
+The batch keeps the layout the input pipeline gives the pmap backend,
+`[local_devices, per_device_batch, ...]` sharded along its first axis;
+`global_batch_view` and `merge_device_axis` turn it into the global batch
+`[global_batch, ...]` sharded along its batch axis without moving any data.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from haiku_state import replication
+
+PyTree = Any
+PARAM_SHARDINGS = ("replicated", "fsdp")
+# Leaves below this size stay replicated under "fsdp": 64 KiB, e.g. a 128x128 float32
+# matrix. Below it the all-gather of the forward pass and the reduce-scatter of the
+# gradients are latency, not bandwidth, and the memory saved is negligible.
+FSDP_MIN_BYTES = 2**16
+
+
+def mesh(axis_name: str = replication.DEFAULT_AXIS_NAME) -> Mesh:
+    """The one-axis mesh of every device of every process, in pmap's order."""
+    return replication.global_mesh(axis_name)
+
+
+def replicated(device_mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array."""
+    return NamedSharding(device_mesh, PartitionSpec())
+
+
+def batch_sharding(device_mesh: Mesh) -> NamedSharding:
+    """Split along the first axis over every device of the mesh."""
+    return NamedSharding(device_mesh, PartitionSpec(*device_mesh.axis_names))
+
+
+def is_global(train_state: Any) -> bool:
+    """Whether `train_state` has the jit layout (one PRNG key) rather than pmap's (one per device).
+
+    The key tells them apart: a typed key of shape `()` (or raw key data of shape
+    `(2,)`) is the jit layout's single key, a leading device axis is pmap's.
+    """
+    rng = train_state.rng
+    key_ndim = np.ndim(rng) if replication.is_key(rng) else np.ndim(rng) - 1
+    return key_ndim == 0
+
+
+def fsdp_spec(
+    shape: tuple[int, ...], itemsize: int, axis_name: str, num_shards: int, min_bytes: int
+) -> PartitionSpec:
+    """The `fsdp` rule for one leaf: split its largest axis that divides by `num_shards`.
+
+    Returns `PartitionSpec()` (replicated) for a leaf below `min_bytes` or without
+    such an axis.
+    """
+    if int(np.prod(shape)) * itemsize < min_bytes:
+        return PartitionSpec()
+    # A stable sort: of two equally large axes, the first is split.
+    by_size = sorted(range(len(shape)), key=lambda axis: -shape[axis])
+    for axis in by_size:
+        if shape[axis] % num_shards == 0:
+            return PartitionSpec(*(axis_name if i == axis else None for i in range(axis + 1)))
+    return PartitionSpec()
+
+
+def param_specs(
+    shapes: PyTree,
+    rule: str,
+    *,
+    axis_name: str,
+    num_shards: int,
+    min_bytes: int = FSDP_MIN_BYTES,
+) -> PyTree:
+    """The `PartitionSpec` of every leaf of params or `opt_state` under a named rule.
+
+    Args:
+      shapes: a tree whose leaves have `.shape` and `.dtype` (arrays,
+        `jax.ShapeDtypeStruct`s).
+      rule: one of `PARAM_SHARDINGS`.
+      axis_name: the mesh axis to split over.
+      num_shards: the size of that axis (the number of devices).
+      min_bytes: `fsdp` leaves below this size stay replicated.
+
+    Raises:
+      ValueError: for an unknown rule.
+    """
+    check_param_sharding(rule)
+    if rule == "replicated":
+        return jax.tree.map(lambda _: PartitionSpec(), shapes)
+    return jax.tree.map(
+        lambda leaf: fsdp_spec(
+            tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, axis_name, num_shards, min_bytes
+        ),
+        shapes,
+    )
+
+
+def check_param_sharding(rule: str) -> None:
+    """Raises ValueError unless `rule` is one of `PARAM_SHARDINGS`."""
+    if rule not in PARAM_SHARDINGS:
+        raise ValueError(f"Unknown param_sharding {rule!r}; expected one of {PARAM_SHARDINGS}.")
+
+
+def train_state_shardings(
+    train_state: Any, device_mesh: Mesh, rule: str, min_bytes: int = FSDP_MIN_BYTES
+) -> Any:
+    """The `NamedSharding` of every leaf of a jit-layout `TrainState` (shapes suffice).
+
+    params and `opt_state` follow `rule`; BatchNorm state, the key and the step
+    are replicated.
+
+    Args:
+      train_state: a `TrainState` of arrays or `jax.ShapeDtypeStruct`s.
+      device_mesh: a one-axis mesh, e.g. `mesh(axis_name)`.
+      rule: one of `PARAM_SHARDINGS`.
+      min_bytes: see `param_specs`.
+    """
+    (axis_name,) = device_mesh.axis_names
+
+    def rule_shardings(tree):
+        specs = param_specs(
+            tree, rule, axis_name=axis_name, num_shards=device_mesh.size, min_bytes=min_bytes
+        )
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        return jax.tree.map(lambda spec: NamedSharding(device_mesh, spec), specs, is_leaf=is_spec)
+
+    whole = replicated(device_mesh)
+    return train_state._replace(
+        params=rule_shardings(train_state.params),
+        state=jax.tree.map(lambda _: whole, train_state.state),
+        opt_state=rule_shardings(train_state.opt_state),
+        rng=whole,
+        step=whole,
+    )
+
+
+def global_batch_view(batch: PyTree, device_mesh: Mesh) -> PyTree:
+    """The processes' `[local_devices, per_device_batch, ...]` batches as one global array each.
+
+    In one process the batch already is that array (`replication.shard` puts it on
+    this mesh's devices); across processes each process's device buffers become
+    its rows of `[global_devices, per_device_batch, ...]`, in process order, without
+    a copy.
+    """
+    if jax.process_count() == 1:
+        return batch
+    return multihost_utils.host_local_array_to_global_array(
+        batch, device_mesh, PartitionSpec(*device_mesh.axis_names)
+    )
+
+
+def merge_device_axis(batch: PyTree, device_mesh: Mesh) -> PyTree:
+    """Inside jit: `[devices, per_device_batch, ...]` -> `[global_batch, ...]`, batch-sharded.
+
+    Device `d`'s examples are rows `d * per_device_batch ...` of the result, which
+    is exactly what it holds already: the reshape moves no data.
+    """
+    sharding = batch_sharding(device_mesh)
+
+    def merge(x):
+        return jax.lax.with_sharding_constraint(x.reshape((-1, *x.shape[2:])), sharding)
+
+    return jax.tree.map(merge, batch)
+
+
+def bytes_per_device(train_state: Any) -> tuple[int, int]:
+    """The bytes of the train state on the fullest local device, and of one whole copy.
+
+    Read from the arrays' addressable shards, so it is what the devices hold. One
+    whole copy is the sum of the global arrays' sizes (jit layout), or of one
+    replica's (pmap layout, whose leaves hold `local_devices` copies).
+
+    Args:
+      train_state: a `TrainState` of either layout.
+
+    Returns:
+      `(per_device_bytes, total_bytes)`.
+    """
+    held: collections.Counter = collections.Counter()
+    total = 0
+    for leaf in jax.tree.leaves(train_state):
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+        total += leaf.nbytes
+    if not is_global(train_state):
+        total //= jax.local_device_count()
+    return max(held.values(), default=0), total
+
+
+def format_bytes_per_device(per_device_bytes: int, total_bytes: int) -> str:
+    """E.g. `train state: 31.2 MB per device of 98.1 MB` (decimal units)."""
+    return (
+        f"train state: {_human_bytes(per_device_bytes)} per device of {_human_bytes(total_bytes)}"
+    )
+
+
+def _human_bytes(num_bytes: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} B"
