@@ -132,8 +132,9 @@ SCHEMA = (
         help="regex of param and state paths that keep their fresh initialisation"),
     Key("profile_steps", (), tuple, free=True,
         help="(start, stop): a jax.profiler trace into WORKDIR/profile; (): none"),
-    Key("backend", "pmap", str, choices=replication.BACKENDS, free=True,
-        help="pmap, or shard_map: the same step on jax.shard_map"),
+    Key("backend", "pmap", str, choices=replication.PER_DEVICE_BACKENDS, free=True,
+        help="pmap, or shard_map: the same step on jax.shard_map (the Updater's jit backend "
+        "is not a run option yet: its checkpoints are not written)"),
     Key("precision", "float32", str, choices=models.PRECISIONS,
         help="float32, or bfloat16 / float16: mixed precision"),
     Key("label_smoothing", 0.0, float, bounds=FRACTION,
