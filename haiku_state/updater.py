@@ -167,6 +167,22 @@ def _norms(grads: Any, params: Any, updates: Any) -> Metrics:
     }
 
 
+def check_backend(backend: str, param_sharding: str = "replicated") -> None:
+    """Raises ValueError (one line) unless an Updater takes this backend and param_sharding.
+
+    The Updater checks its arguments with it; a config check can call it to refuse
+    the values before anything runs.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown backend {backend!r}; expected one of {BACKENDS}.")
+    sharding.check_param_sharding(param_sharding)
+    if param_sharding != "replicated" and backend != "jit":
+        raise ValueError(
+            f"param_sharding={param_sharding!r} needs backend='jit'; backend={backend!r} "
+            "holds a whole replica on every device (param_sharding='replicated')."
+        )
+
+
 def _raise_deleted(train_state: TrainState, where: str) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
@@ -240,14 +256,7 @@ class Updater:
         backend: str = "pmap",
         param_sharding: str = "replicated",
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"Unknown backend {backend!r}; expected one of {BACKENDS}.")
-        sharding.check_param_sharding(param_sharding)
-        if param_sharding != "replicated" and backend != "jit":
-            raise ValueError(
-                f"param_sharding={param_sharding!r} needs backend='jit'; backend={backend!r} "
-                "holds a whole replica on every device (param_sharding='replicated')."
-            )
+        check_backend(backend, param_sharding)
         self._forward = forward
         self._optimizer = optimizer
         self._loss_fn = loss_fn

@@ -455,6 +455,10 @@ def test_unknown_param_sharding_and_backend_are_refused_naming_the_choices():
         _updater("jit", "zero3")
     with pytest.raises(ValueError, match=r"^Unknown backend 'vmap'; .*'pmap', 'shard_map', 'jit'"):
         _updater("vmap")
+    # The same check, for a config to call before anything runs.
+    updater.check_backend("jit", "fsdp")
+    with pytest.raises(ValueError, match=r"^param_sharding='fsdp' needs backend='jit'"):
+        updater.check_backend("shard_map", "fsdp")
 
 
 def test_network_with_cross_replica_axis_is_refused_at_init():
