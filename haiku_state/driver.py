@@ -203,13 +203,14 @@ def _owning(
         yield
 
 
-def _data_record(experiment: Experiment) -> dict[str, int]:
+def _data_record(experiment: Experiment) -> dict[str, int | None]:
     """What `config.json` records of the data as read, checked on resume."""
     dataset = experiment.dataset
     return {
         "train_examples": data.num_examples(dataset.train),
         "test_examples": data.num_examples(dataset.test),
         "num_classes": dataset.num_classes,
+        "short_side": dataset.short_side,  # The pixels of shards re-encoded smaller differ.
     }
 
 

@@ -3,12 +3,20 @@
     python -m haiku_state.prepare --from=imagefolder:/data/imagenet --to=/data/imagenet-ar
     python -m haiku_state.prepare --from=cifar10:/data/cifar-10-batches-py --to=/data/c10-ar
     python -m haiku_state.prepare --from=digits --to=/tmp/digits-ar
+    python -m haiku_state.prepare --from=imagefolder:/data/imagenet --to=/data/256 --short_side=256
 
 Train on the result with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
 same examples in the same order as the source (so an ImageFolder tree and its
 shards give identical batches), in a few large files, which is what a network
 filesystem reads fast. Images are stored as the source encodes them (the JPEG
-bytes of an ImageFolder; CIFAR-10 and the digits as lossless PNG).
+bytes of an ImageFolder; CIFAR-10 and the digits as lossless PNG), or, with
+`--short_side=N`, re-encoded with their short side at most N pixels (JPEG at
+quality `SHORT_SIDE_QUALITY`, PNG stays PNG): decoding costs follow the pixel
+count, so every epoch decodes faster, for crops drawn from fewer pixels. Images
+already that small, and files that cannot be decoded, are stored as they are
+(training then treats them as it would have). `dataset.json` records N, and a
+training run started on the shards of one `short_side` refuses to resume on
+another's.
 
 The conversion is resumable: each shard is written to a temporary name and
 renamed when complete, a rerun skips the shards already there, and
@@ -30,12 +38,13 @@ from typing import Any, NamedTuple
 
 from PIL import Image
 
-from haiku_state.data import arrayrecord, imagefolder, in_memory
+from haiku_state.data import arrayrecord, imagefolder, in_memory, preprocess
 from haiku_state.data.splits import IMAGENET_MEAN, IMAGENET_STD, DataError, Split
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer")
 CIFAR10_CLASSES += ("dog", "frog", "horse", "ship", "truck")
 PLAN_FILE = "prepare.json"
+SHORT_SIDE_QUALITY = 95
 
 
 class SourceSplit(NamedTuple):
@@ -87,7 +96,44 @@ def _png_split(split: Split, name: str) -> SourceSplit:
     return SourceSplit(len(split.labels), read)
 
 
-def _plan(spec: str, source: Source, examples_per_shard: int) -> dict[str, Any]:
+def shorten(image: bytes, short_side: int) -> bytes:
+    """The image re-encoded with its short side at most `short_side`; as it is if it already is.
+
+    Resized with antialiasing (PIL's bicubic, after a DCT-scaled decode of a JPEG);
+    a JPEG (or anything but a PNG) becomes an RGB JPEG, a PNG an RGB PNG. Bytes
+    PIL cannot decode are returned as they are.
+    """
+    try:
+        with Image.open(io.BytesIO(image)) as decoded:
+            width, height = decoded.size
+            if min(width, height) <= short_side:
+                return image
+            scale = short_side / min(width, height)
+            size = (max(1, round(width * scale)), max(1, round(height * scale)))
+            png = decoded.format == "PNG"
+            decoded.draft("RGB", size)
+            rgb = preprocess._to_rgb(decoded).resize(size, Image.Resampling.BICUBIC)
+    except (OSError, ValueError, Image.DecompressionBombError):  # What training will meet.
+        return image
+    buffer = io.BytesIO()
+    rgb.save(buffer, "PNG" if png else "JPEG", **({} if png else {"quality": SHORT_SIDE_QUALITY}))
+    return buffer.getvalue()
+
+
+def _shortened(split: SourceSplit, short_side: int | None) -> SourceSplit:
+    if short_side is None:
+        return split
+
+    def read(index: int) -> tuple[bytes, int, str]:
+        image, label, name = split.read(index)
+        return shorten(image, short_side), label, name
+
+    return SourceSplit(split.num_examples, read)
+
+
+def _plan(
+    spec: str, source: Source, examples_per_shard: int, short_side: int | None
+) -> dict[str, Any]:
     """What the output folder will hold; a rerun must make the same plan to resume."""
     kind, _, path = spec.partition(":")
     return {
@@ -95,6 +141,7 @@ def _plan(spec: str, source: Source, examples_per_shard: int) -> dict[str, Any]:
         "examples_per_shard": examples_per_shard,
         "classes": source.classes,
         "num_examples": {split: s.num_examples for split, s in source.splits.items()},
+        "short_side": short_side,
     }
 
 
@@ -162,19 +209,32 @@ def _exists(out_dir: str, name: str) -> bool:
     return os.path.isfile(os.path.join(out_dir, name))
 
 
-def convert(spec: str, out_dir: str, *, examples_per_shard: int = 10_000, threads: int = 16):
+def convert(
+    spec: str,
+    out_dir: str,
+    *,
+    examples_per_shard: int = 10_000,
+    threads: int = 16,
+    short_side: int | None = None,
+):
     """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped.
+
+    `short_side`: re-encode the images with their short side at most this many
+    pixels (`shorten`); None stores them as the source has them.
 
     Returns:
       The `dataset.json` written.
     """
     if examples_per_shard < 1:
         raise ValueError(f"--examples_per_shard={examples_per_shard} must be positive.")
+    if short_side is not None and short_side < 1:
+        raise ValueError(f"--short_side={short_side} must be positive (or left out).")
     source = open_source(spec)
-    _check_plan(out_dir, _plan(spec, source, examples_per_shard))
+    _check_plan(out_dir, _plan(spec, source, examples_per_shard, short_side))
     splits = {}
     for split in arrayrecord.SPLITS:
-        shards = convert_split(out_dir, split, source.splits[split], examples_per_shard, threads)
+        read = _shortened(source.splits[split], short_side)
+        shards = convert_split(out_dir, split, read, examples_per_shard, threads)
         splits[split] = {"num_examples": source.splits[split].num_examples, "shards": shards}
     metadata = {
         "format": arrayrecord.FORMAT,
@@ -183,6 +243,7 @@ def convert(spec: str, out_dir: str, *, examples_per_shard: int = 10_000, thread
         "num_classes": len(source.classes),
         "mean": list(source.mean),
         "std": list(source.std),
+        "short_side": short_side,
         "splits": splits,
     }
     path = os.path.join(out_dir, arrayrecord.DATASET_FILE)
@@ -200,6 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--to", dest="out_dir", required=True, help="the output folder")
     parser.add_argument("--examples_per_shard", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=16, help="files read at once")
+    parser.add_argument(
+        "--short_side", type=int, default=None, help="re-encode images to this short side"
+    )
     args = parser.parse_args(argv)
     try:
         metadata = convert(
@@ -207,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             args.out_dir,
             examples_per_shard=args.examples_per_shard,
             threads=args.threads,
+            short_side=args.short_side,
         )
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")

@@ -1,15 +1,19 @@
 """Tests of haiku_state.prepare and haiku_state.data.arrayrecord: shards of the same examples."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 from image_trees import write_cifar10_batch, write_imagefolder
+from PIL import Image
 
-from haiku_state import data, prepare
+from haiku_state import data, prepare, train
+from haiku_state import workdir as workdir_lib
 from haiku_state.data import arrayrecord, preprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,3 +200,63 @@ def test_the_command_line_names_a_bad_source_in_one_line(tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith("error: ImageFolder data.dir")
     assert not (tmp_path / "out").exists()
+
+
+def test_short_side_re_encodes_larger_images_and_keeps_the_rest(tree, tmp_path):
+    out = str(tmp_path / "short")
+    metadata = prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8, short_side=40)
+    assert metadata["short_side"] == 40
+    folder = data.load_dataset("imagefolder", data_dir=tree, image_size=IMAGE_SIZE)
+    shards = data.load_dataset("arrayrecord", data_dir=out, image_size=IMAGE_SIZE)
+    assert shards.short_side == 40 and folder.short_side is None
+    resized = 0
+    for i in range(len(folder.train.records)):
+        original, label = folder.train.records[i]
+        stored, stored_label = shards.train.records[i]
+        assert stored_label == label
+        width, height = preprocess.encoded_size(original)
+        if min(width, height) <= 40:
+            assert stored == original
+            continue
+        resized += 1
+        scale = 40 / min(width, height)
+        size = (round(width * scale), round(height * scale))
+        assert preprocess.encoded_size(stored) == size
+        assert stored[:4] == original[:4] or original[:3] == b"\xff\xd8\xff"  # PNG stays PNG.
+        # The same picture, smaller: close to the original resized by PIL.
+        with Image.open(io.BytesIO(original)) as image:
+            expected = np.asarray(image.convert("RGB").resize(size, Image.Resampling.BICUBIC))
+        with Image.open(io.BytesIO(stored)) as image:
+            assert np.abs(np.asarray(image.convert("RGB"), float) - expected).mean() < 6
+    assert resized >= 5
+
+
+def test_short_side_keeps_an_unreadable_file_as_it_is():
+    assert prepare.shorten(b"not an image", 16) == b"not an image"
+    with pytest.raises(ValueError, match="--short_side=0 must be positive"):
+        prepare.convert("digits", "/nonexistent/never-written", short_side=0)
+
+
+def test_a_rerun_with_another_short_side_is_refused(tree, prepared):
+    with pytest.raises(data.DataError, match="short_side differ"):
+        prepare.convert(f"imagefolder:{tree}", prepared, examples_per_shard=8, short_side=32)
+
+
+def test_a_run_does_not_resume_on_shards_of_another_short_side(prepared, tmp_path):
+    short = str(tmp_path / "short")
+    prepare.convert("digits", short, examples_per_shard=500, short_side=4)
+    full = str(tmp_path / "full")
+    prepare.convert("digits", full, examples_per_shard=500)
+    records = {
+        out: train._data_record(
+            types.SimpleNamespace(
+                dataset=data.load_dataset("arrayrecord", data_dir=out, image_size=8)
+            )
+        )
+        for out in (full, short)
+    }
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    workdir_lib.record_config(workdir, {"seed": 0}, allow_change=False, data=records[full])
+    with pytest.raises(workdir_lib.WorkdirError, match="dataset.short_side: None -> 4"):
+        workdir_lib.record_config(workdir, {"seed": 0}, allow_change=False, data=records[short])

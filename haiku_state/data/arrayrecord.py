@@ -165,4 +165,5 @@ def load_arrayrecord(data_dir: str, image_size: int) -> Dataset:
         name="arrayrecord",
         mean=tuple(metadata["mean"]),
         std=tuple(metadata["std"]),
+        short_side=metadata.get("short_side"),
     )

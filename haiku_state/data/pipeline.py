@@ -87,6 +87,7 @@ def cpu_eval_example(data: bytes, image_size: int) -> Batch:
 
 
 def cpu_blank_example(image_size: int) -> Batch:
+    """Zero pixels, for an evaluation example left out."""
     return {"image": np.zeros((image_size, image_size, 3), np.uint8)}
 
 

@@ -96,6 +96,8 @@ class Dataset(NamedTuple):
       mean: per-channel (or scalar) mean the network subtracts on the device, in the
         units of the stored pixels; None for images stored already standardised.
       std: the matching standard deviation; None with `mean`.
+      short_side: the short side the images were re-encoded to (`prepare
+        --short_side`); None for images as their source stored them.
     """
 
     train: AnySplit
@@ -105,6 +107,7 @@ class Dataset(NamedTuple):
     name: str
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    short_side: int | None = None
 
     @property
     def image_dtype(self) -> np.dtype:
