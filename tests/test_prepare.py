@@ -12,7 +12,7 @@ import pytest
 from image_trees import write_cifar10_batch, write_imagefolder
 from PIL import Image
 
-from haiku_state import data, prepare, train
+from haiku_state import data, driver, prepare
 from haiku_state import workdir as workdir_lib
 from haiku_state.data import arrayrecord, preprocess
 
@@ -248,7 +248,7 @@ def test_a_run_does_not_resume_on_shards_of_another_short_side(prepared, tmp_pat
     full = str(tmp_path / "full")
     prepare.convert("digits", full, examples_per_shard=500)
     records = {
-        out: train._data_record(
+        out: driver._data_record(
             types.SimpleNamespace(
                 dataset=data.load_dataset("arrayrecord", data_dir=out, image_size=8)
             )
