@@ -6,6 +6,8 @@ Not an experiment itself (its name starts with `_`): `mlp.py`, `resnet.py` and
 
 import ml_collections
 
+from haiku_state import compilation_cache
+
 
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
@@ -30,6 +32,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.backend = "pmap"  # Or "shard_map": the same step on jax.shard_map.
     config.precision = "float32"  # Or bfloat16 / float16 (mixed precision).
     config.label_smoothing = 0.0
+    # Compiled programs kept on disk, so a rerun or a resume does not compile again; "": off.
+    config.compilation_cache_dir = compilation_cache.default_directory()
 
     config.optimizer = ml_collections.ConfigDict()
     config.optimizer.name = "sgd"

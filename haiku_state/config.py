@@ -44,6 +44,7 @@ REQUIRED_KEYS = (
     "init_from",
     "init_skip",
     "profile_steps",
+    "compilation_cache_dir",
     "optimizer",
     "data",
     "model",
@@ -207,6 +208,14 @@ def _check_run_controls(config: Any) -> None:
         raise ValueError(f"config.init_skip={config.init_skip!r} is not a regex: {e}.") from None
     if config.init_skip and not config.init_from:
         raise ValueError("config.init_skip is set but config.init_from is empty.")
+    cache_dir = config.compilation_cache_dir
+    if not isinstance(cache_dir, str) or (
+        os.path.exists(cache_dir) and not os.path.isdir(cache_dir)
+    ):
+        raise ValueError(
+            f"config.compilation_cache_dir={cache_dir!r} must be a directory (made if "
+            "missing), or '' for no compilation cache."
+        )
 
 
 def _check_data_options(data_config: Any) -> None:

@@ -24,7 +24,7 @@ import jax
 from absl import logging
 from etils import epath
 
-from haiku_state import actions, asserts, checkpoint, data, loop, summaries
+from haiku_state import actions, asserts, checkpoint, compilation_cache, data, loop, summaries
 from haiku_state import workdir as workdir_lib
 from haiku_state.checkpoint import layout
 from haiku_state.checkpoint.warm_start import warm_start
@@ -343,6 +343,7 @@ def train_and_evaluate(
     """
     validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_usable(workdir)
+    compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     with contextlib.ExitStack() as stack:
         stop = stop or stack.enter_context(loop.StopRequest())

@@ -47,6 +47,7 @@ FREE_KEYS = (
     "eval_batch_size",
     "init_from",
     "init_skip",
+    "compilation_cache_dir",
     "data.workers",
     "data.prefetch",
 )
