@@ -282,6 +282,7 @@ def measure_loops(check: Check, root: str, workers: int) -> dict[str, Any]:
 
     plan = check.plan
     args = argparse.Namespace(
+        decoder=None,
         loop_experiment=plan.loop_experiment,
         loop_image_size=plan.loop_image_size,
         loop_batch_size=plan.loop_batch_size,
@@ -297,7 +298,8 @@ def measure_loops(check: Check, root: str, workers: int) -> dict[str, Any]:
             check.skip(f"loop with the {decoder} decoder", f"{check.left_s():.0f} s left")
             continue
         try:
-            loops[decoder] = input_pipeline.measure_loop(args, root, workers, decoder=decoder)
+            args.decoder = decoder
+            loops[decoder] = input_pipeline.measure_loop(args, root, workers)
         except Exception as e:  # No such decoder here, or none that runs: recorded.
             traceback.print_exc()
             loops[decoder] = {"skipped": f"{type(e).__name__}: {e}"[:1000]}

@@ -281,14 +281,16 @@ def loop_rate(config: Any, workdir: str, time_limit_s: float | None = None) -> d
         (r for r in (summaries.read_metrics(workdir) if logged else []) if r["split"] == "train"),
         key=lambda r: r["step"],
     )
+    steps_logged = records[-1]["step"] if records else 0
     steady = records[1:]
     seconds = sum(config.log_every * config.batch_size / r["examples_per_s"] for r in steady)
     return {
         "examples_per_s": (
             len(steady) * config.log_every * config.batch_size / seconds if steady else None
         ),
-        "steps_logged": records[-1]["step"] if records else 0,
-        "stopped_by_time_limit": deadline.expired,
+        "steps_logged": steps_logged,
+        # Past the limit before the last step (not after it, during the final evaluation).
+        "stopped_by_time_limit": deadline.expired and steps_logged < config.steps,
         "compiles": compiles.figures(),
     }
 
@@ -347,13 +349,12 @@ def update_core_apart(enabled: bool) -> Iterator[None]:
                 os.sched_setaffinity(int(thread_id), set(cores))
 
 
-def measure_loop(
-    args: argparse.Namespace, root: str, workers: int, decoder: str | None = None
-) -> dict[str, Any]:
+def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str, Any]:
     """The loop fed by `workers` decoding processes against the bare update and the pipeline.
 
-    `decoder` sets `config.data.decoder` (None: the config's own; see `set_decoder`).
+    `args.decoder`, where given, sets `config.data.decoder` (see `set_decoder`).
     """
+    decoder = getattr(args, "decoder", None)
     config = loop_config(args, root, workers)
     set_decoder(config, decoder)
     config_lib.validate_config(config, jax.device_count())  # A decoder refused here, at once.

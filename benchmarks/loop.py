@@ -144,13 +144,17 @@ def checkpoint_windows(
     }
 
 
-def _logged_windows(workdir: Path) -> list[Window]:
-    """The train windows of a run's `metrics.jsonl`, but the first (which compiles); none
-    for a run stopped before its first log."""
+def _train_records(workdir: Path) -> list[dict[str, Any]]:
+    """The train records of a run's `metrics.jsonl` by step; none for a run stopped before
+    its first log."""
     if not (workdir / summaries.METRICS_FILE).exists():
         return []
     records = [r for r in summaries.read_metrics(str(workdir)) if r["split"] == "train"]
-    records.sort(key=lambda r: r["step"])
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _logged_windows(records: Sequence[dict[str, Any]]) -> list[Window]:
+    """The windows of a run's train records, but the first (which compiles)."""
     return [
         (previous["step"], record["step"], record["examples_per_s"])
         for previous, record in zip(records, records[1:], strict=False)
@@ -187,7 +191,9 @@ def benchmark_training_loop(
         final = train.train_and_evaluate(config, str(workdir), stop=deadline)
     wall_s = time.perf_counter() - start
     bare = bare_update()
-    windows = _logged_windows(workdir)
+    records = _train_records(workdir)
+    steps_logged = records[-1]["step"] if records else 0
+    windows = _logged_windows(records)
     rates = [rate for _, _, rate in windows]
     median_rate = statistics.median(rates) if rates else None
     steady = time_weighted_examples_per_s(windows, config.batch_size) if windows else None
@@ -196,8 +202,9 @@ def benchmark_training_loop(
     return {
         "data": config.data.name,
         "steps": config.steps,
-        "steps_logged": windows[-1][1] if windows else 0,
-        "stopped_by_time_limit": deadline.expired,
+        "steps_logged": steps_logged,
+        # Past the limit before the last step (not after it, during the final evaluation).
+        "stopped_by_time_limit": deadline.expired and steps_logged < config.steps,
         "time_limit_s": deadline.seconds,
         # Its programs: those of the bare update come from the compilation cache.
         "compiles": compiles.figures(),

@@ -199,7 +199,8 @@ def phase_worker(experiment: str, batch_size: int, cache_dir: str) -> dict[str, 
     import jax
 
     from benchmarks.compiles import CompileEvents
-    from haiku_state import compilation_cache, train
+    from haiku_state import compilation_cache
+    from haiku_state.experiment import build_experiment, placeholder_batch
 
     phases: dict[str, Any] = {"import_s": time.perf_counter() - start}
     if jax.default_backend() == "cpu":  # As `python -m haiku_state.train` runs there.
@@ -219,8 +220,8 @@ def phase_worker(experiment: str, batch_size: int, cache_dir: str) -> dict[str, 
         phases[name] = {"s": time.perf_counter() - began, **compiles.figures()}
         return out
 
-    built = timed("build_experiment", lambda: train.build_experiment(config))
-    batch = train.placeholder_batch(built.dataset, batch_size)
+    built = timed("build_experiment", lambda: build_experiment(config))
+    batch = placeholder_batch(built.dataset, batch_size)
     state = timed("init", lambda: built.updater.init(config.seed, batch))
     state, _ = timed("first_step", lambda: built.updater.update(state, batch))
     timed("second_step", lambda: built.updater.update(state, batch))
