@@ -77,7 +77,7 @@ TO ?=
 TEST_WORKERS ?= 2
 
 .PHONY: install test train train-multiprocess eval prepare bench bench-quick bench-plot \
-	lint format lock stacks which-python clean
+	gpu-check lint format lock stacks which-python clean
 
 install: $(call installed,test+bench+plots)
 
@@ -124,6 +124,12 @@ bench-quick: $(call installed,bench+plots)
 
 bench-plot: $(call installed,bench+plots)
 	$(PY) -m benchmarks.plot $(ARGS)
+
+# One check of a GPU host in 8 minutes (benchmarks/gpu_check.py): steps at three batch
+# sizes, decoders, the loop, MFU, start-up with and without the compilation cache. On a
+# host that has JAX and its CUDA plugin: `make gpu-check VENV= RECORD=benchmarks/results/gpu.json`.
+gpu-check: $(call installed,bench+plots)
+	$(PY) -m benchmarks.gpu_check $(if $(RECORD),--out=$(RECORD)) $(ARGS)
 
 lint: $(call installed,test)
 	$(PY) -m ruff check haiku_state experiments tests benchmarks

@@ -1,10 +1,16 @@
-"""What a step costs the device: XLA's FLOPs and memory, the peak matmul, MFU, device memory.
+"""What a step costs the device: its FLOPs, XLA's memory, the peak matmul, MFU, device memory.
 
-`compiled_costs(lowered)` reads XLA's analyses of a lowered step. On JAX 0.10
+A step's FLOPs are counted from its jaxpr (`benchmarks.flops`): the same figure on
+every backend. XLA's cost analysis is recorded beside it: on a GPU it misses the
+cuDNN convolutions (custom calls carry no cost). On JAX 0.10
 `Lowered.compile().cost_analysis()` is one dict whose "flops" are those of ONE
 device's program (the SPMD-partitioned module: they halve from 1 to 2 devices
-at the same global batch), and `memory_analysis()` is per device too; so a
-step's FLOPs are the per-device figure times the devices.
+at the same global batch), and `memory_analysis()` is per device too; so XLA's
+FLOPs of a step are the per-device figure times the devices.
+
+MFU is against the matmul peak measured in the run's own precision: a bfloat16
+step against the bfloat16 matmul, a float32 one against float32 (TF32 on recent
+NVIDIA GPUs, as the models' float32 convolutions run there).
 """
 
 from __future__ import annotations
@@ -12,18 +18,29 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import flops as flops_lib
 from haiku_state import replication
 
 UPDATER_COST_SOURCE = (
     "Updater.lower_update(train_state, batch, with_norms=False).compile()"
     ".cost_analysis()['flops'], per device"
 )
+JAXPR_SOURCE = (
+    "jaxpr of Updater.update(train_state, batch, with_norms=False): conv_general_dilated and "
+    "dot_general, forward and backward, over all devices (benchmarks.flops)"
+)
+ANALYTIC_SOURCE = (
+    "3 x the forward pass's multiply-adds x 2 (benchmarks.flops.resnet50_forward_macs)"
+)
+# The precisions whose matmul peak every run measures; a run adds its own.
+PEAK_PRECISIONS = ("float32", "bfloat16")
 _MEMORY_FIELDS = (
     "argument_size_in_bytes",
     "output_size_in_bytes",
@@ -60,36 +77,70 @@ def compiled_costs(lowered: jax.stages.Lowered) -> dict[str, Any]:
 
 
 def flops_figures(
-    costs: dict[str, dict[str, Any]], num_devices: int, batch_size: int
+    costs: dict[str, dict[str, Any]],
+    counted: dict[str, Any],
+    num_devices: int,
+    batch_size: int,
+    analytic_per_example: float | None = None,
 ) -> dict[str, Any]:
-    """The record's `flops`: the Updater's per device, step and example, and its peers'."""
-    per_device = costs["updater"]["flops_per_device"]
+    """The record's `flops`: the step's counted from its jaxpr, XLA's beside them.
+
+    Args:
+      costs: `compiled_costs` of the Updater's step (`updater`) and its peers'.
+      counted: `flops.count_flops` of the Updater's step, over all devices.
+      num_devices: the devices of the step.
+      batch_size: its global batch.
+      analytic_per_example: the literature's figure for the model, where there is one.
+    """
+    per_step = counted["total"]
+    xla_per_device = costs["updater"]["flops_per_device"]
     hand_written = costs.get("hand_written", {}).get("flops_per_device")
     return {
-        "per_device_per_step": per_device,
-        "per_step": per_device * num_devices if per_device else None,
-        "per_example": per_device * num_devices / batch_size if per_device else None,
-        "source": UPDATER_COST_SOURCE,
+        "per_step": per_step,
+        "per_device_per_step": per_step / num_devices,
+        "per_example": per_step / batch_size,
+        "by_primitive": {name: counted[name] for name in flops_lib.COUNTED},
+        "source": JAXPR_SOURCE,
+        "analytic_per_example": analytic_per_example,
+        "counted_vs_analytic": (
+            per_step / batch_size / analytic_per_example if analytic_per_example else None
+        ),
+        "analytic_source": ANALYTIC_SOURCE if analytic_per_example else None,
+        "xla_per_device_per_step": xla_per_device,
+        "xla_per_step": xla_per_device * num_devices if xla_per_device else None,
+        "xla_per_example": xla_per_device * num_devices / batch_size if xla_per_device else None,
+        "xla_source": UPDATER_COST_SOURCE,
         "hand_written_per_device": hand_written,
         "flax_per_device": costs.get("flax", {}).get("flops_per_device"),
         "updater_matches_hand_written": (
-            bool(abs(per_device - hand_written) <= 0.01 * hand_written)
-            if per_device and hand_written
+            bool(abs(xla_per_device - hand_written) <= 0.01 * hand_written)
+            if xla_per_device and hand_written
             else None
         ),
     }
 
 
 def utilisation(
-    flops_per_step: float | None, steps_per_s: float, peak: dict[str, Any] | None
+    flops_per_step: float | None,
+    steps_per_s: float,
+    peak: dict[str, Any] | None,
+    precision: str = "float32",
 ) -> dict[str, Any]:
-    """Achieved TFLOP/s and MFU against the f32 all-devices peak of `measure_peak_matmul`."""
+    """Achieved TFLOP/s, and MFU against the all-devices matmul peak in `precision`.
+
+    `peak` is `measure_peak_matmul`'s result; without a figure for `precision`
+    there is no MFU (never one against another precision's peak).
+    """
     achieved = flops_per_step * steps_per_s / 1e12 if flops_per_step else None
-    peak_tflops = peak["float32"]["all_devices_tflop_per_s"] if peak else None
+    measured = (peak or {}).get(precision)
+    peak_tflops = measured["all_devices_tflop_per_s"] if measured else None
     return {
         "achieved_tflop_per_s": achieved,
         "peak_tflop_per_s": peak_tflops,
-        "peak_source": "measured f32 matmul, pmapped over all local devices" if peak else None,
+        "peak_precision": precision if measured else None,
+        "peak_source": (
+            f"measured {precision} matmul, pmapped over all local devices" if measured else None
+        ),
         "mfu": achieved / peak_tflops if achieved and peak_tflops else None,
     }
 
@@ -113,22 +164,25 @@ def _median_call_s(fn: Any, args: tuple, repeats: int, calls_per_repeat: int) ->
 
 
 def measure_peak_matmul(
-    size: int | None = None, repeats: int = 5, calls_per_repeat: int = 5
+    size: int | None = None,
+    repeats: int = 5,
+    calls_per_repeat: int = 5,
+    precisions: Sequence[str] = PEAK_PRECISIONS,
 ) -> dict[str, Any]:
     """The device's matmul throughput: the peak that MFU is measured against.
 
     `single_device` is one jitted `size x size` matmul on device 0;
     `all_devices` the same matmul pmapped over every local device at once (on
     simulated CPU devices they share the host's cores, so this is the machine's
-    peak, not N times one device's). On GPU an f32 matmul runs at JAX's default
-    precision (TF32 on Ampere and later), which is also what the models' f32
-    convolutions get.
+    peak, not N times one device's), for each of `precisions`. On GPU an f32
+    matmul runs at JAX's default precision (TF32 on Ampere and later), which is
+    also what the models' f32 convolutions get.
     """
     size = size or default_matmul_size()
     num_devices = jax.local_device_count()
     flops = 2.0 * size**3
     result: dict[str, Any] = {"size": size}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in precisions:
         one = jnp.ones((size, size), dtype)
         stacked = replication.shard(np.ones((num_devices * size, size), dtype))
         single_s = _median_call_s(jax.jit(jnp.matmul), (one, one), repeats, calls_per_repeat)

@@ -18,6 +18,7 @@ per device count; the tests call it directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from typing import Any
 
 import jax
 
-from benchmarks import checkpoints, costs, loop, timing, variants
+from benchmarks import checkpoints, costs, flops, loop, timing, variants
 from benchmarks.settings import (
     LOOP_TARGET,
     UPDATER_TARGETS,
@@ -149,6 +150,14 @@ def _throughput_line(throughput: dict[str, Any], ratios: dict[str, float | None]
     return ", ".join(parts)
 
 
+def _analytic_flops_per_example(name: str, config: Any) -> float | None:
+    """ResNet-50's training FLOPs per example by hand (3 x forward), for its image size."""
+    if name != "resnet50":
+        return None
+    image_size = config.data.image_shape[0]
+    return 3 * 2 * flops.resnet50_forward_macs(image_size, config.data.num_classes)
+
+
 def _step_figures(
     name: str,
     config: Any,
@@ -162,12 +171,20 @@ def _step_figures(
     num_devices, batch_size = jax.local_device_count(), config.batch_size
     steps_per_window = _warm_up(timed, settings, say)
     step_costs = _step_costs(updater, timed)
+    updater_variant = next(variant for variant in timed if variant.name == "updater")
+    counted = flops.count_flops(
+        functools.partial(updater.update, with_norms=False),
+        updater_variant.carry,
+        updater_variant.batches[0],
+    )
     say(f"costs analysed; {steps_per_window} steps per window")
     timing.time_interleaved(timed, settings.windows, steps_per_window)
     throughput = {v.name: timing.throughput(v, steps_per_window, batch_size) for v in timed}
     ratios = timing.paired_ratios(timed)
     say(_throughput_line(throughput, ratios))
-    flops = costs.flops_figures(step_costs, num_devices, batch_size)
+    step_flops = costs.flops_figures(
+        step_costs, counted, num_devices, batch_size, _analytic_flops_per_example(name, config)
+    )
     return {
         "experiment": name,
         "num_devices": num_devices,
@@ -188,9 +205,9 @@ def _step_figures(
             "updater_vs_hand_written": UPDATER_TARGETS[name],
             "loop_vs_update": LOOP_TARGET,
         },
-        "flops": flops,
+        "flops": step_flops,
         "utilisation": costs.utilisation(
-            flops["per_step"], throughput["updater"]["steps_per_s"], peak
+            step_flops["per_step"], throughput["updater"]["steps_per_s"], peak, settings.precision
         ),
         "memory": {
             "compiled_update_per_device": step_costs["updater"]["memory_per_device"],

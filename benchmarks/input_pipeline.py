@@ -19,9 +19,15 @@ r"""The input pipeline's throughput: decoding alone, and the training loop it fe
    With `--decoder=gpu` the batches are decoded on the device too.
 4. The training loop (`driver.train_and_evaluate`) fed by the pipeline, against
    the smaller of the pipeline alone and the bare update at the same settings
-   (a model and image size a CPU trains). On a CPU the update runs on the first
-   core and the workers on the others (`--pin_update_core`), as on an
-   accelerator host, where the update does not take the decoders' cores.
+   (a model and image size a CPU trains). The bare update runs first and
+   compiles the programs the loop runs into this process's compilation cache,
+   so the loop loads them instead of compiling them again. On a CPU the update
+   is timed on the first core and the workers on the others
+   (`--pin_update_core`, after the compiles, which use every core), as on an
+   accelerator host, where the update does not take the decoders' cores; on an
+   accelerator nothing is pinned by default. `--loop_time_limit_s` bounds the
+   loop: past it the run stops and saves, and the record holds the windows it
+   logged (`stopped_by_time_limit`).
 
 Prints one JSON record (also written to `--out` if given). The figures are the
 machine's: on a shared machine, other processes' load moves them.
@@ -31,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import inspect
 import io
 import json
 import os
@@ -49,12 +57,15 @@ import numpy as np
 from PIL import Image
 
 from benchmarks import baseline_decode
+from benchmarks.compiles import CompileEvents
+from benchmarks.loop import Deadline
+from haiku_state import compilation_cache, data, driver, summaries
 from haiku_state import config as config_lib
-from haiku_state import data, driver, summaries
 from haiku_state.data import gpu_decode, imagefolder, pipeline, preprocess
 from haiku_state.experiment import build_experiment, placeholder_batch
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
+DEFAULT_DECODER = "cpu"  # config.data.decoder's default, where the key exists.
 WIDTH, HEIGHT = 500, 375
 JPEG_QUALITY = 90
 NUM_CLASSES = 10
@@ -237,39 +248,94 @@ def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
         max_shift=0,
         flip=False,
     )
+    # This process's compilation cache (`main` makes a private one), not the user's.
+    config.compilation_cache_dir = jax.config.jax_compilation_cache_dir or ""
     return config
 
 
-def bare_update_rate(config: Any, steps: int) -> float:
-    """Examples/s of `Updater.update` on one device batch, at most two steps in flight."""
+def decoder_options(fn: Any, decoder: str | None) -> dict[str, str]:
+    """`{"decoder": decoder}` for a function that takes one; `{}` for the default decoder.
+
+    Raises:
+      ValueError: for another decoder where `fn` takes none (this checkout's pipeline
+        has one decoder only).
+    """
+    if decoder is None:
+        return {}
+    if "decoder" in inspect.signature(fn).parameters:
+        return {"decoder": decoder}
+    if decoder == DEFAULT_DECODER:
+        return {}
+    raise ValueError(f"{fn.__qualname__} takes no decoder: decoder {decoder!r} is not measured.")
+
+
+def set_decoder(config: Any, decoder: str | None) -> None:
+    """`config.data.decoder = decoder` (None leaves the config's own).
+
+    Raises:
+      ValueError: for a decoder other than the default where the config has no
+        `data.decoder` key.
+    """
+    if decoder is None:
+        return
+    if "decoder" in config.data:
+        config.data.decoder = decoder
+    elif decoder != DEFAULT_DECODER:
+        raise ValueError(f"config.data has no decoder key: decoder {decoder!r} is not measured.")
+
+
+def bare_update_rate(config: Any, steps: int, pin_update_core: bool = False) -> float:
+    """Examples/s of `Updater.update` on one device batch, at most two steps in flight.
+
+    Compiles the programs the training loop of `config` runs (init, the step with
+    and without the norms) on every core, into the compilation cache the loop
+    shares; then times the step the loop runs between its logs, on the first
+    core alone if `pin_update_core`.
+    """
     experiment = build_experiment(config)
     batch = placeholder_batch(experiment.dataset, config.batch_size)
     state = experiment.updater.init(config.seed, batch)
-    update = experiment.updater.update
-    for _ in range(3):  # Compiles.
-        state, metrics = update(state, batch)
+    for with_norms in (True, False, False):
+        state, metrics = experiment.updater.update(state, batch, with_norms=with_norms)
     jax.block_until_ready(metrics)
-    start, previous = time.perf_counter(), None
-    for _ in range(steps):
-        state, metrics = update(state, batch)
-        if previous is not None:
-            jax.block_until_ready(previous)
-        previous = metrics
-    jax.block_until_ready(previous)
-    return steps * config.batch_size / (time.perf_counter() - start)
+    update = functools.partial(experiment.updater.update, with_norms=False)
+    with update_core_apart(pin_update_core):
+        start, previous = time.perf_counter(), None
+        for _ in range(steps):
+            state, metrics = update(state, batch)
+            if previous is not None:
+                jax.block_until_ready(previous)
+            previous = metrics
+        jax.block_until_ready(previous)
+        return steps * config.batch_size / (time.perf_counter() - start)
 
 
-def loop_rate(config: Any, workdir: str) -> dict[str, float]:
-    """The training loop's steady examples/s: every logged window but the first (compiles)."""
-    with contextlib.redirect_stdout(sys.stderr):
-        driver.train_and_evaluate(config, workdir)
+def loop_rate(config: Any, workdir: str, time_limit_s: float | None = None) -> dict[str, Any]:
+    """The training loop's steady examples/s: every logged window but the first (compiles).
+
+    Past `time_limit_s` the run stops as a signal would stop it; the windows it
+    logged until then are its figure (None without a steady window).
+    """
+    deadline = Deadline(time_limit_s)
+    with contextlib.redirect_stdout(sys.stderr), CompileEvents() as compiles:
+        driver.train_and_evaluate(config, workdir, stop=deadline)
+    logged = os.path.exists(os.path.join(workdir, summaries.METRICS_FILE))  # Not if stopped.
     records = sorted(
-        (r for r in summaries.read_metrics(workdir) if r["split"] == "train"),
+        (r for r in (summaries.read_metrics(workdir) if logged else []) if r["split"] == "train"),
         key=lambda r: r["step"],
     )
+    steps_logged = records[-1]["step"] if records else 0
     steady = records[1:]
     seconds = sum(config.log_every * config.batch_size / r["examples_per_s"] for r in steady)
-    return {"examples_per_s": len(steady) * config.log_every * config.batch_size / seconds}
+    return {
+        "examples_per_s": (
+            len(steady) * config.log_every * config.batch_size / seconds if steady else None
+        ),
+        "steps_logged": steps_logged,
+        # Past the limit before the last step (not after it, during the final evaluation).
+        "stopped_by_time_limit": deadline.expired and steps_logged < config.steps,
+        "compiles": compiles.figures(),
+    }
 
 
 def measure_pipeline(
@@ -367,35 +433,57 @@ def update_core_apart(enabled: bool) -> Iterator[None]:
 
 
 def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str, Any]:
+    """The loop fed by `workers` decoding processes against the bare update and the pipeline.
+
+    `args.decoder`, where given, sets `config.data.decoder` (see `set_decoder`).
+    """
+    decoder = getattr(args, "decoder", None)
     config = loop_config(args, root, workers)
+    set_decoder(config, decoder)
+    config_lib.validate_config(config, jax.device_count())  # A decoder refused here, at once.
     split = data.load_dataset("imagefolder", data_dir=root, image_size=args.loop_image_size).train
     # The pipeline alone on both sides of the loop: a shared machine's load drifts.
     steps = args.loop_steps // 2
-    pinned = args.pin_update_core and len(os.sched_getaffinity(0)) > workers > 0
+    pinned = pin_update_core(args.pin_update_core) and len(os.sched_getaffinity(0)) > workers > 0
+    options = decoder_options(pipeline_rate, decoder)
+    update = bare_update_rate(config, args.loop_steps, pinned)  # Compiles the loop's programs.
     with update_core_apart(pinned):
-        before = pipeline_rate(split, config.batch_size, workers, steps, args.decoder)
-        before = before["images_per_s"]
+        before = pipeline_rate(split, config.batch_size, workers, steps, **options)["images_per_s"]
         with tempfile.TemporaryDirectory(prefix="bench_loop_") as workdir:
-            loop = loop_rate(config, workdir)["examples_per_s"]
-        after = pipeline_rate(split, config.batch_size, workers, steps, args.decoder)
-        after = after["images_per_s"]
-        update = bare_update_rate(config, args.loop_steps)
+            loop = loop_rate(config, workdir, args.loop_time_limit_s)
+        after = pipeline_rate(split, config.batch_size, workers, steps, **options)["images_per_s"]
     alone = (before + after) / 2
     bound = min(alone, update)
+    examples_per_s = loop["examples_per_s"]
     return {
         "experiment": args.loop_experiment,
+        "decoder": decoder or config.data.get("decoder", DEFAULT_DECODER),
         "image_size": args.loop_image_size,
         "batch_size": config.batch_size,
         "steps": config.steps,
+        "steps_logged": loop["steps_logged"],
+        "stopped_by_time_limit": loop["stopped_by_time_limit"],
+        # The loop's programs, loaded from the cache the bare update wrote (`cache_hits`).
+        "loop_compiles": loop["compiles"],
         "workers": workers,
         "update_core_apart": pinned,
         "pipeline_alone_images_per_s": alone,
         "pipeline_alone_before_after": [before, after],
         "bare_update_examples_per_s": update,
-        "loop_examples_per_s": loop,
-        "ratio_vs_min": loop / bound,
+        "loop_examples_per_s": examples_per_s,
+        "ratio_vs_min": examples_per_s / bound if examples_per_s else None,
+        "ratio_vs_update": examples_per_s / update if examples_per_s else None,
         "bound": "pipeline" if alone <= update else "update",
     }
+
+
+def pin_update_core(value: str) -> bool:
+    """`--pin_update_core`: true, false, or auto (true on a CPU, where the update and the
+    decoders share the cores; false on an accelerator, where the update needs none)."""
+    value = value.lower()
+    if value == "auto":
+        return jax.default_backend() == "cpu"
+    return value in ("1", "true", "yes")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -422,9 +510,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no_loop", action="store_true", help="skip the training loop")
     parser.add_argument(
         "--pin_update_core",
-        type=lambda v: v.lower() in ("1", "true", "yes"),
-        default=True,
-        help="loop: this process on the first core, the workers on the others (true)",
+        default="auto",
+        help="loop: time the update on the first core, the workers on the others: true, "
+        "false, or auto (true on a CPU, false on an accelerator)",
+    )
+    parser.add_argument(
+        "--loop_time_limit_s",
+        type=float,
+        default=600.0,
+        help="loop: stop the run past this many seconds; its logged windows are the figure",
     )
     parser.add_argument("--out", default="", help="also write the JSON record here")
     args = parser.parse_args(argv)
@@ -444,6 +538,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="bench_index_cache_") as cache,
         mock.patch.dict(os.environ, {imagefolder.CACHE_ENV: cache}),  # Not the user's.
     ):
+        # The loop shares the bare update's compiles through a cache of this run's own.
+        compilation_cache.enable(os.path.join(cache, "jax_compilation_cache"))
         record["data"] = write_tree(root, args.images, args.distinct)
         record["decoders_one_core_images_per_s"] = decoder_rates(
             root, args.image_size, args.decoder_seconds

@@ -6,6 +6,12 @@ compared with the Updater timed right before it and right after it
 Its logged windows are split into those that hold a checkpoint save and the
 rest (`checkpoint_windows`), which tells the loop's own per-step overhead apart
 from what each save costs the training.
+
+The loop compiles the programs the bare update compiled already: it shares the
+benchmark process's compilation cache (`loop_config`), so its first window holds
+cache loads rather than compiles. A run can be bounded in wall time (`Deadline`):
+it then stops as a signal would stop it, saving the step reached, and its record
+holds the windows logged until then, marked `stopped_by_time_limit`.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from typing import Any
 import jax
 
 from benchmarks import timing
+from benchmarks.compiles import CompileEvents
 from benchmarks.settings import Settings, experiment_config, round_up, use_synthetic_data
 from haiku_state import driver, summaries
+from haiku_state import loop as train_loop
 
 Window = tuple[int, int, float]  # (first_step, last_step, examples_per_s) of a logged window.
 
@@ -51,11 +59,38 @@ def loop_config(name: str, settings: Settings, num_devices: int) -> Any:
     config.log_every = log_every
     config.eval_every = steps
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 4)
+    # This process's compilation cache (a private one in `benchmarks.run`), not the user's.
+    config.compilation_cache_dir = jax.config.jax_compilation_cache_dir or ""
     if settings.loop_synthetic_data:
         use_synthetic_data(config, name, 4 * config.batch_size, config.eval_batch_size)
     if config.data.name == "synthetic":  # At least four batches, so batches differ.
         config.data.num_train = max(config.data.num_train, 4 * config.batch_size)
     return config
+
+
+class Deadline(train_loop.StopRequest):
+    """A stop request made by a wall-clock limit, as a signal makes one.
+
+    `driver.train_and_evaluate(..., stop=Deadline(s))` stops at the first step
+    boundary after `s` seconds, saves the step reached and returns; what it logged
+    until then stands. None: no limit.
+    """
+
+    REASON = "the benchmark's time limit"
+
+    def __init__(self, seconds: float | None):
+        super().__init__()
+        self.seconds = seconds
+        self._at = None if seconds is None else time.monotonic() + seconds
+
+    def should_stop_now(self) -> bool:
+        if self._at is not None and self.signal_name is None and time.monotonic() >= self._at:
+            self.signal_name = self.REASON
+        return super().should_stop_now()
+
+    @property
+    def expired(self) -> bool:
+        return self.signal_name == self.REASON
 
 
 def time_weighted_examples_per_s(windows: Sequence[Window], batch_size: int) -> float:
@@ -109,10 +144,17 @@ def checkpoint_windows(
     }
 
 
-def _logged_windows(workdir: Path) -> list[Window]:
-    """The train windows of a run's `metrics.jsonl`, but the first (which compiles)."""
+def _train_records(workdir: Path) -> list[dict[str, Any]]:
+    """The train records of a run's `metrics.jsonl` by step; none for a run stopped before
+    its first log."""
+    if not (workdir / summaries.METRICS_FILE).exists():
+        return []
     records = [r for r in summaries.read_metrics(str(workdir)) if r["split"] == "train"]
-    records.sort(key=lambda r: r["step"])
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _logged_windows(records: Sequence[dict[str, Any]]) -> list[Window]:
+    """The windows of a run's train records, but the first (which compiles)."""
     return [
         (previous["step"], record["step"], record["examples_per_s"])
         for previous, record in zip(records, records[1:], strict=False)
@@ -130,7 +172,9 @@ def benchmark_training_loop(
 
     The steady state is the time-weighted mean of the logged `examples_per_s`
     over every window but the first (which compiles): total examples over total
-    time, so the window holding the half-way checkpoint counts in full.
+    time, so the window holding the half-way checkpoint counts in full. A run
+    stopped by `settings.loop_time_limit_s` reports the windows it logged (none
+    and its figures are None).
 
     Args:
       name: the experiment.
@@ -140,20 +184,30 @@ def benchmark_training_loop(
       workdir: a fresh directory for the run.
     """
     config = loop_config(name, settings, jax.local_device_count())
+    deadline = Deadline(settings.loop_time_limit_s)
     start = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):  # Its final-eval line; stdout is the table's.
-        final = driver.train_and_evaluate(config, str(workdir))
+    # Its final-eval line to stderr: stdout is the table's.
+    with contextlib.redirect_stdout(sys.stderr), CompileEvents() as compiles:
+        final = driver.train_and_evaluate(config, str(workdir), stop=deadline)
     wall_s = time.perf_counter() - start
     bare = bare_update()
-    windows = _logged_windows(workdir)
+    records = _train_records(workdir)
+    steps_logged = records[-1]["step"] if records else 0
+    windows = _logged_windows(records)
     rates = [rate for _, _, rate in windows]
     median_rate = statistics.median(rates) if rates else None
-    steady = time_weighted_examples_per_s(windows, config.batch_size)
+    steady = time_weighted_examples_per_s(windows, config.batch_size) if windows else None
     save_steps = range(config.checkpoint_every, config.steps, config.checkpoint_every)
     saves = checkpoint_windows(windows, config.batch_size, save_steps)
     return {
         "data": config.data.name,
         "steps": config.steps,
+        "steps_logged": steps_logged,
+        # Past the limit before the last step (not after it, during the final evaluation).
+        "stopped_by_time_limit": deadline.expired and steps_logged < config.steps,
+        "time_limit_s": deadline.seconds,
+        # Its programs: those of the bare update come from the compilation cache.
+        "compiles": compiles.figures(),
         "log_every": config.log_every,
         "checkpoint_every": config.checkpoint_every,
         "batch_size": config.batch_size,
@@ -161,7 +215,7 @@ def benchmark_training_loop(
         "window_examples_per_s": rates,
         "median_window_examples_per_s": median_rate,
         "update_examples_per_s": bare,
-        "ratio_vs_update": steady / bare,
+        "ratio_vs_update": _ratio(steady, bare),
         # Robust to the few windows holding one-time costs (first lr evaluation after the
         # first log, the first checkpoint's jit compiles): the loop's per-step overhead.
         "median_window_ratio_vs_update": _ratio(median_rate, bare),
@@ -206,7 +260,10 @@ def median_loop_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run of median loop / update (the lower middle one of an even count), with every
     run's figures under `runs`: one drift of the machine's load between a loop and the bare
     update around it does not decide the figure."""
-    ranked = sorted(runs, key=lambda run: run["ratio_vs_update"])
+    # A run stopped before its steady state has no ratio: it ranks last.
+    ranked = sorted(
+        runs, key=lambda run: (run["ratio_vs_update"] is None, run["ratio_vs_update"] or 0.0)
+    )
     median = dict(ranked[(len(ranked) - 1) // 2])
     median["runs"] = [
         {
@@ -225,10 +282,19 @@ def summary_line(loop: dict[str, Any]) -> str:
     """loop / update of the median run (and every run's), without saves, per save."""
     runs, without = loop["runs"], loop["ratio_vs_update_without_checkpoints"]
     cost = loop["checkpoint_windows"]["cost_per_save_s"]
-    every_run = ", ".join(f"{run['ratio_vs_update']:.3f}" for run in runs)
+    every_run = ", ".join(_format(run["ratio_vs_update"]) for run in runs)
     return (
-        f"loop/update {loop['ratio_vs_update']:.3f}"
+        f"loop/update {_format(loop['ratio_vs_update'])}"
         + ("" if len(runs) == 1 else f" (median of {every_run})")
         + ("" if without is None else f", {without:.3f} in the windows without a save")
         + ("" if cost is None else f", {1e3 * cost:.0f} ms per save")
+        + (
+            f"; stopped by the time limit at step {loop['steps_logged']}"
+            if loop.get("stopped_by_time_limit")
+            else ""
+        )
     )
+
+
+def _format(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}"

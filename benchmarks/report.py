@@ -79,14 +79,21 @@ _TEXT_COLUMNS: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
 
 
 def peak_line(run: dict[str, Any]) -> str:
-    """The f32 and bf16 matmul peaks of one device count, on one device and on all."""
+    """The f32 and bf16 (and f16, if measured) matmul peaks of one device count, on one
+    device and on all."""
     peak = run["peak_matmul"]
+    f16 = peak.get("float16")
     return (
         f"peak matmul on {run['num_devices']} {run['device_kind']} device(s), "
         f"{peak['size']}^2: f32 {peak['float32']['single_device_tflop_per_s']:.3f} "
         f"TFLOP/s one device, {peak['float32']['all_devices_tflop_per_s']:.3f} all; "
         f"bf16 {peak['bfloat16']['single_device_tflop_per_s']:.3f} / "
         f"{peak['bfloat16']['all_devices_tflop_per_s']:.3f}"
+        + (
+            f"; f16 {f16['single_device_tflop_per_s']:.3f} / {f16['all_devices_tflop_per_s']:.3f}"
+            if f16
+            else ""
+        )
     )
 
 
@@ -122,13 +129,21 @@ def input_pipeline_lines(result: dict[str, Any] | None) -> list[str]:
         + ("" if pipeline["scaling"] is None else f", scaling {pipeline['scaling']:.2f}")
     ]
     loop = result.get("loop")
-    if loop:
+    if loop and loop.get("loop_examples_per_s") is None:
+        lines.append(
+            f"input pipeline loop ({loop['experiment']}, {loop['image_size']}^2, "
+            f"{loop['workers']} worker(s)): no steady window before the time limit "
+            f"(step {loop.get('steps_logged', 0)} of {loop['steps']})"
+        )
+    elif loop:
+        stopped = loop.get("stopped_by_time_limit")
         lines.append(
             f"input pipeline loop ({loop['experiment']}, {loop['image_size']}^2, "
             f"{loop['workers']} worker(s)): {loop['loop_examples_per_s']:,.0f} examples/s, "
             f"{loop['ratio_vs_min']:.2f} of min(pipeline alone "
             f"{loop['pipeline_alone_images_per_s']:,.0f}, bare update "
             f"{loop['bare_update_examples_per_s']:,.0f})"
+            + (f"; stopped by the time limit at step {loop['steps_logged']}" if stopped else "")
         )
     return lines
 

@@ -101,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     flag("--devices", type=lambda s: [int(x) for x in _csv(s)], default=None, help="e.g. 1,2,4")
     flag("--batch_size", type=int, default=None, help="Global batch override.")
     flag(
+        "--batch_sizes",
+        type=lambda s: [int(x) for x in _csv(s)],
+        default=None,
+        help="Several global batches, each measured in turn (e.g. 256,512,1024 on a GPU, to "
+        "find the best per-device batch); instead of --batch_size.",
+    )
+    flag(
         "--steps",
         type=int,
         default=None,
@@ -119,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="Training-loop runs, the median reported (default: 3 for mlp, else 1; --quick 1).",
+    )
+    flag(
+        "--loop_time_limit_s",
+        type=float,
+        default=None,
+        help="Wall-clock limit of each training-loop run: past it the run stops and saves, and "
+        "the windows it logged are its figures (default: none).",
     )
     flag("--checkpoint_saves", type=int, default=None, help="Timed saves per mode (0 skips).")
     flag("--no_flax", action="store_true", help="Skip the Flax peer.")
@@ -172,6 +186,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         args.devices = list(QUICK_DEVICES if args.quick else DEFAULT_DEVICES)
     if not args.devices or min(args.devices) < 1:
         parser.error(f"--devices must be positive integers, got {args.devices}")
+    if args.batch_sizes is not None and args.batch_size is not None:
+        parser.error("give --batch_size or --batch_sizes, not both")
+    args.batch_sizes = args.batch_sizes or [args.batch_size]
+    if any(b is not None and b < 1 for b in args.batch_sizes):
+        parser.error(f"batch sizes must be positive integers, got {args.batch_sizes}")
     if args.loop_runs is not None and args.loop_runs < 1:
         parser.error(f"--loop_runs must be at least 1, got {args.loop_runs} (--loop_steps=0 skips)")
     args.precisions_named = args.precisions is not None
@@ -187,16 +206,18 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def measurements(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The `(experiment, precision)` pairs a run measures, precision by precision.
+def measurements(args: argparse.Namespace) -> list[tuple[str, str, int | None]]:
+    """The `(experiment, precision, batch size)` a run measures, precision by precision.
 
-    Every experiment in every precision of `--precisions`; `--quick` without it runs
-    the half precisions on `QUICK_ALL_PRECISIONS_EXPERIMENTS` only.
+    Every experiment in every precision of `--precisions`, at every batch size of
+    `--batch_sizes` (None: the experiment's own); `--quick` without `--precisions`
+    runs the half precisions on `QUICK_ALL_PRECISIONS_EXPERIMENTS` only.
     """
     return [
-        (name, precision)
+        (name, precision, batch_size)
         for precision in args.precisions
         for name in args.experiments
+        for batch_size in args.batch_sizes
         if precision == "float32"
         or args.precisions_named
         or not args.quick
@@ -204,10 +225,12 @@ def measurements(args: argparse.Namespace) -> list[tuple[str, str]]:
     ]
 
 
-def _quick_settings(name: str, args: argparse.Namespace, first_count: bool) -> Settings:
+def _quick_settings(
+    name: str, args: argparse.Namespace, first_count: bool, batch_size: int | None
+) -> Settings:
     compared = name in QUICK_COMPARED_EXPERIMENTS
     return Settings(
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         steps_per_window=args.steps,
         target_window_s=QUICK_WINDOW_S,
         windows=args.windows or 3,
@@ -227,9 +250,9 @@ def _quick_settings(name: str, args: argparse.Namespace, first_count: bool) -> S
     )
 
 
-def _full_settings(name: str, args: argparse.Namespace) -> Settings:
+def _full_settings(name: str, args: argparse.Namespace, batch_size: int | None) -> Settings:
     return Settings(
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         steps_per_window=args.steps,
         target_window_s=WINDOW_S,
         windows=args.windows or 5,
@@ -242,10 +265,10 @@ def _full_settings(name: str, args: argparse.Namespace) -> Settings:
     )
 
 
-def _cpu_resnet50_settings(args: argparse.Namespace) -> Settings:
-    """ResNet-50 on CPU without --full: batch 8, windows of one step, no loop."""
+def _cpu_resnet50_settings(args: argparse.Namespace, batch_size: int | None) -> Settings:
+    """ResNet-50 on CPU without --full: batch 8 (at most), windows of one step, no loop."""
     return Settings(
-        batch_size=min(args.batch_size or CPU_RESNET50_BATCH, CPU_RESNET50_BATCH),
+        batch_size=min(batch_size or CPU_RESNET50_BATCH, CPU_RESNET50_BATCH),
         steps_per_window=args.steps or 1,
         windows=args.windows or 3,
         warmup_steps=1,
@@ -264,12 +287,17 @@ def settings_for(
     platform: str,
     num_devices: int,
     precision: str = "float32",
+    batch_size: int | None = None,
 ) -> tuple[Settings, str | None]:
-    """The `Settings` of one measurement, and why its loop figure is skipped (or None)."""
+    """The `Settings` of one measurement, and why its loop figure is skipped (or None).
+
+    `batch_size`: one of `--batch_sizes` (None: `--batch_size`, else the experiment's).
+    """
     skip_loop = None
     first_count = num_devices == min(args.devices)
+    batch_size = batch_size or args.batch_size
     if args.quick:
-        settings = _quick_settings(name, args, first_count)
+        settings = _quick_settings(name, args, first_count, batch_size)
         if name != "mlp" or not first_count:
             skip_loop = "--quick: the loop runs for mlp at the first device count only"
         if precision != "float32":  # What a precision changes: the steps it compiles.
@@ -278,12 +306,15 @@ def settings_for(
             )
             skip_loop = "--quick: the loop runs in float32 only"
     else:
-        settings = _full_settings(name, args)
+        settings = _full_settings(name, args, batch_size)
     if name == "resnet50" and platform == "cpu" and not args.full:
-        settings = _cpu_resnet50_settings(args)
+        settings = _cpu_resnet50_settings(args, batch_size)
     if name == "resnet50" and not args.full:
         skip_loop = "resnet50: the loop (synthetic data) runs only with --full"
-    return dataclasses.replace(settings, precision=precision), skip_loop
+    settings = dataclasses.replace(
+        settings, precision=precision, loop_time_limit_s=args.loop_time_limit_s
+    )
+    return settings, skip_loop
 
 
 # -- The subprocess: one device count ---------------------------------------------------------
@@ -345,7 +376,8 @@ def _worker(args: argparse.Namespace) -> None:
         record.write_json(args.worker_output, run)
         return
     run["peak_matmul"] = peak = costs.measure_peak_matmul(
-        args.matmul_size or (QUICK_MATMUL_SIZE if args.quick else None)
+        args.matmul_size or (QUICK_MATMUL_SIZE if args.quick else None),
+        precisions=tuple(dict.fromkeys((*costs.PEAK_PRECISIONS, *args.precisions))),
     )
     log_to_stderr(f"[{num_devices} dev] {report.peak_line(run)}")
     with tempfile.TemporaryDirectory(prefix="haiku_state_bench_") as workdir:
@@ -355,19 +387,22 @@ def _worker(args: argparse.Namespace) -> None:
         # its first window anyway.
         jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        for name, precision in measurements(args):
+        for name, precision, batch_size in measurements(args):
             reason = _cpu_resnet50_skip(name, args, run["platform"], num_devices)
             if reason:
                 run["skipped"].append(reason)
                 continue
-            settings, skip_loop = settings_for(name, args, run["platform"], num_devices, precision)
+            settings, skip_loop = settings_for(
+                name, args, run["platform"], num_devices, precision, batch_size
+            )
             try:
                 result = benchmark_experiment(
                     name, settings, peak=peak, workdir=workdir, skip_loop=skip_loop
                 )
             except Exception as e:  # Recorded, and the other experiments still run.
                 traceback.print_exc()
-                run["skipped"].append(f"{name} ({precision}): failed: {type(e).__name__}: {e}")
+                what = f"{name} ({precision}, batch {settings.batch_size or 'default'})"
+                run["skipped"].append(f"{what}: failed: {type(e).__name__}: {e}")
                 continue
             run["experiments"].append(result)
             record.write_json(args.worker_output, run)  # What is done survives a later crash.

@@ -62,6 +62,9 @@ class Settings:
       loop_runs: how many times the loop runs, each in a fresh workdir and each
         compared with the bare update timed right before and after it; the run
         with the median ratio is reported, every run's ratio is recorded.
+      loop_time_limit_s: a wall-clock limit on each loop run: past it the run stops
+        as a signal would stop it (saving the step reached), and its figures are
+        those of the windows it logged, marked `stopped_by_time_limit`. None: none.
       loop_synthetic_data: run the loop on synthetic data of the timed shape
         (`SYNTHETIC_SHAPES`) instead of the experiment's own data (for a smoke
         run: loading the digits imports scikit-learn).
@@ -93,6 +96,7 @@ class Settings:
     loop_steps: int | None = None
     loop_log_every: int | None = None
     loop_runs: int = 1
+    loop_time_limit_s: float | None = None
     loop_synthetic_data: bool = False
     checkpoint_saves: int = 3
     hand_written: bool = True

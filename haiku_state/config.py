@@ -33,7 +33,7 @@ from typing import Any
 
 import ml_collections
 
-from haiku_state import data, models, optim, replication
+from haiku_state import compilation_cache, data, models, optim, replication
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 
@@ -139,6 +139,9 @@ SCHEMA = (
         help="float32, or bfloat16 / float16: mixed precision"),
     Key("label_smoothing", 0.0, float, bounds=FRACTION,
         help="of the training loss's targets"),
+    Key("compilation_cache_dir", compilation_cache.default_directory(), str, free=True,
+        help="where compiled programs are kept, so a rerun or a resume does not compile "
+        "again; empty: off"),
 
     Key("optimizer.name", "sgd", str, choices=optim.OPTIMIZERS,
         help="the optax optimizer"),
@@ -338,6 +341,7 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
     _check_warmup(config)
     _check_profile_steps(config)
     _check_init_skip(config)
+    _check_compilation_cache_dir(config)
     _check_decoder(config)
 
 
@@ -438,6 +442,16 @@ def _check_init_skip(config: Any) -> None:
         raise ValueError(f"config.init_skip={config.init_skip!r} is not a regex: {e}.") from None
     if config.init_skip and not config.init_from:
         raise ValueError("config.init_skip is set but config.init_from is empty.")
+
+
+def _check_compilation_cache_dir(config: Any) -> None:
+    """A cache path that names a file is refused before anything is compiled."""
+    cache_dir = os.path.expanduser(config.compilation_cache_dir)
+    if cache_dir and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+        raise ValueError(
+            f"config.compilation_cache_dir={config.compilation_cache_dir!r} must be a "
+            "directory (made if missing), or '' for no compilation cache."
+        )
 
 
 def _check_decoder(config: Any) -> None:

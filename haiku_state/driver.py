@@ -28,7 +28,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from haiku_state import asserts, checkpoint, data, divergence, loop, summaries
+from haiku_state import asserts, checkpoint, compilation_cache, data, divergence, loop, summaries
 from haiku_state import workdir as workdir_lib
 from haiku_state.config import validate_config
 from haiku_state.evaluation import evaluate_test_split
@@ -65,6 +65,7 @@ def train_and_evaluate(
     # anything is written.
     validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_usable(workdir)
+    compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     first_state = _first_train_state(experiment, config, workdir)
 

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from haiku_state import checkpoint, data, loop, summaries
+from haiku_state import checkpoint, compilation_cache, data, loop, summaries
 from haiku_state.config import validate_config
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
 from haiku_state.updater import TrainState, Updater, step_of
@@ -93,6 +93,7 @@ def _prepare(
         time.sleep(FOLLOW_POLL_SECS)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
+    compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     like = experiment.updater.init(
         config.seed, placeholder_batch(experiment.dataset, config.batch_size)

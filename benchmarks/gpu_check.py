@@ -1,0 +1,372 @@
+r"""One check of a GPU host that fits a short lease: the figures issue 20 asks for, one record.
+
+    make gpu-check VENV= RECORD=benchmarks/results/gpu.json    # on the GPU host
+    python -m benchmarks.gpu_check [--out=PATH] [--budget_s=480] [--quick]
+
+In this order, each phase timed against what is left of `--budget_s` and
+skipped (with the reason recorded) when its estimate does not fit:
+
+1. `startup`: `python -m haiku_state.train` of ResNet-50 reaching its first step,
+   cold, as a rerun with the compilation cache and resumed with it
+   (`benchmarks.startup`). First, while this process holds no GPU memory.
+2. `peak_matmul`: float32 (TF32) and bfloat16 matmuls, the MFU denominators.
+3. `steps`: the Updater's bfloat16 step at global batch 256, 512 and 1024 on
+   synthetic data (`benchmarks.experiment`, the Updater alone): examples/s,
+   FLOPs counted from the jaxpr beside XLA's and the analytic figure, MFU
+   against the bfloat16 peak, memory.
+4. `decoders`: decode + crop + resize to 224 on one core, per decoder
+   (`benchmarks.input_pipeline.decoder_rates`), on ImageNet-like JPEGs.
+5. `pipeline`: the input pipeline alone with 1 worker and with `cores - 1`, per
+   decoder (`input_pipeline.measure_pipeline`).
+6. `loop`: the training loop of `resnet50:imagenet` fed by `cores - 1` workers
+   against the bare update at batch 1024, per decoder
+   (`input_pipeline.measure_loop`), each bounded in time.
+
+A decoder this checkout does not have (`config.data.decoder`, or a `decoder`
+argument of the pipeline's functions) is recorded as skipped, with the reason.
+The record is rewritten after every phase, so a run cut short leaves what it
+measured. `--quick` is a smoke run for a CPU: the mlp at tiny batches, a few
+images, the `resnet`'s start-up; every phase runs, no figure means anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+from benchmarks import record as record_lib
+from benchmarks import startup
+
+DECODERS = ("cpu", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the check measures, and its estimates of the seconds each part needs."""
+
+    step_experiment: str = "resnet50"
+    step_batch_sizes: tuple[int, ...] = (256, 512, 1024)
+    step_overrides: tuple[tuple[str, Any], ...] = ()
+    step_window_s: float = 1.0
+    startup_experiment: str = "resnet50"
+    startup_batch_size: int = 256
+    startup_runs: tuple[str, ...] = ("cold", "cached", "resumed_cached")
+    images: int = 2048
+    distinct: int = 256
+    image_size: int = 224
+    decoder_seconds: float = 3.0
+    pipeline_batch_size: int = 64
+    pipeline_steps: int = 24
+    loop_experiment: str = "resnet50:imagenet"
+    loop_image_size: int = 224
+    loop_batch_size: int = 1024
+    loop_steps: int = 40
+    loop_log_every: int = 10
+    loop_time_limit_s: float = 90.0
+    matmul_size: int | None = None
+    # Estimates of each part on one H200, from GPU-NOTES.md (a cold ResNet-50 start, build
+    # and compile, took about a minute; a step's compile 14 s): a part is skipped when less
+    # than its estimate is left. Together they fit the 480 s of the check.
+    startup_s: float = 100.0
+    step_s: float = 45.0
+    decoders_s: float = 10.0
+    pipeline_s: float = 30.0
+    loop_s: float = 90.0
+
+
+QUICK = Plan(
+    step_experiment="mlp",
+    step_batch_sizes=(32, 64, 128),
+    step_window_s=0.05,
+    startup_experiment="mlp",
+    startup_batch_size=32,
+    startup_runs=("cold", "resumed_cached"),
+    images=64,
+    distinct=8,
+    image_size=64,
+    decoder_seconds=0.25,
+    pipeline_batch_size=16,
+    pipeline_steps=2,
+    loop_experiment="mlp",
+    loop_image_size=16,
+    loop_batch_size=16,
+    loop_steps=30,
+    loop_log_every=10,
+    loop_time_limit_s=60.0,
+    matmul_size=256,
+    startup_s=60.0,
+    step_s=10.0,
+    decoders_s=2.0,
+    pipeline_s=15.0,
+    loop_s=30.0,
+)
+
+
+class Check:
+    """The record, written after every phase, and the time left to the budget."""
+
+    def __init__(self, path: str, budget_s: float, plan: Plan, argv: list[str]):
+        self.path, self.plan = path, plan
+        self._start = time.perf_counter()
+        self._deadline = self._start + budget_s
+        self.record: dict[str, Any] = {
+            "kind": "gpu_check",
+            "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": [sys.executable, "-m", "benchmarks.gpu_check", *argv],
+            "budget_s": budget_s,
+            "plan": dataclasses.asdict(plan),
+            "machine": record_lib.machine_info(),
+            "versions": record_lib.package_versions(),
+            "status": "running",
+            "skipped": [],
+        }
+        self.write()
+
+    def left_s(self) -> float:
+        return self._deadline - time.perf_counter()
+
+    def write(self) -> None:
+        self.record["wall_s"] = time.perf_counter() - self._start
+        record_lib.write_json(self.path, self.record)
+
+    def skip(self, what: str, reason: str) -> None:
+        self.record["skipped"].append(f"{what}: {reason}")
+        say(f"skipped {what}: {reason}")
+        self.write()
+
+    def phase(self, name: str, estimate_s: float, measure: Callable[[], Any]) -> Any:
+        """`record[name] = measure()` if `estimate_s` fits in what is left; an error is recorded."""
+        if self.left_s() < estimate_s:
+            self.skip(name, f"{self.left_s():.0f} s left, it needs about {estimate_s:.0f} s")
+            return None
+        say(f"{name} ({self.left_s():.0f} s left)")
+        began = time.perf_counter()
+        try:
+            self.record[name] = measure()
+        except Exception as e:  # Recorded; the other phases still run.
+            traceback.print_exc()
+            self.record[name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        self.record.setdefault("phase_s", {})[name] = time.perf_counter() - began
+        self.write()
+        return self.record[name]
+
+
+def say(line: str) -> None:
+    print(f"[gpu_check] {line}", file=sys.stderr, flush=True)
+
+
+def measure_startup(check: Check) -> dict[str, Any]:
+    plan = check.plan
+    with tempfile.TemporaryDirectory(prefix="gpu_check_startup_") as scratch:
+        runs = startup.measure_runs(
+            plan.startup_experiment,
+            plan.startup_batch_size,
+            scratch,
+            timeout_s=max(check.left_s() / 3, 30.0),
+            runs=plan.startup_runs,
+        )
+    return {
+        "experiment": plan.startup_experiment,
+        "batch_size": plan.startup_batch_size,
+        "runs": runs,
+        "speedup": startup.speedups(runs),
+        "speedup_cpu_seconds": startup.speedups(runs, "cpu_seconds"),
+        "target_speedup": 3.0,
+    }
+
+
+def measure_steps(check: Check, peak: dict[str, Any] | None, workdir: str) -> list[dict]:
+    """The Updater alone at each batch size of the plan, in bfloat16; the record grows with each."""
+    import jax
+
+    from benchmarks.experiment import benchmark_experiment
+    from benchmarks.settings import Settings
+
+    plan, results = check.plan, []
+    check.record["steps"] = results
+    for batch_size in plan.step_batch_sizes:
+        if check.left_s() < plan.step_s:
+            check.skip(f"steps at batch {batch_size}", f"{check.left_s():.0f} s left")
+            break
+        settings = Settings(
+            batch_size=batch_size,
+            target_window_s=plan.step_window_s,
+            windows=3,
+            warmup_steps=2,
+            num_batches=2,
+            loop_steps=0,
+            checkpoint_saves=0,
+            hand_written=False,
+            flax=False,
+            updater_shard_map=False,
+            norms=False,
+            precision="bfloat16",
+            model_overrides=plan.step_overrides,
+        )
+        try:
+            result = benchmark_experiment(
+                plan.step_experiment, settings, peak=peak, workdir=workdir
+            )
+        except Exception as e:  # An out-of-memory batch, say: the smaller ones stand.
+            traceback.print_exc()
+            result = {"batch_size": batch_size, "error": f"{type(e).__name__}: {e}"[:1000]}
+        results.append(_step_summary(result))
+        check.write()
+        jax.clear_caches()
+    return results
+
+
+def _step_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The step's figures a GPU check keeps (the whole result stays under `result`)."""
+    if "error" in result:
+        return result
+    updater = result["throughput"]["updater"]
+    return {
+        "batch_size": result["batch_size"],
+        "per_device_batch": result["per_device_batch"],
+        "examples_per_s": updater["examples_per_s"],
+        "step_ms": updater["step_ms"],
+        "compile_s": updater["compile_s"],
+        "mfu": result["utilisation"]["mfu"],
+        "flops_per_example": result["flops"]["per_example"],
+        "xla_flops_per_example": result["flops"]["xla_per_example"],
+        "analytic_flops_per_example": result["flops"]["analytic_per_example"],
+        "input_pipeline_vs_presharded": result["ratios"]["input_pipeline_vs_presharded"],
+        "result": result,
+    }
+
+
+def _jpeg_tree(check: Check, root: str) -> dict[str, Any]:
+    from benchmarks import input_pipeline
+
+    plan = check.plan
+    return input_pipeline.write_tree(root, plan.images, plan.distinct)
+
+
+def measure_pipeline(check: Check, root: str, workers: int) -> dict[str, Any]:
+    """The pipeline alone at 1 and `workers` workers, for each decoder this checkout has."""
+    from benchmarks import input_pipeline
+    from haiku_state import data
+
+    plan = check.plan
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=plan.image_size).train
+    by_decoder = {}
+    for decoder in DECODERS:
+        try:
+            options = input_pipeline.decoder_options(input_pipeline.pipeline_rate, decoder)
+            counts = sorted({1, workers})
+            runs = {
+                str(w): input_pipeline.pipeline_rate(
+                    split, plan.pipeline_batch_size, w, plan.pipeline_steps, **options
+                )
+                for w in counts
+            }
+            by_decoder[decoder] = {"batch_size": plan.pipeline_batch_size, "workers": runs}
+        except Exception as e:  # No such decoder here, or none that runs: recorded.
+            by_decoder[decoder] = {"skipped": f"{type(e).__name__}: {e}"[:1000]}
+    return by_decoder
+
+
+def measure_loops(check: Check, root: str, workers: int) -> dict[str, Any]:
+    """The loop against the bare update for each decoder, each bounded in time."""
+    from benchmarks import input_pipeline
+
+    plan = check.plan
+    args = argparse.Namespace(
+        decoder=None,
+        loop_experiment=plan.loop_experiment,
+        loop_image_size=plan.loop_image_size,
+        loop_batch_size=plan.loop_batch_size,
+        loop_steps=plan.loop_steps,
+        loop_log_every=plan.loop_log_every,
+        loop_time_limit_s=plan.loop_time_limit_s,
+        pin_update_core="auto",
+    )
+    loops: dict[str, Any] = {}
+    check.record["loop"] = loops
+    for decoder in DECODERS:
+        if check.left_s() < plan.loop_s:
+            check.skip(f"loop with the {decoder} decoder", f"{check.left_s():.0f} s left")
+            continue
+        try:
+            args.decoder = decoder
+            loops[decoder] = input_pipeline.measure_loop(args, root, workers)
+        except Exception as e:  # No such decoder here, or none that runs: recorded.
+            traceback.print_exc()
+            loops[decoder] = {"skipped": f"{type(e).__name__}: {e}"[:1000]}
+        check.write()
+    return loops
+
+
+def run_check(check: Check) -> None:
+    """Every phase, in order; the record is complete unless a phase was skipped."""
+    plan = check.plan
+    # Before this process takes GPU memory: the runs it starts need theirs.
+    check.phase("startup", plan.startup_s, lambda: measure_startup(check))
+
+    import jax
+
+    from benchmarks import costs, input_pipeline
+    from haiku_state import compilation_cache
+    from haiku_state.data import imagefolder
+
+    check.record["device"] = costs.device_info()
+    peak = check.phase("peak_matmul", 5.0, lambda: costs.measure_peak_matmul(plan.matmul_size))
+    cores = len(os.sched_getaffinity(0))
+    workers = max(cores - 1, 1)
+    with (
+        tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch,
+        mock.patch.dict(os.environ, {imagefolder.CACHE_ENV: scratch}),  # Not the user's cache.
+    ):
+        # One private cache: a program compiled twice (the step and its cost analysis, the
+        # bare update and the loop) compiles once.
+        compilation_cache.enable(os.path.join(scratch, "jax_compilation_cache"))
+        if jax.default_backend() == "cpu":  # As `python -m haiku_state.train` runs there.
+            jax.config.update("jax_threefry_partitionable", False)
+        measure_steps(
+            check, peak if isinstance(peak, dict) and "error" not in peak else None, scratch
+        )
+        root = os.path.join(scratch, "jpegs")
+        if check.phase("data", 10.0, lambda: _jpeg_tree(check, root)) is None:
+            return
+        check.phase(
+            "decoders",
+            plan.decoders_s,
+            lambda: input_pipeline.decoder_rates(root, plan.image_size, plan.decoder_seconds),
+        )
+        check.phase("pipeline", plan.pipeline_s, lambda: measure_pipeline(check, root, workers))
+        check.record["loop_workers"] = workers
+        measure_loops(check, root, workers)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__)
+    parser.add_argument("--out", default="", help="the record (default: a timestamped file "
+                        "in benchmarks/results)")  # fmt: skip
+    parser.add_argument("--budget_s", type=float, default=480.0, help="the whole check's")
+    parser.add_argument("--quick", action="store_true", help="a CPU smoke run at toy sizes")
+    args = parser.parse_args(argv)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = args.out or str(record_lib.DEFAULT_OUTPUT_DIR / f"{stamp}_gpu_check.json")
+    check = Check(path, args.budget_s, QUICK if args.quick else Plan(), argv)
+    try:
+        run_check(check)
+    finally:
+        check.record["status"] = "partial" if check.record["skipped"] else "complete"
+        check.write()
+    say(f"wrote {path} ({check.record['wall_s']:.0f} s, {check.record['status']})")
+    return check.record
+
+
+if __name__ == "__main__":
+    main()

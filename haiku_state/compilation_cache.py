@@ -1,0 +1,46 @@
+"""JAX's persistent compilation cache: a repeated or resumed run loads its programs, not compiles.
+
+XLA's executables are written to `config.compilation_cache_dir` (by default
+`$HAIKU_STATE_CACHE/jax_compilation_cache`, else
+`$XDG_CACHE_HOME/haiku_state/...` or `~/.cache/haiku_state/...`), keyed by the
+program, the devices, the compile options and the JAX version, so an entry is
+only ever loaded by the run that would have compiled the very same program. An
+empty `compilation_cache_dir` turns it off. Only process 0 of a multi-process run
+writes entries; every process reads them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from absl import logging
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+CACHE_ENV = "HAIKU_STATE_CACHE"  # The same root as the ImageFolder index cache.
+
+
+def default_directory() -> str:
+    """`$HAIKU_STATE_CACHE/jax_compilation_cache`, else under `$XDG_CACHE_HOME` or `~/.cache`."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "haiku_state"
+    )
+    return os.path.join(root, "jax_compilation_cache")
+
+
+def enable(directory: str) -> None:
+    """Makes every later compile of this process read and write the cache in `directory`.
+
+    Every program is cached, however short its compile (JAX's default keeps only
+    those over a second, which leaves most CPU programs out), and however small.
+    Idempotent; another directory (or `""`, off) takes over from the next compile.
+    Call it before the first compile that should be cached.
+    """
+    path = os.path.abspath(os.path.expanduser(directory)) if directory else None
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if jax.config.jax_compilation_cache_dir == path:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax_cache.reset_cache()  # JAX opens its cache once; the next compile opens this one.
+    logging.info("Compilation cache: %s (config.compilation_cache_dir).", path or "off")

@@ -1,0 +1,122 @@
+"""The persistent compilation cache: where it goes, on and off, and a second process's hits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from configs import REPO, mlp_config
+
+from haiku_state import compilation_cache, evaluation, train, workdir
+from haiku_state import config as config_lib
+
+# Compiles one program with the cache of argv[1] and prints the cache's hits and misses.
+_COMPILE_ONCE = """
+import json, sys
+import jax, jax.numpy as jnp
+from haiku_state import compilation_cache
+events = []
+jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+compilation_cache.enable(sys.argv[1])
+jax.block_until_ready(jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(7.0)))
+print(json.dumps({name: events.count("/jax/compilation_cache/" + name)
+                  for name in ("cache_hits", "cache_misses")}))
+"""
+
+
+@pytest.fixture
+def cache_off_afterwards():
+    """The process's cache as the tests before found it: off (each run enables its own)."""
+    yield
+    compilation_cache.enable("")
+
+
+def _entries(directory) -> list[str]:
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def _compile_new_program(scale: float) -> None:
+    jax.block_until_ready(jax.jit(lambda x: jnp.cos(x) * scale)(jnp.ones(5)))
+
+
+def test_default_directory_follows_the_cache_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv(compilation_cache.CACHE_ENV, str(tmp_path / "hs"))
+    assert compilation_cache.default_directory() == str(tmp_path / "hs/jax_compilation_cache")
+    monkeypatch.delenv(compilation_cache.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    expected = tmp_path / "xdg/haiku_state/jax_compilation_cache"
+    assert compilation_cache.default_directory() == str(expected)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    expected = tmp_path / "home/.cache/haiku_state/jax_compilation_cache"
+    assert compilation_cache.default_directory() == str(expected)
+
+
+def test_the_experiments_cache_by_default_and_the_tests_out_of_the_users_home():
+    config = mlp_config()
+    assert config.compilation_cache_dir == compilation_cache.default_directory()
+    assert config.compilation_cache_dir.startswith(os.environ[compilation_cache.CACHE_ENV])
+
+
+def test_enable_writes_every_program_logs_once_and_empty_turns_it_off(
+    tmp_path, caplog, cache_off_afterwards
+):
+    caplog.set_level(logging.INFO)
+    compilation_cache.enable(str(tmp_path / "cache"))
+    compilation_cache.enable(str(tmp_path / "cache"))  # Idempotent.
+    _compile_new_program(2.0)  # Compiles in milliseconds, and is cached all the same.
+    written = _entries(tmp_path / "cache")
+    assert written
+    lines = [r.getMessage() for r in caplog.records if "Compilation cache" in r.getMessage()]
+    assert lines == [f"Compilation cache: {tmp_path / 'cache'} (config.compilation_cache_dir)."]
+    compilation_cache.enable(str(tmp_path / "other"))  # Another directory takes over.
+    _compile_new_program(3.0)
+    written_other = _entries(tmp_path / "other")
+    assert written_other and _entries(tmp_path / "cache") == written
+    compilation_cache.enable("")
+    assert jax.config.jax_compilation_cache_dir is None
+    _compile_new_program(4.0)
+    assert _entries(tmp_path / "other") == written_other
+    assert _entries(tmp_path / "cache") == written
+
+
+def test_a_second_process_loads_what_the_first_compiled(tmp_path):
+    def compile_in_a_process() -> dict[str, int]:
+        command = [sys.executable, "-c", _COMPILE_ONCE, str(tmp_path / "cache")]
+        env = {**os.environ, "PYTHONPATH": REPO}
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first = compile_in_a_process()
+    assert first["cache_hits"] == 0 and first["cache_misses"] >= 1
+    assert len(_entries(tmp_path / "cache")) == first["cache_misses"]
+    assert compile_in_a_process() == {"cache_hits": first["cache_misses"], "cache_misses": 0}
+
+
+def test_training_and_evaluation_compile_into_the_configs_cache(tmp_path, cache_off_afterwards):
+    config = mlp_config(compilation_cache_dir=str(tmp_path / "train_cache"), steps=10)
+    config.update(log_every=5, eval_every=10, check_every=5, checkpoint_every=5)
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert _entries(tmp_path / "train_cache")
+    config.compilation_cache_dir = str(tmp_path / "eval_cache")  # A free key: no refusal.
+    evaluation.evaluate_checkpoint(config, str(tmp_path / "run"))
+    assert _entries(tmp_path / "eval_cache")
+
+
+def test_a_cache_path_that_is_a_file_or_not_a_string_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    not_a_string = mlp_config()
+    del not_a_string["compilation_cache_dir"]
+    not_a_string.compilation_cache_dir = 3
+    for bad in (mlp_config(compilation_cache_dir=str(tmp_path / "file")), not_a_string):
+        with pytest.raises(ValueError, match="config.compilation_cache_dir=.* or '' for no"):
+            config_lib.validate_config(bad, 4)
+    for good in ("", str(tmp_path / "not_yet_made")):
+        config_lib.validate_config(mlp_config(compilation_cache_dir=good), 4)
+    assert "compilation_cache_dir" in workdir.FREE_KEYS  # It changes no step of a run.
