@@ -183,9 +183,16 @@ def check_backend(backend: str, param_sharding: str = "replicated") -> None:
         )
 
 
+def _is_deleted(leaf: Any) -> bool:
+    """Whether `leaf` is a concrete array whose buffers were donated (a tracer never is)."""
+    return (
+        isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted()
+    )
+
+
 def _raise_deleted(train_state: TrainState, where: str) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        if _is_deleted(leaf):
             raise ValueError(
                 f"{where}: train_state{jax.tree_util.keystr(path)} is deleted: this TrainState "
                 "was donated to an earlier update; use the TrainState that update returned."
@@ -561,10 +568,7 @@ class Updater:
             raise TypeError(f"{where}: expected a TrainState, got {type(train_state).__name__}.")
         replication.check_batch(batch, where)
         # A train state passed to update before: its buffers are gone (jax 0.10 crashes on it).
-        if any(
-            isinstance(leaf, jax.Array) and leaf.is_deleted()
-            for leaf in jax.tree.leaves(train_state)
-        ):
+        if any(_is_deleted(leaf) for leaf in jax.tree.leaves(train_state)):
             _raise_deleted(train_state, where)
         if self._backend == "jit":
             if not sharding.is_global(train_state):
