@@ -273,6 +273,7 @@ def measure_pipeline(check: Check, root: str, workers: int) -> dict[str, Any]:
             by_decoder[decoder] = {"batch_size": plan.pipeline_batch_size, "workers": runs}
         except Exception as e:  # No such decoder here, or none that runs: recorded.
             by_decoder[decoder] = {"skipped": f"{type(e).__name__}: {e}"[:1000]}
+            check.record["skipped"].append(f"pipeline with the {decoder} decoder: {e}")
     return by_decoder
 
 
@@ -303,6 +304,7 @@ def measure_loops(check: Check, root: str, workers: int) -> dict[str, Any]:
         except Exception as e:  # No such decoder here, or none that runs: recorded.
             traceback.print_exc()
             loops[decoder] = {"skipped": f"{type(e).__name__}: {e}"[:1000]}
+            check.record["skipped"].append(f"loop with the {decoder} decoder: {e}")
         check.write()
     return loops
 
