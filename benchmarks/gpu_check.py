@@ -262,11 +262,10 @@ def measure_pipeline(check: Check, root: str, workers: int) -> dict[str, Any]:
     by_decoder = {}
     for decoder in DECODERS:
         try:
-            options = input_pipeline.decoder_options(input_pipeline.pipeline_rate, decoder)
             counts = sorted({1, workers})
             runs = {
                 str(w): input_pipeline.pipeline_rate(
-                    split, plan.pipeline_batch_size, w, plan.pipeline_steps, **options
+                    split, plan.pipeline_batch_size, w, plan.pipeline_steps, decoder
                 )
                 for w in counts
             }

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import inspect
 import io
 import json
 import os
@@ -65,7 +64,6 @@ from haiku_state.data import gpu_decode, imagefolder, pipeline, preprocess
 from haiku_state.experiment import build_experiment, placeholder_batch
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
-DEFAULT_DECODER = "cpu"  # config.data.decoder's default, where the key exists.
 WIDTH, HEIGHT = 500, 375
 JPEG_QUALITY = 90
 NUM_CLASSES = 10
@@ -253,37 +251,6 @@ def loop_config(args: argparse.Namespace, root: str, workers: int) -> Any:
     return config
 
 
-def decoder_options(fn: Any, decoder: str | None) -> dict[str, str]:
-    """`{"decoder": decoder}` for a function that takes one; `{}` for the default decoder.
-
-    Raises:
-      ValueError: for another decoder where `fn` takes none (this checkout's pipeline
-        has one decoder only).
-    """
-    if decoder is None:
-        return {}
-    if "decoder" in inspect.signature(fn).parameters:
-        return {"decoder": decoder}
-    if decoder == DEFAULT_DECODER:
-        return {}
-    raise ValueError(f"{fn.__qualname__} takes no decoder: decoder {decoder!r} is not measured.")
-
-
-def set_decoder(config: Any, decoder: str | None) -> None:
-    """`config.data.decoder = decoder` (None leaves the config's own).
-
-    Raises:
-      ValueError: for a decoder other than the default where the config has no
-        `data.decoder` key.
-    """
-    if decoder is None:
-        return
-    if "decoder" in config.data:
-        config.data.decoder = decoder
-    elif decoder != DEFAULT_DECODER:
-        raise ValueError(f"config.data has no decoder key: decoder {decoder!r} is not measured.")
-
-
 def bare_update_rate(config: Any, steps: int, pin_update_core: bool = False) -> float:
     """Examples/s of `Updater.update` on one device batch, at most two steps in flight.
 
@@ -435,29 +402,30 @@ def update_core_apart(enabled: bool) -> Iterator[None]:
 def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str, Any]:
     """The loop fed by `workers` decoding processes against the bare update and the pipeline.
 
-    `args.decoder`, where given, sets `config.data.decoder` (see `set_decoder`).
+    `args.decoder` is the decoder of both (`config.data.decoder`).
     """
-    decoder = getattr(args, "decoder", None)
     config = loop_config(args, root, workers)
-    set_decoder(config, decoder)
     config_lib.validate_config(config, jax.device_count())  # A decoder refused here, at once.
     split = data.load_dataset("imagefolder", data_dir=root, image_size=args.loop_image_size).train
     # The pipeline alone on both sides of the loop: a shared machine's load drifts.
     steps = args.loop_steps // 2
     pinned = pin_update_core(args.pin_update_core) and len(os.sched_getaffinity(0)) > workers > 0
-    options = decoder_options(pipeline_rate, decoder)
     update = bare_update_rate(config, args.loop_steps, pinned)  # Compiles the loop's programs.
     with update_core_apart(pinned):
-        before = pipeline_rate(split, config.batch_size, workers, steps, **options)["images_per_s"]
+        before = pipeline_rate(split, config.batch_size, workers, steps, args.decoder)[
+            "images_per_s"
+        ]
         with tempfile.TemporaryDirectory(prefix="bench_loop_") as workdir:
             loop = loop_rate(config, workdir, args.loop_time_limit_s)
-        after = pipeline_rate(split, config.batch_size, workers, steps, **options)["images_per_s"]
+        after = pipeline_rate(split, config.batch_size, workers, steps, args.decoder)[
+            "images_per_s"
+        ]
     alone = (before + after) / 2
     bound = min(alone, update)
     examples_per_s = loop["examples_per_s"]
     return {
         "experiment": args.loop_experiment,
-        "decoder": decoder or config.data.get("decoder", DEFAULT_DECODER),
+        "decoder": config.data.decoder,
         "image_size": args.loop_image_size,
         "batch_size": config.batch_size,
         "steps": config.steps,

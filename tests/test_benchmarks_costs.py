@@ -82,7 +82,7 @@ def test_a_device_parallel_step_counts_every_devices_work():
     batch = jax.ShapeDtypeStruct((count, 3, 5), jnp.float32)
     weights = jax.ShapeDtypeStruct((count, 5, 7), jnp.float32)
     per_device = 2 * 3 * 5 * 7
-    for backend in replication.BACKENDS:
+    for backend in replication.PER_DEVICE_BACKENDS:
         step = replication.parallelize(jnp.matmul, backend=backend, axis_name="i")
         assert flops.count_flops(step, batch, weights)["total"] == count * per_device, backend
 

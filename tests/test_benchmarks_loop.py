@@ -125,34 +125,14 @@ def test_the_update_is_pinned_on_a_cpu_only_unless_told():
     assert not input_pipeline.pin_update_core("false")
 
 
-def test_a_decoder_is_passed_where_it_is_taken_and_refused_where_it_is_not():
-    def without(split):
-        del split
-
-    def taking(split, decoder="cpu"):
-        del split, decoder
-
-    assert input_pipeline.decoder_options(without, None) == {}
-    assert input_pipeline.decoder_options(without, "cpu") == {}  # The only one there is.
-    with pytest.raises(ValueError, match="takes no decoder: decoder 'gpu' is not measured"):
-        input_pipeline.decoder_options(without, "gpu")
-    assert input_pipeline.decoder_options(taking, "gpu") == {"decoder": "gpu"}
-
-
-def test_the_loop_configs_decoder_is_set_where_the_config_has_one(tmp_path):
+def test_the_loop_config_decodes_with_the_decoder_of_its_arguments(tmp_path):
     args = argparse.Namespace(
         loop_experiment="mlp", loop_steps=40, loop_batch_size=16, loop_log_every=10,
-        loop_image_size=16,
+        loop_image_size=16, decoder="gpu",
     )  # fmt: skip
     config = input_pipeline.loop_config(args, str(tmp_path), workers=1)
     assert config.data.name == "imagefolder" and config.data.dir == str(tmp_path)
-    if "decoder" in config.data:
-        input_pipeline.set_decoder(config, "gpu")
-        assert config.data.decoder == "gpu"
-    else:
-        input_pipeline.set_decoder(config, "cpu")  # The one decoder: nothing to set.
-        with pytest.raises(ValueError, match="no decoder key: decoder 'gpu'"):
-            input_pipeline.set_decoder(config, "gpu")
+    assert config.data.decoder == "gpu"
 
 
 def test_a_loop_stopped_before_a_steady_window_is_reported_as_such():

@@ -84,7 +84,7 @@ def test_what_the_device_does_not_decode_is_decoded_in_the_worker_as_the_cpu_dec
 def test_gpu_batches_hold_the_cpu_decoders_examples_boxes_and_flips_for_any_worker_count(split):
     runs = {workers: _gpu_batches(split, workers=workers) for workers in (0, 2)}
     cpu = [_plain(b) for b in data.encoded_train_batches(split, 8, seed=3, num_steps=3, workers=0)]
-    split_order = order.batch_order(len(split.records), 8, 3, 0, 0, 1, "test")
+    split_order = order.batch_order(len(split.records), 8, 3)
     for step, batch in enumerate(runs[0]):
         assert set(batch) == {"encoded", "box", "flip", "image", "slot", "label"}
         np.testing.assert_array_equal(batch["label"], cpu[step]["label"])
@@ -211,7 +211,7 @@ def _with_broken_jpeg(tmp_path):
 
 
 def _step_of(split, index, batch_size=4):
-    split_order = order.batch_order(len(split.records), batch_size, 3, 0, 0, 1, "test")
+    split_order = order.batch_order(len(split.records), batch_size, 3)
     return next(s for s in range(100) if index in order.step_indices(split_order, s))
 
 
