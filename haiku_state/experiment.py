@@ -1,6 +1,6 @@
 """What a config turns into: the data, the pieces of the training step, and their Updater.
 
-`train` runs it, `evaluation` evaluates its checkpoints, and the benchmarks time
+`driver` runs it, `evaluation` evaluates its checkpoints, and the benchmarks time
 the very same pieces, so there is one place where a config becomes a model.
 """
 
