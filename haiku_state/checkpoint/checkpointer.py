@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 from absl import flags, logging
 from etils import epath
 
-from haiku_state import replication
+from haiku_state import replication, sharding
 from haiku_state.checkpoint import format, retention
 from haiku_state.updater import TrainState
 
@@ -156,7 +156,7 @@ class Checkpointer:
         """
         if self._read_only:
             raise PermissionError(f"Checkpointer of {self._directory} is read-only.")
-        replication.check_device_axis(train_state, "save")
+        _check_layout(train_state, "save")
         encoded = format.encode(train_state)
         metadata_item = format.metadata_item(encoded, metadata, metrics)
         self.wait_until_finished()  # Now the disk is current.
@@ -194,7 +194,7 @@ class Checkpointer:
             silently starting from scratch next to them).
         """
         self.wait_until_finished()  # A write in flight may be the newest step.
-        replication.check_device_axis(like, "restore")
+        _check_layout(like, "restore")
         self._steps.set_aside_incomplete()
         self._manager.reload()  # Orbax caches the steps it knows.
         steps = self.all_steps()
@@ -411,6 +411,12 @@ class StepDirectories:
             suffix += 1
         self.step_dir(step).rename(target)
         return target
+
+
+def _check_layout(train_state: TrainState, where: str) -> None:
+    """A per-device train state must have its device axis; a jit one is global arrays."""
+    if not sharding.is_global(train_state):
+        replication.check_device_axis(train_state, where)
 
 
 def _writer_thread(async_save: bool) -> concurrent.futures.ThreadPoolExecutor | None:

@@ -12,34 +12,54 @@ were recorded. A step of a version this code does not read is refused with
 `UnsupportedFormatError` before anything else about it is read: it is neither
 damaged nor restorable, and is left where it is.
 
-Version 1 holds three items:
+Version 2 (written) holds three items:
 
 * `train_state`: one standard Orbax pytree checkpoint of `{"params", "state",
-  "opt_state", "rng": {"key_data"}}`. The first three are UNREPLICATED host
-  copies (every replica is identical), so a checkpoint does not depend on the
-  number of devices that wrote it. `rng` holds the per-device PRNG keys of every
-  device of every process, in global device order, as `jax.random.key_data`
-  (uint32 `[devices, ...]`: raw key data is the portable form of typed keys).
-  Restored on the same global device count, every device gets its own key back
-  and training continues bit-identically; on another count the keys are
-  re-derived. One item rather than one per tree: Orbax writes and finalises
+  "opt_state", "rng": {"key_data"}}`, the first three as one unreplicated
+  copy, so a checkpoint does not depend on the devices that wrote it. From a
+  per-device (`pmap`, `shard_map`) train state they are host copies of one
+  replica, written by process 0, and `rng` holds the per-device keys of every
+  device of every process in global device order (`[devices, ...]`). From a
+  `jit` train state they are its global arrays: every process writes the
+  shards it holds (a replicated leaf once), in parallel, and `rng` holds the one
+  key. Keys are saved as `jax.random.key_data` (uint32: the portable form of
+  typed keys). One item rather than one per tree: Orbax writes and finalises
   every item with its own handler, threads and event loops, and for a small
   model that overhead, not the bytes, is the cost of a save;
-* `step`: JSON `{"format_version", "step", "key_impl", "checksums"}`, what a
-  restore needs besides the arrays: the CRC-32 of every array, verified on restore;
+* `step`: JSON `{"format_version", "step", "key_impl", "key_layout",
+  "fingerprints"}`, what a restore needs besides the arrays. `key_layout` is
+  `"per_device"` or `"global"` (one key). `fingerprints` holds one uint32 per
+  array (`fingerprint`): computed on device from the global arrays at save and
+  from the restored ones, in whatever sharding they are restored into, so it
+  checks shards written by many processes without gathering them anywhere;
 * `metadata`: JSON with `package_versions`, `device_count`, the eval `metrics`
   of the step (for keeping the best) and whatever the caller adds (the
   experiment config).
 
+Version 1 (read) is version 2 from a per-device train state, without
+`key_layout` (always per device) and with `checksums`, the CRC-32 of every
+array's bytes, instead of `fingerprints`. It was written by runs whose train
+state fits one device, so it is verified on the host before it is placed.
+
+Restored onto any backend and mesh (`restore_step`): each array is read
+straight into its target sharding, the one of the `like` leaf (`jit`) or every
+local device (per-device backends, which then stack the replicas). The keys
+move between layouts by one rule, so randomness stays a pure function of the
+seed and the step: a `jit` key is the base key from which the per-device
+backends derive each device's key (`fold_in(key, global device index)`, as
+`Updater.init` derives them from the run key), and a `jit` run resumed from
+per-device keys takes the key of global device 0 (as a per-device run on
+another device count derives its keys from it).
+
 The two small items are JSON files of their own rather than Orbax's
 `custom_metadata`: Orbax keeps that in the step's `_CHECKPOINT_METADATA`, which
-it may rewrite, and the version and checksums must be read before, and
+it may rewrite, and the version and integrity data must be read before, and
 independently of, the arrays they describe.
 
 Every reader raises `DamagedCheckpointError` when a complete step of a readable
-version cannot be read back as written (files unreadable, bytes that do not
-match their checksums, params that are not finite): the `Checkpointer` then
-falls back to an earlier step.
+version cannot be read back as written (files unreadable, arrays that do not
+match their fingerprints or checksums, params that are not finite): the
+`Checkpointer` then falls back to an earlier step.
 """
 
 from __future__ import annotations
@@ -52,17 +72,19 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from haiku_state import replication
-from haiku_state.updater import TrainState, per_device_keys
+from haiku_state import replication, sharding
+from haiku_state.updater import TrainState, per_device_keys, step_of
 
-FORMAT_VERSION = 1  # What `save_args` writes.
-READABLE_FORMAT_VERSIONS = (1,)  # What the readers read.
+FORMAT_VERSION = 2  # What `save_args` writes.
+READABLE_FORMAT_VERSIONS = (1, 2)  # What the readers read.
+PER_DEVICE, GLOBAL = "per_device", "global"  # Key layouts: a key per device, or one key.
 
 PyTree = Any
 TRAIN_STATE, STEP, METADATA = "train_state", "step", "metadata"  # The items.
@@ -90,20 +112,27 @@ class DamagedCheckpointError(Exception):
 
 
 class Encoded(NamedTuple):
-    """A `TrainState` as it is written: host arrays, and what a restore needs besides them."""
+    """A `TrainState` as it is written: host copies, and what a restore needs besides them."""
 
-    trees: dict[str, PyTree]  # {"params", "state", "opt_state", "rng": {"key_data"}}
+    # {"params", "state", "opt_state", "rng": {"key_data"}}: numpy arrays (per-device
+    # layouts) or global arrays in host memory, in the train state's shardings (jit).
+    trees: dict[str, PyTree]
     step: int
     key_impl: str  # The PRNG implementation of the keys, e.g. "threefry2x32".
+    key_layout: str  # PER_DEVICE or GLOBAL.
+    fingerprints: dict[str, int]  # By leaf name.
+    device_count: int  # Of the run that saved it.
 
 
 class StepHeader(NamedTuple):
     """What a step says about itself, read before its arrays."""
 
+    version: int
     step: int
     key_impl: str
-    checksums: dict[str, int]
-    key_count: int  # Devices whose keys were saved.
+    key_layout: str  # PER_DEVICE or GLOBAL.
+    integrity: dict[str, int]  # By leaf name: fingerprints (version 2) or CRC-32s (version 1).
+    key_count: int  # Devices whose keys were saved (PER_DEVICE); 1 (GLOBAL).
     trees: dict[str, PyTree]  # Shapes and dtypes; the keys without their device axis.
 
 
@@ -145,23 +174,52 @@ def orbax_manager(
 
 
 def encode(train_state: TrainState) -> Encoded:
-    """Fresh host copies of device 0's params, state and opt_state, and every device's key.
+    """Copies of `train_state` in host memory, and the fingerprints of its arrays.
 
-    Fetched in one batched transfer and copied (on CPU a fetched array can be a
-    view of the device buffer), so the caller may donate `train_state` to the
-    next step as soon as this returns. In a multi-process run every process must
-    call it: the keys are gathered from every process.
+    A per-device train state gives fresh numpy copies of device 0's params,
+    state and opt_state and of every device's key (gathered from every process).
+    A `jit` train state gives its global arrays copied shard by shard to host
+    memory, in their shardings: each process copies the shards it holds and
+    nothing is gathered. Either way the caller may donate `train_state` to the
+    next step as soon as this returns. In a multi-process run every process
+    must call it.
     """
-    replicated = train_state._replace(rng=())
-    first_replica = jax.device_get(
-        [leaf.addressable_data(0) for leaf in jax.tree.leaves(replicated)]
-    )
-    unreplicated = jax.tree.unflatten(
-        jax.tree.structure(replicated), [np.array(leaf[0], copy=True) for leaf in first_replica]
-    )
-    trees = {name: getattr(unreplicated, name) for name in REPLICATED_TREES}
-    trees["rng"] = {"key_data": np.array(replication.global_key_data(train_state.rng), copy=True)}
-    return Encoded(trees, int(unreplicated.step), str(jax.random.key_impl(train_state.rng)))
+    key_impl = str(jax.random.key_impl(train_state.rng))
+    step = step_of(train_state)
+    if sharding.is_global(train_state):
+        trees = _trees(train_state, jax.random.key_data(train_state.rng))
+        fingerprints = fingerprint_trees(trees)
+        host_trees = jax.block_until_ready(jax.tree.map(_to_host_memory, trees))
+        return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints, jax.device_count())
+    # Device 0's replica, `[1, ...]` (the same fingerprint as without its leading axis).
+    first_replica = jax.tree.map(lambda leaf: leaf.addressable_data(0), train_state)
+    trees = _trees(first_replica, replication.global_key_data(train_state.rng))
+    fingerprints = fingerprint_trees(trees)
+    host = jax.device_get(trees)  # One batched transfer; copied below (it can be a view).
+    host_trees = {
+        name: jax.tree.map(lambda x: np.array(x[0], copy=True), host[name])
+        for name in REPLICATED_TREES
+    }
+    host_trees["rng"] = {"key_data": np.array(host["rng"]["key_data"], copy=True)}
+    key_count = host_trees["rng"]["key_data"].shape[0]
+    return Encoded(host_trees, step, key_impl, PER_DEVICE, fingerprints, key_count)
+
+
+def _trees(train_state: TrainState, key_data: Any) -> dict[str, PyTree]:
+    trees = {name: getattr(train_state, name) for name in REPLICATED_TREES}
+    trees["rng"] = {"key_data": key_data}
+    return trees
+
+
+def _to_host_memory(leaf: jax.Array) -> jax.Array:
+    """A copy of a global array in host memory, each shard beside the device that holds it.
+
+    Where the platform has no host memory space, a copy on the devices.
+    """
+    device = next(iter(leaf.sharding.device_set))
+    kinds = {memory.kind for memory in device.addressable_memories()}
+    target = leaf.sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else None
+    return jax.device_put(leaf, target or leaf.sharding, may_alias=False)
 
 
 def metadata_item(
@@ -174,7 +232,7 @@ def metadata_item(
     """
     item = {
         "package_versions": package_versions(),
-        "device_count": encoded.trees["rng"]["key_data"].shape[0],
+        "device_count": encoded.device_count,
         **(metadata or {}),
     }
     try:
@@ -194,7 +252,8 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
         "format_version": FORMAT_VERSION,
         "step": encoded.step,
         "key_impl": encoded.key_impl,
-        "checksums": _checksums(encoded.trees),
+        "key_layout": encoded.key_layout,
+        "fingerprints": encoded.fingerprints,
     }
     return ocp.args.Composite(
         **{
@@ -225,7 +284,10 @@ def read_metadata(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
 def restore_step(
     manager: ocp.CheckpointManager, step: int, like: TrainState, axis_name: str
 ) -> TrainState:
-    """Restores one step as a replicated `TrainState` shaped like `like`.
+    """Restores one step as a `TrainState` in the layout and shardings of `like`.
+
+    Every array is read straight into its place (see the module docstring), and
+    the keys are converted between layouts by the module's rule.
 
     Raises:
       UnsupportedFormatError: if the step is of a version this code does not read.
@@ -242,16 +304,24 @@ def restore_step(
             f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
             f"{problem}. Nothing was restored and no file was changed."
         )
-    targets = _restore_targets(like, header.key_count, axis_name)
-    trees = _read_verified(manager, step, targets, header.checksums)
-    return _decode(trees, header.step, header.key_impl, like, axis_name)
+    expected = _expected_trees(like)
+    expected["rng"] = _saved_shapes(header)["rng"]  # With the saved number of keys.
+    placements = _target_shardings(like, axis_name)
+    if header.version == 1 and sharding.is_global(like):
+        # Written by a per-device run, so it fits one device: verified on the host, then placed.
+        first_device = SingleDeviceSharding(jax.local_devices()[0])
+        read = _read_verified(manager, step, _abstract(expected, first_device), header)
+        trees = jax.tree.map(_place, jax.device_get(read), placements)
+    else:
+        trees = _read_verified(manager, step, _abstract(expected, placements), header)
+    return _decode(trees, header, like, axis_name)
 
 
 def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     """Every saved tree of `step` as host arrays in their saved shapes, verified.
 
-    By `TrainState` field: `params`, `state`, `opt_state` without their device
-    axis, and `rng` as `{"key_data": [devices, ...]}`.
+    By `TrainState` field: `params`, `state`, `opt_state` without a device axis,
+    and `rng` as `{"key_data"}`: `[devices, ...]` per device, or the one key.
 
     Raises:
       UnsupportedFormatError: if the step is of a version this code does not read.
@@ -259,14 +329,8 @@ def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any
     """
     header = read_header(manager, step)
     first_device = SingleDeviceSharding(jax.local_devices()[0])
-    targets = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=first_device), header.trees
-    )
-    key_data = header.trees["rng"]["key_data"]
-    targets["rng"]["key_data"] = jax.ShapeDtypeStruct(
-        (header.key_count, *key_data.shape), key_data.dtype, sharding=first_device
-    )
-    return _read_verified(manager, step, targets, header.checksums)
+    targets = _abstract(_saved_shapes(header), first_device)
+    return jax.device_get(_read_verified(manager, step, targets, header))
 
 
 def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
@@ -277,19 +341,26 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
       DamagedCheckpointError: if its `step` item or array metadata cannot be read.
     """
     item = _read_step_item(manager, step)
+    version = item.get("format_version", 1)
     try:
         tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
         if tree_metadata is None:
             raise FileNotFoundError(f"item {TRAIN_STATE!r} has no readable metadata")
         trees = dict(getattr(tree_metadata, "tree", tree_metadata))
-        key_count, *key_shape = trees["rng"]["key_data"].shape
-        key_dtype = trees["rng"]["key_data"].dtype
         saved_step, key_impl = int(item["step"]), str(item["key_impl"])
-        checksums = dict(item["checksums"])
+        key_layout = item.get("key_layout", PER_DEVICE)  # Version 1 saved a key per device.
+        if key_layout not in (PER_DEVICE, GLOBAL):
+            raise ValueError(f"unknown key_layout {key_layout!r}")
+        integrity = dict(item["checksums"] if version == 1 else item["fingerprints"])
+        key_shape = tuple(trees["rng"]["key_data"].shape)
+        key_dtype = trees["rng"]["key_data"].dtype
     except Exception as e:  # The version is readable, so any failure to read is damage.
         raise DamagedCheckpointError(_reason(e)) from e
+    key_count = 1
+    if key_layout == PER_DEVICE:
+        key_count, *key_shape = key_shape
     trees["rng"] = {"key_data": jax.ShapeDtypeStruct(tuple(key_shape), key_dtype)}
-    return StepHeader(saved_step, key_impl, checksums, key_count, trees)
+    return StepHeader(version, saved_step, key_impl, key_layout, integrity, key_count, trees)
 
 
 def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -316,15 +387,18 @@ def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]
 
 
 def _read_verified(
-    manager: ocp.CheckpointManager, step: int, targets: Any, checksums: dict[str, int]
+    manager: ocp.CheckpointManager, step: int, targets: Any, header: StepHeader
 ) -> dict[str, Any]:
-    """The `train_state` item read into `targets`, checked against its checksums."""
+    """The `train_state` item read into `targets`, checked against its integrity data."""
     args = ocp.args.Composite(**{TRAIN_STATE: ocp.args.StandardRestore(targets)})
     try:
         trees = manager.restore(step, args=args)[TRAIN_STATE]
     except Exception as e:  # The header was read, so a failed read is damage.
         raise DamagedCheckpointError(_reason(e)) from e
-    problem = _verify(jax.device_get(trees), checksums)
+    if header.version == 1:
+        problem = _verify_checksums(jax.device_get(trees), header.integrity)
+    else:
+        problem = _verify_fingerprints(trees, header.integrity)
     if problem is not None:
         raise DamagedCheckpointError(problem)
     return trees
@@ -343,23 +417,99 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."
 
 
-# The arrays: checksums, and a TrainState from what was read.
+# Integrity: fingerprints (version 2) and checksums (version 1).
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: each input bit flips each output bit with odds 1/2."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of `x` as uint32 words (a trailing axis of 2 for 64-bit types)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+@jax.jit
+def fingerprint(x: jax.Array) -> jax.Array:
+    """A uint32 digest of an array's bits and their positions, the same for any sharding.
+
+    The sum, with uint32 wraparound, of `mix(bits + golden * flat index)` over
+    the elements: an integer sum is exact in any order, so a global array gives
+    the same value on any mesh, sharding or number of processes (each device
+    sums its shard, then the shards' sums are added), and restored arrays are
+    checked where they land. The mixing makes every changed element, moved
+    element or flipped bit change the sum, except with odds about 2**-32 (a
+    plain weighted sum would miss, e.g., two flipped sign bits). Elementwise and
+    a reduction, it runs where the shards are, without moving them. One program
+    per shape, dtype and sharding, shared by every tree that has them.
+    """
+    words = _words(x)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):  # The flat (row-major) index, in uint32.
+        iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+        index = index + iota * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    return jnp.sum(_mix(words + index * jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x))
+
+
+def fingerprint_trees(trees: dict[str, PyTree]) -> dict[str, int]:
+    """The `fingerprint` of every array of `trees`, by leaf name, computed where they are.
+
+    In a multi-process run every process must call it for global arrays.
+    """
+    return _named_values(jax.tree.map(fingerprint, trees), int)
+
+
+def _named_values(tree: PyTree, kind: type) -> dict[str, Any]:
+    """A tree of replicated scalars as host values by leaf name, in one transfer."""
+    paths_and_leaves = jax.tree_util.tree_leaves_with_path(tree)
+    values = jax.device_get([leaf.addressable_data(0) for _, leaf in paths_and_leaves])
+    return {leaf_name(path): kind(v) for (path, _), v in zip(paths_and_leaves, values, strict=True)}
+
+
+def _verify_fingerprints(trees: dict[str, PyTree], expected: dict[str, int]) -> str | None:
+    """Why restored `trees` (anywhere, any sharding) cannot be trusted, or None.
+
+    An array whose fingerprint differs from the one saved with it (files changed
+    on disk), or params that are not finite (a run saved after it diverged, or
+    damage that happens to decode), count as damage.
+    """
+    finite = jax.tree.map(_all_finite, trees["params"])
+    for name, value in fingerprint_trees(trees).items():
+        if expected.get(name) != value:
+            return f"{name}: its values do not match the fingerprint saved with it"
+    for name, is_finite in _named_values(finite, bool).items():
+        if not is_finite:
+            return f"params/{name}: holds non-finite values"
+    return None
 
 
 def _checksums(trees: dict[str, PyTree]) -> dict[str, int]:
-    """The CRC-32 of every array's bytes, by leaf name: what a restore verifies."""
+    """The CRC-32 of every array's bytes, by leaf name: version 1's integrity data."""
     return {
         leaf_name(path): zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
         for path, leaf in jax.tree_util.tree_leaves_with_path(trees)
     }
 
 
-def _verify(trees: dict[str, PyTree], expected_checksums: dict[str, int]) -> str | None:
-    """Why restored host `trees` cannot be trusted, or None.
+def _verify_checksums(trees: dict[str, PyTree], expected_checksums: dict[str, int]) -> str | None:
+    """Why restored host `trees` of a version 1 step cannot be trusted, or None.
 
-    A leaf whose bytes do not match the checksum saved with it (files changed
-    on disk), or params that are not finite (a run saved after it diverged, or
-    damage that happens to decode), count as damage.
+    As `_verify_fingerprints`, with version 1's checksums of the bytes.
     """
     for name, checksum in _checksums(trees).items():
         if expected_checksums.get(name) != checksum:
@@ -370,71 +520,128 @@ def _verify(trees: dict[str, PyTree], expected_checksums: dict[str, int]) -> str
     return None
 
 
+# Where the arrays go, and a TrainState from what was read.
+
+
 def _expected_trees(like: TrainState) -> dict[str, PyTree]:
     """The shapes and dtypes a checkpoint of `like`'s model holds (keys without device axis)."""
-    per_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), like)
+    per_device = not sharding.is_global(like)
+
+    def saved_shape(x):
+        return jax.ShapeDtypeStruct(x.shape[1:] if per_device else x.shape, x.dtype)
+
     key_data = jax.eval_shape(jax.random.key_data, like.rng)
-    trees = {name: getattr(per_replica, name) for name in REPLICATED_TREES}
-    trees["rng"] = {"key_data": jax.ShapeDtypeStruct(key_data.shape[1:], key_data.dtype)}
-    return trees
+    return _trees(jax.tree.map(saved_shape, like._replace(rng=())), saved_shape(key_data))
 
 
-def _restore_targets(like: TrainState, saved_key_count: int, axis_name: str) -> dict[str, PyTree]:
-    """Abstract arrays on this process's devices for Orbax to read into.
+def _saved_shapes(header: StepHeader) -> dict[str, PyTree]:
+    """The header's trees, with the keys in their saved shape (a device axis per device)."""
+    key_data = header.trees["rng"]["key_data"]
+    shape = (header.key_count, *key_data.shape) if header.key_layout == PER_DEVICE else None
+    return {
+        **header.trees,
+        "rng": {"key_data": jax.ShapeDtypeStruct(shape or key_data.shape, key_data.dtype)},
+    }
 
-    Explicit targets make a checkpoint written on other hardware (GPU) restore
-    here (CPU): the trees on every local device, the keys on the first.
+
+def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
+    """Where each saved array goes: by the leaves of `like` (jit), or every local device.
+
+    Per-device layouts then stack the replicas and derive the keys (`_decode`).
     """
-    expected = _expected_trees(like)
+    if sharding.is_global(like):
+        shardings = jax.tree.map(lambda x: x.sharding, like._replace(rng=()))
+        return _trees(shardings, like.rng.sharding)
     on_every_device = NamedSharding(replication.local_mesh(axis_name), PartitionSpec())
-    targets = {
-        name: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_every_device),
-            expected[name],
-        )
-        for name in REPLICATED_TREES
-    }
-    key_data = expected["rng"]["key_data"]
-    targets["rng"] = {
-        "key_data": jax.ShapeDtypeStruct(
-            (saved_key_count, *key_data.shape),
-            key_data.dtype,
-            sharding=SingleDeviceSharding(jax.local_devices()[0]),
-        )
-    }
-    return targets
+    return jax.tree.map(lambda _: on_every_device, _trees(like._replace(rng=()), like.rng))
+
+
+def _abstract(shapes: PyTree, shardings: PyTree | jax.sharding.Sharding) -> PyTree:
+    """Abstract arrays for Orbax to read into: explicit targets, so a checkpoint written on
+    other hardware (GPU) restores here (CPU)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, shapes)
+    return jax.tree.map(
+        lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), shapes, shardings
+    )
+
+
+def _place(host: np.ndarray, where: jax.sharding.Sharding) -> jax.Array:
+    """A host array as a global array: each device gets its own shard, nothing more."""
+    return jax.make_array_from_callback(host.shape, where, lambda index: host[index])
 
 
 def _decode(
-    trees: dict[str, PyTree], step: int, key_impl: str, like: TrainState, axis_name: str
+    trees: dict[str, PyTree], header: StepHeader, like: TrainState, axis_name: str
 ) -> TrainState:
-    """The replicated `TrainState` of restored trees, shaped like `like`."""
-    replicated = {name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES}
-    step_array = np.full((jax.local_device_count(),), step, like.step.dtype)
-    train_state = TrainState(
-        **replicated,
-        rng=_device_keys(trees["rng"]["key_data"], key_impl, step, axis_name),
-        step=jax.device_put(step_array, replication.device_axis_sharding(axis_name)),
-    )
+    """The `TrainState` of restored trees, in the layout of `like`."""
+    key_data = trees["rng"]["key_data"]
+    if sharding.is_global(like):
+        step = np.asarray(header.step, like.step.dtype)
+        train_state = TrainState(
+            **{name: trees[name] for name in REPLICATED_TREES},
+            rng=_global_key(key_data, header, like.rng.sharding),
+            step=_place(step, like.step.sharding),
+        )
+    else:
+        replicated = {
+            name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES
+        }
+        step_array = np.full((jax.local_device_count(),), header.step, like.step.dtype)
+        train_state = TrainState(
+            **replicated,
+            rng=_device_keys(key_data, header, axis_name),
+            step=jax.device_put(step_array, replication.device_axis_sharding(axis_name)),
+        )
     if jax.tree.structure(train_state) != jax.tree.structure(like):
         raise AssertionError("restored TrainState does not have the structure of `like`.")
     return train_state
 
 
-def _device_keys(key_data: jax.Array, key_impl: str, step: int, axis_name: str) -> jax.Array:
-    """This process's typed per-device keys: the saved ones, or re-derived for a new count.
+def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sharding) -> jax.Array:
+    """The one typed key of a jit train state: the saved one, or global device 0's.
 
-    `key_data` holds a key per global device of the run that saved step `step`.
-    With the same global device count, this process takes the rows of its own
-    devices. Otherwise each device's key is `per_device_keys(saved key of device
-    0, ...)`, `fold_in` of the global device index as `Updater.init` does:
-    deterministic and distinct per device, but a different random stream from
-    the run that saved it, which a warning says.
+    A step of per-device keys (a pmap or shard_map run) gives the key of global
+    device 0, the key from which another device count re-derives them too.
+    """
+    per_device = header.key_layout == PER_DEVICE
+    if per_device:
+        logging.info(
+            "Checkpoint step %d holds a PRNG key per device (%d); backend='jit' continues "
+            "from the key of global device 0: deterministic, but a different random "
+            "stream from the run that saved it.",
+            header.step,
+            header.key_count,
+        )
+
+    def wrap(data):
+        return jax.random.wrap_key_data(data[0] if per_device else data, impl=header.key_impl)
+
+    return jax.jit(wrap, out_shardings=where)(key_data)
+
+
+def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax.Array:
+    """This process's typed per-device keys: the saved ones, or derived for this run.
+
+    With a key per global device of this run's count, this process takes the rows
+    of its own devices. Otherwise each device's key is `per_device_keys(base key,
+    ...)`, `fold_in` of the global device index, as `Updater.init` derives them
+    from the run key. The base key is the one key of a jit run (its per-device
+    continuation), or the saved key of device 0 of a run on another device
+    count: deterministic and distinct per device, but a different random stream
+    from the run that saved it, which a warning says.
     """
     num_devices = jax.local_device_count()
     first_index = jax.process_index() * num_devices
-    keys = jax.random.wrap_key_data(key_data, impl=key_impl)
-    if keys.shape[0] == jax.device_count():
+    keys = jax.random.wrap_key_data(key_data, impl=header.key_impl)
+    if header.key_layout == GLOBAL:
+        logging.info(
+            "Checkpoint step %d holds the one PRNG key of a backend='jit' run: deriving "
+            "the per-device keys as fold_in(key, global device index).",
+            header.step,
+        )
+        keys = per_device_keys(keys, num_devices, first_index)
+    elif keys.shape[0] == jax.device_count():
         keys = keys[first_index : first_index + num_devices]
     else:
         logging.warning(
@@ -442,7 +649,7 @@ def _device_keys(key_data: jax.Array, key_impl: str, step: int, axis_name: str) 
             "re-deriving the per-device keys as fold_in(saved key of device 0, global "
             "device index) (haiku_state.updater.per_device_keys). Deterministic, but a "
             "different random stream from the run that saved it.",
-            step,
+            header.step,
             keys.shape[0],
             jax.device_count(),
         )
