@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 import haiku_state as hs
 from haiku_state import losses, models
 from haiku_state.checkpoint import Checkpointer
+from haiku_state.checkpoint.format import leaf_name
 
 NUM_DEVICES = 4
 
@@ -22,6 +25,18 @@ def make_updater(width: int, optimizer: optax.GradientTransformation | None = No
     network = models.make_network("mlp", 10, cross_replica_axis="i", hidden_sizes=(width,))
     optimizer = optimizer or optax.sgd(0.1, momentum=0.9)
     return hs.Updater(network, optimizer, losses.classification_loss(10))
+
+
+def make_jit_updater(width: int = 256, param_sharding: str = "fsdp") -> hs.Updater:
+    """The MLP under jit: at width 256 its first layer (64 KiB) is split over the devices."""
+    network = models.make_network("mlp", 10, cross_replica_axis=None, hidden_sizes=(width,))
+    return hs.Updater(
+        network,
+        optax.adam(1e-3),
+        losses.classification_loss(10),
+        backend="jit",
+        param_sharding=param_sharding,
+    )
 
 
 def make_batch(seed: int) -> dict:
@@ -141,8 +156,15 @@ def set_format_version(step_dir, version: Any) -> None:
     write_step_item(step_dir, {**read_step_item(step_dir), "format_version": version})
 
 
-def remove_format_version(step_dir) -> None:
-    """Removes a step's `format_version`: a version 1 step as written before versions were."""
+def as_version_1(step_dir) -> None:
+    """Rewrites a step of a per-device train state as version 1 wrote it: CRC-32 checksums of
+    the saved arrays' bytes instead of fingerprints, and no `format_version` or `key_layout`."""
     item = read_step_item(step_dir)
-    del item["format_version"]
+    assert item.pop("key_layout") == "per_device"
+    del item["format_version"], item["fingerprints"]
+    saved = ocp.StandardCheckpointer().restore(step_dir / "train_state")
+    item["checksums"] = {
+        leaf_name(path): zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(saved)
+    }
     write_step_item(step_dir, item)

@@ -1,13 +1,14 @@
 """Tests of haiku_state.checkpoint.format: what a step holds and its version, exact round
-trips, checksums, shape mismatches and device-count changes."""
+trips, fingerprints and checksums, shape mismatches, other device counts, meshes and
+backends."""
 
 import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -19,23 +20,28 @@ import pytest
 from checkpoint_helpers import (
     NUM_DEVICES,
     Setup,
+    as_version_1,
     assert_bit_identical,
     at_step,
     host_copy,
     listing,
+    make_jit_updater,
     make_setup,
     make_updater,
     read_step_item,
-    remove_format_version,
     save_steps,
+    set_aside_dirs,
     set_format_version,
     step_dirs,
     write_step_item,
 )
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import haiku_state as hs
-from haiku_state import checkpoint, losses, models
+from haiku_state import checkpoint, losses, models, sharding
 from haiku_state.checkpoint import Checkpointer, package_versions
+from haiku_state.checkpoint.format import fingerprint, leaf_name
 from haiku_state.updater import LossScaledOptState, per_device_keys
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
@@ -86,17 +92,20 @@ def test_round_trip_is_bit_identical_and_the_step_matches_the_format(setup, tmp_
     assert on_disk["package_versions"] == package_versions()
     assert set(on_disk["package_versions"]) >= {"jax", "jaxlib", "dm-haiku", "orbax-checkpoint"}
     step_item = read_step_item(step_dir)
-    checksums = step_item.pop("checksums")  # Checked below.
-    assert step_item == {"format_version": 1, "step": 2, "key_impl": "threefry2x32"}
-    assert checkpoint.FORMAT_VERSION == 1 and checkpoint.READABLE_FORMAT_VERSIONS == (1,)
+    fingerprints = step_item.pop("fingerprints")  # Checked below.
+    assert step_item == {
+        "format_version": 2,
+        "step": 2,
+        "key_impl": "threefry2x32",
+        "key_layout": "per_device",
+    }
+    assert checkpoint.FORMAT_VERSION == 2 and checkpoint.READABLE_FORMAT_VERSIONS == (1, 2)
     saved = ocp.StandardCheckpointer().restore(step_dir / "train_state")
     assert set(saved) == {"params", "state", "opt_state", "rng"}
-    # One CRC-32 per saved array, of its bytes.
-    saved_leaves = jax.tree_util.tree_leaves_with_path(saved)
-    assert len(checksums) == len(saved_leaves)
-    assert set(checksums.values()) == {
-        zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
-        for _, leaf in saved_leaves
+    # One fingerprint per saved array, computed on device 0 at save: that of the saved values.
+    assert fingerprints == {
+        leaf_name(path): int(fingerprint(leaf))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(saved)
     }
     np.testing.assert_array_equal(saved["rng"]["key_data"], expected.rng)  # Every device's.
     assert_bit_identical(saved["params"], jax.tree.map(lambda x: x[0], expected.params))
@@ -148,7 +157,7 @@ def test_a_version_1_step_without_the_field_is_read_and_resumes_bit_identically(
     uninterrupted = host_copy(setup.train(setup.init(), setup.batches))
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(setup.train(setup.init(), setup.batches[:3]), metadata={"run": 1})
-    remove_format_version(tmp_path / "3")  # As every step was written before versions were.
+    as_version_1(tmp_path / "3")  # As every step was written before versions were.
     with Checkpointer(tmp_path) as checkpointer:
         assert checkpointer.metadata(3)["run"] == 1
         restored = checkpointer.restore(setup.init(seed=7))
@@ -165,7 +174,7 @@ def test_a_step_of_an_unknown_format_version_is_refused_by_name_and_left_where_i
     before = listing(tmp_path)
     refused = re.escape(
         f"Checkpoint {tmp_path / '40'} has format version 99; this haiku_state reads format "
-        "versions [1]."
+        "versions [1, 2]."
     )
     for read_only in (False, True):
         with Checkpointer(tmp_path, read_only=read_only) as checkpointer:
@@ -214,23 +223,29 @@ def test_eval_mode_refuses_a_step_of_an_unknown_format_version_in_one_line(setup
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     [error] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert f"{tmp_path / 'checkpoints' / '40'} has format version 7" in error
-    assert "reads format versions [1]" in error and error.endswith("from an earlier step.")
+    assert "reads format versions [1, 2]" in error and error.endswith("from an earlier step.")
     assert listing(tmp_path / "checkpoints") == before
 
 
-# Damage found by the checksums and the finiteness check.
+# Damage found by the fingerprints (checksums in version 1) and the finiteness check.
 
 
-def test_a_checksum_that_does_not_match_is_damage(setup, tmp_path, caplog):
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_fingerprint_or_checksum_that_does_not_match_is_damage(setup, tmp_path, caplog, version):
     train_state = setup.train(setup.init(), setup.batches[:1])
     save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
+    if version == 1:
+        as_version_1(tmp_path / "2")
     step_item = read_step_item(tmp_path / "2")
-    name = next(iter(step_item["checksums"]))
-    step_item["checksums"][name] ^= 1
+    integrity = "checksums" if version == 1 else "fingerprints"
+    name = next(iter(step_item[integrity]))
+    step_item[integrity][name] ^= 1
     write_step_item(tmp_path / "2", step_item)
     with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
         assert int(checkpointer.restore(train_state).step[0]) == 1
-    assert any(f"{name}: its bytes do not match" in r.getMessage() for r in caplog.records)
+    expected = "bytes do not match the checksum" if version == 1 else "values do not match"
+    assert any(f"{name}: its {expected}" in r.getMessage() for r in caplog.records)
+    assert set_aside_dirs(tmp_path, 2)
 
 
 def test_non_finite_params_are_damage(setup, tmp_path, caplog):
@@ -355,3 +370,130 @@ def test_restores_a_checkpoint_written_on_other_hardware(setup, tmp_path):
     with Checkpointer(tmp_path) as checkpointer:
         restored = checkpointer.restore(setup.init(seed=1))
     assert_bit_identical(restored, expected)
+
+
+# Global arrays (backend="jit"): any mesh, any backend.
+
+
+@pytest.fixture(scope="module")
+def jit_setup() -> Setup:
+    """The MLP under jit with fsdp: its first layer is split over the 4 devices."""
+    return make_setup(make_jit_updater())
+
+
+def _on_mesh(train_state: hs.TrainState, devices: list) -> hs.TrainState:
+    """`train_state` laid out by the fsdp rule on a mesh of `devices`: another device count."""
+    device_mesh = Mesh(np.array(devices), ("i",))
+    return jax.device_put(
+        train_state, sharding.train_state_shardings(train_state, device_mesh, "fsdp")
+    )
+
+
+def _assert_placed_like(actual: hs.TrainState, like: hs.TrainState) -> None:
+    for (path, leaf), want in zip(
+        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(like), strict=True
+    ):
+        assert leaf.sharding == want.sharding, jax.tree_util.keystr(path)
+
+
+def test_fingerprints_are_the_same_on_any_sharding_and_catch_paired_changes():
+    values = np.random.RandomState(0).randn(64, 256).astype(np.float32)
+    devices = jax.devices()
+    placements = [
+        values,
+        jax.device_put(values, devices[1]),
+        jax.device_put(values, NamedSharding(Mesh(np.array(devices), ("i",)), P(None, "i"))),
+        jax.device_put(values, NamedSharding(Mesh(np.array(devices[2:]), ("i",)), P("i"))),
+    ]
+    assert len({int(fingerprint(x)) for x in placements}) == 1
+    swapped = values.copy()
+    swapped[0, :2] = swapped[0, 1::-1]
+    signs = values.copy()
+    signs[3, 7] *= -1  # Two sign bits: a plain odd-weighted sum of the words misses these.
+    signs[9, 1] *= -1
+    for changed in (swapped, signs):  # (Shapes are checked against the saved metadata.)
+        assert int(fingerprint(changed)) != int(fingerprint(values))
+
+
+def test_a_jit_checkpoint_resumes_exactly_with_every_leaf_in_its_sharding(jit_setup, tmp_path):
+    uninterrupted = host_copy(jit_setup.train(jit_setup.init(), jit_setup.batches[:3]))
+    train_state = jit_setup.train(jit_setup.init(), jit_setup.batches[:2])
+    expected = host_copy(train_state)
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.save(train_state)
+        like = jit_setup.init(seed=1)
+        restored = checkpointer.restore(like)
+    assert_bit_identical(restored, expected)
+    _assert_placed_like(restored, like)
+    step_item = read_step_item(tmp_path / "2")
+    assert step_item["key_layout"] == "global" and step_item["format_version"] == 2
+    assert_bit_identical(jit_setup.train(restored, jit_setup.batches[2:3]), uninterrupted)
+
+
+def test_a_jit_checkpoint_restores_onto_fewer_and_more_devices(jit_setup, tmp_path):
+    train_state = jit_setup.train(jit_setup.init(), jit_setup.batches[:1])
+    expected = host_copy(train_state)
+    two_devices = _on_mesh(jit_setup.init(seed=1), jax.devices()[:2])
+    save_steps(tmp_path / "four", [train_state])
+    with Checkpointer(tmp_path / "four") as checkpointer:
+        on_two = checkpointer.restore(two_devices)
+    _assert_placed_like(on_two, two_devices)
+    assert on_two.params["mlp/linear"]["w"].sharding.spec == P(None, "i")  # Split in two.
+    assert_bit_identical(on_two, expected)
+    save_steps(tmp_path / "two", [on_two])  # Written from 2 devices, read onto 4.
+    with Checkpointer(tmp_path / "two") as checkpointer:
+        like = jit_setup.init(seed=1)
+        on_four = checkpointer.restore(like)
+    _assert_placed_like(on_four, like)
+    assert_bit_identical(on_four, expected)
+
+
+def test_keys_cross_backends_by_one_rule(jit_setup, tmp_path):
+    """jit -> pmap: device d's key is fold_in(the jit key, d); pmap -> jit: device 0's key."""
+    network = models.make_network("mlp", 10, cross_replica_axis=None, hidden_sizes=(256,))
+    pmap = hs.Updater(network, optax.adam(1e-3), losses.classification_loss(10))
+    pmap_like = pmap.init(1, jit_setup.batches[0])
+    jit_state = jit_setup.train(jit_setup.init(), jit_setup.batches[:1])
+    jit_saved = host_copy(jit_state)
+    save_steps(tmp_path / "jit", [jit_state])
+    with Checkpointer(tmp_path / "jit") as checkpointer:
+        on_pmap = checkpointer.restore(pmap_like)
+    _assert_placed_like(on_pmap, pmap_like)
+    expected_keys = per_device_keys(jax.random.wrap_key_data(jit_saved.rng), NUM_DEVICES)
+    np.testing.assert_array_equal(host_copy(on_pmap.rng), jax.random.key_data(expected_keys))
+    for field in ("params", "state", "opt_state", "step"):
+        replicas = host_copy(getattr(on_pmap, field))
+        assert_bit_identical(
+            jax.tree.map(lambda x: x[NUM_DEVICES - 1], replicas), getattr(jit_saved, field)
+        )
+
+    pmap_saved = host_copy(on_pmap)
+    save_steps(tmp_path / "pmap", [on_pmap])
+    for version in (2, 1):
+        if version == 1:
+            as_version_1(tmp_path / "pmap" / "1")
+        with Checkpointer(tmp_path / "pmap") as checkpointer:
+            like = jit_setup.init(seed=1)
+            on_jit = checkpointer.restore(like)
+        _assert_placed_like(on_jit, like)
+        np.testing.assert_array_equal(host_copy(on_jit.rng), pmap_saved.rng[0])
+        assert_bit_identical(on_jit._replace(rng=()), jit_saved._replace(rng=()))
+
+
+def test_a_jit_step_whose_arrays_changed_on_disk_is_set_aside(jit_setup, tmp_path, caplog):
+    # Step 2's arrays replaced by step 1's: every file reads, only the fingerprints notice.
+    train_state = jit_setup.train(jit_setup.init(), jit_setup.batches[:1])
+    expected = host_copy(train_state)
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.save(train_state)
+        assert checkpointer.save(jit_setup.train(train_state, jit_setup.batches[1:2]))
+    shutil.rmtree(tmp_path / "2" / "train_state")
+    shutil.copytree(tmp_path / "1" / "train_state", tmp_path / "2" / "train_state")
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        restored = checkpointer.restore(jit_setup.init(seed=1))
+    assert_bit_identical(restored, expected)  # Step 1, the newest undamaged step.
+    assert any(
+        "opt_state/0/count: its values do not match the fingerprint" in r.getMessage()
+        for r in caplog.records
+    )
+    assert set_aside_dirs(tmp_path, 2) and step_dirs(tmp_path) == {"1"}

@@ -124,7 +124,7 @@ def load_checkpoint(workdir, step: int) -> dict:
 
 
 def assert_checkpoints_match(actual, expected) -> None:
-    # The step item's checksums are of bytes that differ in the last bits (see RTOL).
+    # The step item's fingerprints are of values that differ in the last bits (see RTOL).
     for key in ("step", "key_impl"):
         assert actual["step"][key] == expected["step"][key]
     np.testing.assert_array_equal(actual["rng"]["key_data"], expected["rng"]["key_data"])

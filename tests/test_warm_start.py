@@ -15,6 +15,7 @@ from checkpoint_helpers import (
     at_step,
     host_copy,
     listing,
+    make_jit_updater,
     make_setup,
     make_updater,
     save_steps,
@@ -66,6 +67,19 @@ def test_params_and_state_are_taken_except_the_skipped_leaves(setup, tmp_path):
         assert_bit_identical(getattr(warm, field), getattr(expected_fresh, field))
 
 
+def test_a_jit_train_state_is_warm_started_in_its_own_shardings(setup, tmp_path):
+    saved = setup.train(setup.init(), setup.batches[:1])
+    save_steps(tmp_path, [saved])
+    fresh = make_jit_updater(16).init(3, setup.batches[0])
+    warm = checkpoint.warm_start(fresh, str(tmp_path), "linear_1", "i")
+    saved_params = _by_name(host_copy(saved.params))
+    for name, leaf in _by_name(warm.params).items():
+        expected = _by_name(fresh.params)[name] if "linear_1" in name else saved_params[name][0]
+        assert host_copy(leaf).tobytes() == host_copy(expected).tobytes(), name
+        assert leaf.sharding == _by_name(fresh.params)[name].sharding, name
+    assert_bit_identical(warm.opt_state, fresh.opt_state)
+
+
 def test_every_difference_that_is_not_skipped_is_refused_by_name(setup, tmp_path):
     save_steps(tmp_path, [setup.init()])
     wider = make_updater(32).init(0, setup.batches[0])
@@ -84,7 +98,7 @@ def test_a_step_of_an_unknown_format_version_is_refused_and_left_where_it_is(set
     before = listing(tmp_path)
     refused = re.escape(
         f"Checkpoint {tmp_path / 'checkpoints' / '40'} has format version 99; this "
-        "haiku_state reads format versions [1]."
+        "haiku_state reads format versions [1, 2]."
     )
     # A workdir and its checkpoint directory name the newest step: no fallback to 10.
     for path in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "40"):

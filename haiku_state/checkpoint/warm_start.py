@@ -6,7 +6,7 @@ initialisation, e.g. `skip="logits"` for a classifier head of another class
 count; every other difference between the checkpoint and the model is refused
 by name. Names are `<tree>/<haiku path>`, e.g. `params/logits/w` or
 `state/stem_bn/~/mean_ema/average`, matched with `re.search`. The checkpoint is
-read through a read-only `Checkpointer`, so its format version and checksums are
+read through a read-only `Checkpointer`, so its format version and integrity are
 checked as a resume checks them.
 """
 
@@ -17,9 +17,10 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
-from haiku_state import replication
+from haiku_state import replication, sharding
 from haiku_state.checkpoint.checkpointer import Checkpointer
 from haiku_state.checkpoint.format import leaf_name
 from haiku_state.updater import TrainState
@@ -75,6 +76,9 @@ def _merge(fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems:
 def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) -> TrainState:
     """`train_state` with params and state from the checkpoint at `path` (see the module doc).
 
+    Of either layout, from a checkpoint of either: a jit train state gets each
+    saved leaf in the sharding of the leaf it replaces.
+
     Raises:
       FileNotFoundError: if `path` holds no complete checkpoint.
       checkpoint.UnsupportedFormatError: if the step is of a format version this
@@ -89,9 +93,12 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
         saved = checkpointer.read_trees(step)
     pattern = re.compile(skip) if skip else None
     problems: list[str] = []
+    global_layout = sharding.is_global(train_state)
     trees = {}
     for tree in WARM_STARTED_TREES:
-        fresh = jax.device_get(replication.unreplicate(getattr(train_state, tree)))
+        current = getattr(train_state, tree)
+        # Only the shapes and dtypes of a jit train state's global arrays are compared.
+        fresh = current if global_layout else jax.device_get(replication.unreplicate(current))
         trees[tree] = _merge(fresh, saved[tree], tree, pattern, problems)
     if problems:
         raise ValueError(
@@ -103,5 +110,18 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
     logging.info(
         "Warm start: params and state from %s step %d (skipping %r).", directory, step, skip
     )
+    if global_layout:
+        placed = {
+            tree: jax.tree.map(_place_like, trees[tree], getattr(train_state, tree))
+            for tree in trees
+        }
+        return train_state._replace(**placed)
     replicated = {tree: replication.replicate(trees[tree], axis_name) for tree in trees}
     return train_state._replace(**replicated)
+
+
+def _place_like(value: Any, fresh: jax.Array) -> jax.Array:
+    """A saved host value in the sharding of the fresh global array it replaces (or `fresh`)."""
+    if not isinstance(value, np.ndarray):
+        return fresh  # Skipped: the fresh initialisation.
+    return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])
