@@ -1,23 +1,32 @@
 """One process of the jit backend's multi-process run: 2 processes x 2 devices.
 
-    python tests/multiprocess_jit.py PORT NUM_PROCESSES PROCESS_ID OUT.npz
+    python tests/multiprocess_jit.py PORT NUM_PROCESSES PROCESS_ID OUT.npz FROM_DIR TO_DIR
 
 Run by `test_multiprocess.py` once per process. Every process trains the same fsdp
 run on its slice of the global batches, checks the invariants of the global train
 state (collectives over both processes), and process 0 saves the result for
 comparison with one process of 4 devices. Each process then prints the verdict of
 the replica check on a copy perturbed on the last device of the last process.
+
+Checkpoints: the processes restore the fsdp checkpoint that one process of 4
+devices wrote in FROM_DIR onto their 2 x 2 devices and save it again to TO_DIR,
+each process writing its own shards; each prints the bytes it wrote.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
 import numpy as np
+from absl import flags
 
 
-def main(port: int, num_processes: int, process_id: int, out_path: str) -> None:
+def main(
+    port: int, num_processes: int, process_id: int, out_path: str, from_dir: str, to_dir: str
+) -> None:
+    flags.FLAGS(sys.argv[:1])  # Parsed flags: the Checkpointer writes in its own thread.
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
     import updater_helpers
@@ -49,8 +58,30 @@ def main(port: int, num_processes: int, process_id: int, out_path: str) -> None:
         print("RESULT perturbed passed", flush=True)
     except AssertionError as e:
         print("RESULT perturbed raised:", str(e).replace("\n", " "), flush=True)
+    resave_checkpoint(from_dir, to_dir)
     jax.distributed.shutdown()
 
 
+def resave_checkpoint(from_dir: str, to_dir: str) -> None:
+    """Restores the 4-device checkpoint in `from_dir` onto these processes, saves it to `to_dir`."""
+    from checkpoint_helpers import make_batch, make_jit_updater
+
+    from haiku_state.checkpoint import Checkpointer
+
+    like = make_jit_updater(2048).init(5, make_batch(0))
+    with Checkpointer(from_dir, read_only=True) as checkpointer:
+        restored = checkpointer.restore(like)
+    with Checkpointer(to_dir) as checkpointer:
+        assert checkpointer.save(restored)
+    [step] = [name for name in os.listdir(to_dir) if name.isdigit()]
+    mine = os.path.join(to_dir, step, "train_state", f"ocdbt.process_{jax.process_index()}")
+    written = sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(mine)
+        for name in names
+    )
+    print(f"RESULT wrote {written} bytes", flush=True)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])

@@ -295,14 +295,26 @@ def test_jit_fsdp_on_two_processes_equals_one_process_of_four_devices(tmp_path):
     Dropout and augmentation are drawn from one key over the global batch, so the
     2 x 2 run equals a 1-process 4-device run (this process's devices) up to
     reduction order; the replica checks compare copies across the processes.
+    Checkpoints: one of 4 devices restores onto the 2 processes, which save it
+    again, each writing its own shards (about half the bytes), and that restores
+    here bit for bit.
     """
     import updater_helpers  # The 4 devices of this test process (tests/conftest.py).
+    from checkpoint_helpers import assert_bit_identical, host_copy, make_batch, make_jit_updater
 
+    from haiku_state.checkpoint import Checkpointer
+
+    wide = make_jit_updater(2048)  # Its first layer and its moments (1.5 MiB) are split.
+    four_devices = wide.init(3, make_batch(0))
+    expected = host_copy(four_devices)
+    with Checkpointer(tmp_path / "four") as checkpointer:
+        checkpointer.save(four_devices)
     port = _free_port()
     out_path = str(tmp_path / "two_processes.npz")
     script = os.path.join(REPO, "tests", "multiprocess_jit.py")
+    dirs = (str(tmp_path / "four"), str(tmp_path / "two"))
     results = _launch(
-        lambda process_id: (script, str(port), "2", str(process_id), out_path), 2, "jit"
+        lambda process_id: (script, str(port), "2", str(process_id), out_path, *dirs), 2, "jit"
     )
     with np.load(out_path) as saved:
         two_processes = dict(saved)
@@ -310,10 +322,17 @@ def test_jit_fsdp_on_two_processes_equals_one_process_of_four_devices(tmp_path):
     assert set(two_processes) == set(one_process)
     for key, want in one_process.items():
         np.testing.assert_allclose(two_processes[key], want, rtol=RTOL, atol=ATOL, err_msg=key)
+    written = []
     for result in results:
         verdict = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-        assert verdict == [
+        assert verdict[0] == (
             "RESULT perturbed raised: Replicas differ at leaf "
             ".state['mlp/batch_norm/~/mean_ema']['average']: global devices [3] differ from "
             "global device 0 (process 0) across the 2 processes."
-        ]
+        )
+        written.append(int(verdict[1].split()[2]))
+    # Process 0 also writes the replicated leaves (the second layer: 240 KiB with its moments).
+    assert 0.35 < min(written) / sum(written) and max(written) / sum(written) < 0.65, written
+    with Checkpointer(tmp_path / "two") as checkpointer:
+        like = wide.init(1, make_batch(0))
+        assert_bit_identical(checkpointer.restore(like), expected)
