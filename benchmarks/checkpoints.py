@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from haiku_state import replication
+from haiku_state import replication, sharding
 from haiku_state.checkpoint import Checkpointer
 from haiku_state.updater import TrainState, Updater
 
@@ -70,6 +70,37 @@ def benchmark_checkpoint(
             "blocked_mb_per_s": size_mb / blocked_s,
         }
     result["async_vs_sync_blocked"] = result["async"]["blocked_s"] / result["sync"]["blocked_s"]
+    return result, train_state
+
+
+def bytes_written_by_this_process(step_dir: Path) -> int:
+    """The bytes of this process's files in a saved step: Orbax writes each process's shards
+    to `train_state/ocdbt.process_<index>`."""
+    mine = Path(step_dir) / "train_state" / f"ocdbt.process_{jax.process_index()}"
+    return sum(path.stat().st_size for path in mine.rglob("*") if path.is_file())
+
+
+def benchmark_global_save(
+    updater: Updater, train_state: TrainState, batch: Any, saves: int, directory: Path
+) -> tuple[dict[str, Any], TrainState]:
+    """Times asynchronous saves of a jit train state, and the bytes this process writes.
+
+    Every process of a multi-process run calls it, and each reports its own
+    figures: with `param_sharding="fsdp"` each process writes the shards it holds.
+    `blocked_s` and `total_s` are as in `benchmark_checkpoint` (medians).
+
+    Returns:
+      The figures, and the train state to continue with (the input is donated).
+    """
+    with Checkpointer(directory, max_to_keep=2) as saver:
+        blocked, total, train_state = _timed_saves(updater, train_state, batch, saves, saver)
+        step_dir = Path(saver.directory) / str(saver.latest_step())
+    result = {
+        "state_mb": sharding.bytes_per_device(train_state)[1] / 1e6,
+        "written_mb": bytes_written_by_this_process(step_dir) / 1e6,
+        "blocked_s": statistics.median(blocked),
+        "total_s": statistics.median(total),
+    }
     return result, train_state
 
 

@@ -7,7 +7,7 @@ By job:
   over damaged steps, and the step directories (complete ones, setting one
   aside). `complete_steps` lists a directory's steps without touching it.
 * `format`: the on-disk format and its `FORMAT_VERSION`: what a step holds,
-  a `TrainState` encoded and read back, checksums, where a checkpoint does not
+  a `TrainState` encoded and read back, fingerprints, where a checkpoint does not
   fit a model. A step of a version not in `READABLE_FORMAT_VERSIONS` is refused
   with `UnsupportedFormatError` and left where it is.
 * `retention`: which steps to keep: the newest, milestones, the best.

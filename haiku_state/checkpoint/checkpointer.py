@@ -8,11 +8,14 @@ On disk: `directory` (conventionally `WORKDIR/checkpoints`) holds one Orbax
 `CheckpointManager` step directory per saved step, `<directory>/<step>/`.
 
 Multi-process runs (`jax.distributed`). Every process calls `save` and
-`restore` at the same steps. The trees are host copies that are identical on
-every process, so Orbax writes them once, from process 0, and every process
-reads them back; the keys are gathered from every process first. A checkpoint
-therefore does not depend on how the devices were spread over processes, and
-restores on any process count. Orbax's barriers then go through the
+`restore` at the same steps. A per-device train state is saved as host copies
+that are identical on every process, so Orbax writes them once, from process
+0; the keys are gathered from every process first. A `jit` train state is
+saved as its global arrays, copied to host memory shard by shard: every
+process writes the shards it holds, in parallel, and reads back the shards its
+devices need. A checkpoint therefore does not depend on how the devices were
+spread over processes, and restores on any process count, mesh and backend
+(`format`). Orbax's barriers then go through the
 `jax.distributed` client rather than device collectives, because the writes
 run in a background thread beside the training step's collectives: our own
 thread rather than Orbax's async mode, which starts its threads per save in the
@@ -25,7 +28,7 @@ commit file alone marks completion. A step counts as complete here only when
 it holds `commit_success.txt`. Partial directories are never loaded.
 
 Damage: a step whose files cannot be read, whose arrays do not match their
-checksums, or whose params are not finite. `restore()` then falls back to the
+fingerprints (checksums in version 1), or whose params are not finite. `restore()` then falls back to the
 previous step, and (unless `read_only`) moves the damaged step aside to
 `<step>.damaged-<time>`, with a warning naming both paths: never deleted, and
 its number free to be saved again. A step directory without its commit file is
@@ -64,7 +67,7 @@ def complete_steps(directory: str | os.PathLike) -> list[int]:
 
 
 class Checkpointer:
-    """Saves and restores a replicated `TrainState` under one directory.
+    """Saves and restores a `TrainState` of any backend's layout under one directory.
 
     Args:
       directory: where the step directories go, conventionally
@@ -142,7 +145,7 @@ class Checkpointer:
         call it.
 
         Args:
-          train_state: the replicated `TrainState`; its step names the checkpoint.
+          train_state: a `TrainState` of any backend; its step names the checkpoint.
           metadata: JSON-serialisable extras for the `metadata` item (e.g. the
             experiment config).
           metrics: the eval metrics of this step, for `keep_best_by`.
@@ -171,17 +174,19 @@ class Checkpointer:
         return True
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
-        """Restores a checkpoint as a replicated `TrainState` shaped like `like`.
+        """Restores a checkpoint as a `TrainState` in the layout and shardings of `like`.
 
         Args:
-          like: a replicated `TrainState` of the current configuration (e.g.
-            from `Updater.init`): only its structure, shapes and dtypes are used.
+          like: a `TrainState` of the current configuration and backend (e.g.
+            from `Updater.init`): its structure, shapes and dtypes, and under
+            `jit` the shardings each leaf is read into; its values are not used.
           step: the step to restore; None restores the newest complete step,
             falling back over damaged ones with a warning for each.
 
         Returns:
-          The restored state (keys re-derived if the device count changed), or
-          None if there is no complete checkpoint.
+          The restored state (keys re-derived if the device count or the
+          backend's key layout changed, see `format`), or None if there is no
+          complete checkpoint.
 
         Raises:
           format.UnsupportedFormatError: at the first step tried (newest first)
