@@ -28,11 +28,12 @@ commit file alone marks completion. A step counts as complete here only when
 it holds `commit_success.txt`. Partial directories are never loaded.
 
 Damage: a step whose files cannot be read, whose arrays do not match their
-fingerprints (checksums in version 1), or whose params are not finite. `restore()` then falls back to the
-previous step, and (unless `read_only`) moves the damaged step aside to
-`<step>.damaged-<time>`, with a warning naming both paths: never deleted, and
-its number free to be saved again. A step directory without its commit file is
-moved aside the same way when a writer restores or saves that step.
+fingerprints (checksums in version 1), or whose params are not finite.
+`restore()` then falls back to the previous step, and (unless `read_only`)
+moves the damaged step aside to `<step>.damaged-<time>`, with a warning
+naming both paths: never deleted, and its number free to be saved again. A
+step directory without its commit file is moved aside the same way when a
+writer restores or saves that step.
 
 A step of a format version this code does not read is not damage: `restore`
 raises `format.UnsupportedFormatError` at it (no fallback past it), nothing
