@@ -553,6 +553,7 @@ def _warn_workers(config: Any) -> None:
 _ENCODED = data.ENCODED_DATASETS
 _IGNORED_WHEN = (
     ("steps", lambda c: c.num_epochs is not None, "num_epochs sets the run's length"),
+    ("keep_every_steps", lambda c: c.max_to_keep is None, "max_to_keep=None keeps every step"),
     ("data.dir", lambda c: c.data.name in ("digits", "synthetic"), "data.name needs no folder"),
     *(
         (f"data.{name}", lambda c: c.data.name != "synthetic", "only synthetic data reads it")

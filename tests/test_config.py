@@ -224,11 +224,14 @@ def test_a_setting_the_configured_combination_ignores_is_named_in_a_warning(capl
     config.steps, config.num_epochs, config.data.workers = 100, 2, 50
     config.optimizer.name = "adam"
     config.optimizer.momentum, config.data.num_classes = 0.5, 3
+    config.max_to_keep, config.keep_every_steps = None, config.checkpoint_every
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     with caplog.at_level("WARNING"):
         config_lib.validate_config(config, num_devices=1)
     assert config_lib.ignored_settings(config) == [
         "config.steps=100 is ignored: num_epochs sets the run's length.",
+        f"config.keep_every_steps={config.checkpoint_every} is ignored: max_to_keep=None keeps "
+        "every step.",
         "config.data.num_classes=3 is ignored: only synthetic data reads it.",
         "config.data.workers=50 is ignored: the data is held in memory.",
         "config.optimizer.momentum=0.5 is ignored: only sgd reads it.",
