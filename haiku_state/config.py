@@ -554,7 +554,11 @@ _ENCODED = data.ENCODED_DATASETS
 _IGNORED_WHEN = (
     ("steps", lambda c: c.num_epochs is not None, "num_epochs sets the run's length"),
     ("keep_every_steps", lambda c: c.max_to_keep is None, "max_to_keep=None keeps every step"),
-    ("data.dir", lambda c: c.data.name in ("digits", "synthetic"), "data.name needs no folder"),
+    (
+        "data.dir",
+        lambda c: c.data.name in ("digits", "synthetic"),
+        "digits and synthetic data need no folder",
+    ),
     *(
         (f"data.{name}", lambda c: c.data.name != "synthetic", "only synthetic data reads it")
         for name in ("image_shape", "num_classes", "num_train", "num_test")

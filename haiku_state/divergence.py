@@ -118,8 +118,9 @@ class Monitor:
         metrics = ", ".join(f"{name} {value:.4g}" for name, value in final.items())
         raise LossExplodedError(
             f"{exploded} and had not recovered at the last step {last_step} (final eval: "
-            f"{metrics}); {kept}. Rerun from a good step with a lower learning rate or "
-            "more warmup."
+            f"{metrics}); {kept}. To train again from a good step, move the later step "
+            "folders of the checkpoints aside and lower the learning rate (with "
+            "--allow_config_change)."
         )
 
     def record_save(self, step: int) -> None:

@@ -290,8 +290,8 @@ def _within_corrupt_ceiling(
             if replaced.size:
                 unreadable += replaced.size
                 indices = order_lib.step_indices(order, step)
-                named += [split.records.describe(int(indices[i])) for i in replaced[:3]][
-                    : 3 - len(named)
+                named += [
+                    split.records.describe(int(indices[i])) for i in replaced[: 3 - len(named)]
                 ]
                 if unreadable > allowed:
                     raise CorruptImageError(
