@@ -32,8 +32,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ml_collections
+from absl import logging
 
-from haiku_state import compilation_cache, data, models, optim, replication
+from haiku_state import compilation_cache, data, losses, models, optim, replication
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 
@@ -122,10 +123,10 @@ SCHEMA = (
         help="the newest complete checkpoints kept; None: all"),
     Key("keep_every_steps", 0, int, bounds=NON_NEGATIVE, free=True,
         help="milestones kept forever: steps divisible by this; 0: none"),
-    Key("keep_best_by", "", str, free=True,
+    Key("keep_best_by", "", str, choices=("", *losses.EVAL_METRICS), free=True,
         help="an eval metric, accuracy or loss, to keep the best step by; empty: none"),
     Key("keep_best_mode", "max", str, choices=("max", "min"), free=True,
-        help="max, or min for a loss"),
+        help="max for accuracy, min for loss"),
     Key("init_from", "", str, free=True,
         help="warm start: params and state of a checkpoint, a run's dir or a step dir"),
     Key("init_skip", "", str, free=True,
@@ -185,6 +186,9 @@ SCHEMA = (
     Key("data.skip_corrupt", False, bool,
         help="False: an unreadable image stops the run naming the file and the step; True: it "
         "is replaced deterministically and counted as corrupt_fraction"),
+    Key("data.max_corrupt_fraction", 0.001, float, bounds=FRACTION, free=True,
+        help="with skip_corrupt: the run stops once more of an epoch's training examples "
+        "than this fraction (and more than one) were unreadable"),
     Key("data.max_shift", 1, int, bounds=NON_NEGATIVE,
         help="on-device random shifts of up to this many pixels"),
     Key("data.flip", False, bool,
@@ -343,6 +347,11 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
     _check_init_skip(config)
     _check_compilation_cache_dir(config)
     _check_decoder(config)
+    _check_retention(config)
+    _check_host_memory(config, num_processes)
+    _warn_workers(config)
+    for line in ignored_settings(config):
+        logging.warning("%s", line)
 
 
 def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
@@ -461,6 +470,128 @@ def _check_decoder(config: Any) -> None:
             "config.data.decoder='gpu' decodes on an NVIDIA GPU with nvImageCodec; "
             f"{reason}. Use config.data.decoder='cpu'."
         )
+
+
+def _check_retention(config: Any) -> None:
+    """A retention setting that would keep nothing, or not what it says, is refused.
+
+    The best step is ranked by the evaluation run at the step it is saved: every
+    save on the `checkpoint_every` cadence must be an evaluated step. A step saved
+    on the timer (`checkpoint_every_secs`) is kept as the newest, never ranked.
+    """
+    best_by, mode = config.keep_best_by, config.keep_best_mode
+    if not best_by:
+        if mode != schema_key("keep_best_mode").default:
+            raise ValueError(
+                f"config.keep_best_mode={mode!r} is set but config.keep_best_by is empty: "
+                f"set keep_best_by to one of {tuple(losses.EVAL_METRICS)}, or leave the mode."
+            )
+    else:
+        if mode != losses.EVAL_METRICS[best_by]:
+            raise ValueError(
+                f"config.keep_best_by={best_by!r} with keep_best_mode={mode!r} would keep the "
+                f"worst step; set keep_best_mode={losses.EVAL_METRICS[best_by]!r}."
+            )
+        if config.checkpoint_every % config.eval_every:
+            raise ValueError(
+                f"config.keep_best_by={best_by!r} ranks the saved steps by their evaluation, "
+                f"but config.checkpoint_every={config.checkpoint_every} is not a multiple of "
+                f"config.eval_every={config.eval_every}: most saves would have no {best_by} "
+                "to rank. Make checkpoint_every a multiple of eval_every."
+            )
+    every = config.keep_every_steps
+    if every and every % config.checkpoint_every:
+        raise ValueError(
+            f"config.keep_every_steps={every} keeps the saved steps divisible by it, but "
+            f"config.checkpoint_every={config.checkpoint_every} saves only the multiples of "
+            f"{config.checkpoint_every}: use a multiple of {config.checkpoint_every}."
+        )
+
+
+def host_memory_bytes() -> int:
+    """The physical memory of this host."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_host_memory(config: Any, num_processes: int) -> None:
+    """The crops of an encoded dataset's batches in flight fit in this host's memory.
+
+    Each decoding worker holds `READ_AHEAD + 1` batches, the devices `prefetch`
+    more, and the training loop one; the same for the evaluation's pipeline.
+    """
+    size = config.data.image_size
+    if size is None or config.data.name not in data.ENCODED_DATASETS:
+        return
+    workers = data.default_workers() if config.data.workers is None else config.data.workers
+    in_flight = max(workers, 1) * (data.pipeline.READ_AHEAD + 1) + config.data.prefetch + 1
+    examples = (config.batch_size + config.eval_batch_size) // num_processes * in_flight
+    needed = examples * size * size * 3  # uint8 RGB crops.
+    memory = host_memory_bytes()
+    if needed > memory:
+        raise ValueError(
+            f"config.data.image_size={size}: the {examples} crops of {size}x{size} the input "
+            f"pipelines hold in flight take {needed / 2**30:.3g} GiB, more than this host's "
+            f"{memory / 2**30:.3g} GiB of memory; use a smaller image_size (224 for ImageNet), "
+            "batch_size or data.workers."
+        )
+
+
+def _warn_workers(config: Any) -> None:
+    """More decoding processes than cores only makes them wait for each other."""
+    cores = len(os.sched_getaffinity(0))
+    if config.data.workers is not None and config.data.workers > cores:
+        logging.warning(
+            "config.data.workers=%d decoding processes, but this process may use %d cores: "
+            "they share the cores and decode slower; use at most %d (None: cores less one).",
+            config.data.workers,
+            cores,
+            cores,
+        )
+
+
+# What a setting is ignored for: (key, when it is ignored, why), for `ignored_settings`.
+_ENCODED = data.ENCODED_DATASETS
+_IGNORED_WHEN = (
+    ("steps", lambda c: c.num_epochs is not None, "num_epochs sets the run's length"),
+    ("keep_every_steps", lambda c: c.max_to_keep is None, "max_to_keep=None keeps every step"),
+    (
+        "data.dir",
+        lambda c: c.data.name in ("digits", "synthetic"),
+        "digits and synthetic data need no folder",
+    ),
+    *(
+        (f"data.{name}", lambda c: c.data.name != "synthetic", "only synthetic data reads it")
+        for name in ("image_shape", "num_classes", "num_train", "num_test")
+    ),
+    *(
+        (f"data.{name}", lambda c: c.data.name not in _ENCODED, "the data is held in memory")
+        for name in ("workers", "decoder", "skip_corrupt")
+    ),
+    ("data.max_corrupt_fraction", lambda c: not c.data.skip_corrupt, "skip_corrupt is False"),
+    *(
+        (f"optimizer.{name}", lambda c: c.optimizer.name != "sgd", "only sgd reads it")
+        for name in ("momentum", "nesterov")
+    ),
+    (
+        "optimizer.warmup_steps",
+        lambda c: c.optimizer.schedule != "warmup_cosine",
+        "only the warmup_cosine schedule reads it",
+    ),
+)
+
+
+def ignored_settings(config: Any) -> list[str]:
+    """A line for each key set away from its default that this combination of keys ignores.
+
+    `validate_config` logs them as warnings: nothing configured is ignored silently.
+    """
+    lines = []
+    for name, ignored, why in _IGNORED_WHEN:
+        value = _get(config, name)
+        value = tuple(value) if isinstance(value, list) else value
+        if ignored(config) and value != schema_key(name).default:
+            lines.append(f"config.{name}={value!r} is ignored: {why}.")
+    return lines
 
 
 def training_steps(config: Any, num_train_examples: int) -> int:

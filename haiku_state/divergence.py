@@ -12,7 +12,10 @@ when the loss is no longer finite (the steps it saved from diverged params).
 loss it fetches, and the checkpoint action tells it what it saved.
 `setting_aside_diverged` wraps the loop: a non-finite loss ends the run with
 the diverged checkpoints moved aside (renamed, never deleted), so a rerun
-resumes from a good one instead of diverging again.
+resumes from a good one instead of diverging again. A loss that explodes and
+stays finite trains to the end; if it is still exploding at the last fetched
+step, `Monitor.check_recovered` ends the run with `LossExplodedError` (after the
+final save and evaluation), naming where it began and the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -22,10 +25,16 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from absl import logging
+
 from haiku_state import asserts, checkpoint
 
 # A loss this many times the run's first loss means the run is diverging.
 EXPLOSION_FACTOR = 100.0
+
+
+class LossExplodedError(RuntimeError):
+    """The run ended with its loss exploded (finite, but over `EXPLOSION_FACTOR` x the first)."""
 
 
 def is_exploding(loss: float, first_loss: float | None) -> bool:
@@ -62,6 +71,7 @@ class Monitor:
         self._resumed_step = resumed_step
         self._first_loss: float | None = None
         self.first_exploding_step: int | None = None
+        self.last_exploding: bool = False  # Whether the latest fetched loss explodes.
         self.saved_steps: list[int] = []  # This run's checkpoints, in the order saved.
 
     def observe(self, step_metrics: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
@@ -74,9 +84,44 @@ class Monitor:
             loss = float(metrics["loss"])
             if self._first_loss is None and math.isfinite(loss):
                 self._first_loss = abs(loss)
-            if self.first_exploding_step is None and is_exploding(loss, self._first_loss):
+            self.last_exploding = is_exploding(loss, self._first_loss)
+            if self.first_exploding_step is None and self.last_exploding:
                 self.first_exploding_step = step
         asserts.check_finite_losses(step_metrics)
+
+    def check_recovered(self, last_step: int, final: Mapping[str, float]) -> None:
+        """At the end of a run: says if the loss exploded; raises if it had not recovered.
+
+        Args:
+          last_step: the run's last step (saved and evaluated already).
+          final: the final evaluation's metrics, for the message.
+
+        Raises:
+          LossExplodedError: if the latest fetched loss still explodes, naming the
+            step it began at and the last good checkpoint (kept by retention).
+        """
+        first = self.first_exploding_step
+        if first is None:
+            return
+        exploded = (
+            f"The training loss exploded at step {first} (over {EXPLOSION_FACTOR:g}x the "
+            "run's first loss)"
+        )
+        if not self.last_exploding:
+            logging.warning("%s and recovered by step %d.", exploded, last_step)
+            return
+        good = self.last_good_step()
+        if good in self.saved_steps or (good is not None and good > 0):
+            kept = f"the last good checkpoint, step {good}, is kept"
+        else:
+            kept = "no checkpoint was saved before it (the run started from scratch)"
+        metrics = ", ".join(f"{name} {value:.4g}" for name, value in final.items())
+        raise LossExplodedError(
+            f"{exploded} and had not recovered at the last step {last_step} (final eval: "
+            f"{metrics}); {kept}. To train again from a good step, move the later step "
+            "folders of the checkpoints aside and lower the learning rate (with "
+            "--allow_config_change)."
+        )
 
     def record_save(self, step: int) -> None:
         """This run saved a checkpoint of `step`."""

@@ -110,7 +110,7 @@ def train_and_evaluate(
                     loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size),
                 ),
                 loop.PeriodicAction(config.check_every, check_invariants),
-                loop.PeriodicAction(config.eval_every, evaluator),
+                loop.PeriodicAction(config.eval_every, _saving_on_data_error(evaluator, saver)),
                 saver,
                 profiler,
             ]
@@ -151,6 +151,7 @@ def train_and_evaluate(
             f"loss {final['loss']:.4f}",
             flush=True,
         )
+    monitor.check_recovered(end.step, final)  # A loss that exploded and stayed so fails the run.
     return final
 
 
@@ -169,7 +170,15 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     fresh = experiment.updater.init(
         config.seed, placeholder_batch(experiment.dataset, config.batch_size)
     )
-    if not config.init_from or checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
+    if not config.init_from:
+        return fresh
+    if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
+        logging.warning(
+            "config.init_from=%r is ignored: %s holds checkpoints, and the run resumes from "
+            "its latest (init_from starts a new workdir only).",
+            config.init_from,
+            workdir,
+        )
         return fresh
     return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
 
@@ -349,6 +358,23 @@ class Evaluator:
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
         return self.latest[1] if self.latest and self.latest[0] == step else None
+
+
+def _saving_on_data_error(evaluator: Evaluator, saver: Saver) -> Callable[[int, TrainState], None]:
+    """`evaluator`, which saves the step first if the evaluation data cannot be read.
+
+    An unreadable evaluation image stops the run; the steps trained since the last
+    save are not lost with it.
+    """
+
+    def evaluate(step: int, train_state: TrainState) -> None:
+        try:
+            evaluator(step, train_state)
+        except data.DataError as e:
+            saver.run(step, train_state)  # On disk when the checkpointer closes.
+            raise type(e)(f"{e} Step {step} was saved first.") from None
+
+    return evaluate
 
 
 class Saver:

@@ -10,6 +10,10 @@ import optax
 
 from haiku_state.updater import LossFn
 
+# The metrics an evaluation reports (`classification_loss` over masked batches), and
+# which end of each is best: what `config.keep_best_by` may rank checkpoints by.
+EVAL_METRICS = {"accuracy": "max", "loss": "min"}
+
 
 def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossFn:
     """Softmax cross-entropy on `batch["label"]`, with accuracy as a metric.

@@ -229,6 +229,10 @@ def convert(
         raise ValueError(f"--examples_per_shard={examples_per_shard} must be positive.")
     if short_side is not None and short_side < 1:
         raise ValueError(f"--short_side={short_side} must be positive (or left out).")
+    if threads < 1:
+        raise ValueError(f"--threads={threads} must be positive: the files read at once.")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--to={out_dir} is a file; expected a folder (made if missing).")
     source = open_source(spec)
     _check_plan(out_dir, _plan(spec, source, examples_per_shard, short_side))
     splits = {}

@@ -139,6 +139,8 @@ def test_a_none_default_is_a_placeholder_of_the_keys_type():
         ("label_smoothing", float("nan"), r"config.label_smoothing=nan must be finite"),
         ("model.hidden_sizes", (32, float("inf")), r"hidden_sizes=\(32, inf\) must be finite"),
         ("precision", "float64", r"Unknown config.precision 'float64'; expected one of"),
+        ("keep_best_by", "bogus", r"Unknown config.keep_best_by 'bogus'; expected one of \('', "),
+        ("data.max_corrupt_fraction", 1.0, r"config.data.max_corrupt_fraction=1.0 must be in"),
     ],
 )
 def test_a_value_the_schema_does_not_allow_is_refused_naming_the_key_and_what_it_must_be(
@@ -180,14 +182,64 @@ def test_a_config_has_the_options_of_its_model_and_no_other():
         ({"optimizer.warmup_steps": 600}, r"warmup_steps=600 must be in \[0, steps=600\)"),
         ({"profile_steps": (3,)}, r"config.profile_steps=\(3,\) must be \(\) or \(start, stop\)"),
         ({"init_skip": "linear"}, r"config.init_skip is set but config.init_from is empty"),
+        (
+            {"keep_best_by": "loss", "keep_best_mode": "min", "eval_every": 70},
+            r"keep_best_by='loss' ranks .*checkpoint_every=100 is not a multiple of "
+            r"config.eval_every=70",
+        ),
+        ({"keep_best_by": "loss"}, r"keep_best_mode='max' would keep the worst step; set .*'min'"),
+        ({"keep_best_by": "accuracy", "keep_best_mode": "min"}, r"set keep_best_mode='max'"),
+        ({"keep_best_mode": "min"}, r"keep_best_mode='min' is set but config.keep_best_by is"),
+        (
+            {"keep_every_steps": 150},
+            r"keep_every_steps=150 .* saves only the multiples of 100: use a multiple of 100",
+        ),
+        (
+            {"data.name": "imagefolder", "data.image_size": 100_000},
+            r"config.data.image_size=100000: the \d+ crops of 100000x100000 .* GiB, more than "
+            r"this host's",
+        ),
     ],
 )
 def test_the_rules_between_keys(changes, message):
     config = _experiment("mlp.py")
+    config.checkpoint_every = 100
     for key, value in changes.items():
         _set(config, key, value)
     with pytest.raises(ValueError, match=message):
         config_lib.validate_config(config, num_devices=4)
+
+
+def test_retention_on_the_evaluated_saves_and_images_that_fit_pass():
+    config = _experiment("mlp.py")
+    config.keep_best_by, config.keep_best_mode = "loss", "min"
+    config.eval_every, config.checkpoint_every, config.keep_every_steps = 50, 100, 300
+    config.data.name, config.data.image_size = "imagefolder", 224
+    config_lib.validate_config(config, num_devices=4)
+
+
+def test_a_setting_the_configured_combination_ignores_is_named_in_a_warning(caplog, monkeypatch):
+    config = _experiment("mlp.py")
+    assert config_lib.ignored_settings(config) == []
+    config.steps, config.num_epochs, config.data.workers = 100, 2, 50
+    config.optimizer.name = "adam"
+    config.optimizer.momentum, config.data.num_classes = 0.5, 3
+    config.max_to_keep, config.keep_every_steps = None, config.checkpoint_every
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with caplog.at_level("WARNING"):
+        config_lib.validate_config(config, num_devices=1)
+    assert config_lib.ignored_settings(config) == [
+        "config.steps=100 is ignored: num_epochs sets the run's length.",
+        f"config.keep_every_steps={config.checkpoint_every} is ignored: max_to_keep=None keeps "
+        "every step.",
+        "config.data.num_classes=3 is ignored: only synthetic data reads it.",
+        "config.data.workers=50 is ignored: the data is held in memory.",
+        "config.optimizer.momentum=0.5 is ignored: only sgd reads it.",
+    ]
+    assert "config.data.workers=50 decoding processes, but this process may use 2 cores" in (
+        caplog.text
+    )
+    assert "config.optimizer.momentum=0.5 is ignored" in caplog.text
 
 
 def test_the_warmup_is_checked_against_steps_only_without_num_epochs():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -166,3 +167,43 @@ def test_divergence_sets_aside_exploded_checkpoints_and_names_the_resume_step(tm
     assert resume == steps_on_disk(tmp_path)[-1] and resume < first - 1
     aside = [n for n in os.listdir(tmp_path / "checkpoints") if ".diverged-" in n]
     assert all(int(n.split(".")[0]) >= first - 1 for n in aside)
+
+
+def test_a_finite_explosion_that_lasts_to_the_end_fails_naming_its_step_and_the_kept_one(
+    caplog,
+):
+    monitor = divergence.Monitor(resumed_step=0)
+    for step in (5, 10, 15):
+        monitor.record_save(step)
+    monitor.observe(_losses((1, 2.0), (8, 1.0), (11, 300.0), (15, 500.0)))
+    with pytest.raises(divergence.LossExplodedError) as error:
+        monitor.check_recovered(15, {"accuracy": 0.108, "loss": 122.0})
+    assert isinstance(error.value, RuntimeError)  # The command line's one-line exit 1.
+    message = str(error.value)
+    assert "exploded at step 11 (over 100x the run's first loss)" in message
+    assert "not recovered at the last step 15 (final eval: accuracy 0.108, loss 122)" in message
+    assert "the last good checkpoint, step 5, is kept" in message
+    # Back under the factor by the end: a warning, and the run succeeds.
+    monitor.observe(_losses((16, 3.0)))
+    with caplog.at_level("WARNING"):
+        monitor.check_recovered(16, {"accuracy": 0.9, "loss": 0.3})
+    assert "exploded at step 11 (over 100x the run's first loss) and recovered" in caplog.text
+    divergence.Monitor(resumed_step=0).check_recovered(16, {})  # Never exploded: silent.
+
+
+def test_a_run_whose_loss_stays_exploded_ends_with_an_error_and_keeps_the_last_good_step(
+    tmp_path, monkeypatch
+):
+    # Stands in for a finite explosion: the loss "explodes" once it falls under 1.6.
+    monkeypatch.setattr(
+        divergence, "is_exploding", lambda loss, first: not math.isfinite(loss) or loss < 1.6
+    )
+    with pytest.raises(divergence.LossExplodedError) as error:
+        driver.train_and_evaluate(mlp_config(checkpoint_every=5, max_to_keep=1), str(tmp_path))
+    message = str(error.value)
+    first = int(message.split("exploded at step ")[1].split()[0])
+    good = (first - 2) // 5 * 5
+    assert f"the last good checkpoint, step {good}, is kept" in message
+    assert steps_on_disk(tmp_path) == [good, 30]  # Kept past max_to_keep=1.
+    evals = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["split"] == "eval"]
+    assert evals[-1]["step"] == 30  # Saved and evaluated before it failed.

@@ -65,6 +65,32 @@ def test_eval_mode_matches_final_eval(finished_run):
     assert evaluation.evaluate_checkpoint(mlp_config(), workdir) == pytest.approx(final)
 
 
+def test_init_from_in_a_workdir_with_checkpoints_is_ignored_with_a_warning(finished_run, caplog):
+    workdir, _ = finished_run
+    config = mlp_config(init_from="/elsewhere/run")
+    with caplog.at_level("WARNING"):
+        driver._first_train_state(build_experiment(config), config, workdir)
+    assert f"config.init_from='/elsewhere/run' is ignored: {workdir} holds checkpoints" in (
+        caplog.text
+    )
+
+
+def test_an_unreadable_evaluation_image_stops_the_run_after_saving_the_step():
+    saved = []
+
+    def unreadable(step, train_state):
+        raise data.CorruptImageError("Cannot decode the image val/dog/x.jpg in evaluation.")
+
+    class Saver:
+        def run(self, step, train_state):
+            saved.append((step, train_state))
+
+    evaluate = driver._saving_on_data_error(unreadable, Saver())
+    with pytest.raises(data.CorruptImageError, match=r"val/dog/x.jpg in evaluation. Step 7 was"):
+        evaluate(7, "train_state")
+    assert saved == [(7, "train_state")]
+
+
 def test_the_command_line_module_re_exports_train_and_evaluate():
     assert train.train_and_evaluate is driver.train_and_evaluate
 

@@ -6,6 +6,7 @@ Most tests decode in-process (`workers=0`, which runs the same code); the worker
 tests start real worker processes.
 """
 
+import logging
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from image_trees import CORRUPTIONS, add_corrupt_file, write_imagefolder
 
 from haiku_state import data, replication
-from haiku_state.data import order
+from haiku_state.data import order, pipeline
 
 IMAGE_SIZE = 16
 NUM_DEVICES = 4
@@ -176,6 +177,46 @@ def test_evaluation_with_skip_corrupt_masks_the_unreadable_image_out(tmp_path):
     batches = [_plain(b) for b in data.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True)]
     masks = np.concatenate([b["mask"] for b in batches])
     assert masks.sum() == len(split.records) - 1
+
+
+def _with_unreadable(root, count, split="train"):
+    for i in range(count):
+        with open(os.path.join(root, split, "dog", f"unreadable_{i}.jpg"), "wb") as f:
+            f.write(b"")
+    return data.load_dataset("imagefolder", data_dir=root, image_size=IMAGE_SIZE)
+
+
+def test_skip_corrupt_stops_once_more_than_max_corrupt_fraction_of_an_epoch_is_unreadable(
+    tmp_path, caplog
+):
+    root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
+    split = _with_unreadable(root, 8).train  # 8 of 23.
+    with pytest.raises(data.CorruptImageError) as error:
+        _train(split, steps=3, skip_corrupt=True)
+    message = str(error.value)
+    assert "training images read in epoch 1 (up to step" in message
+    assert "config.data.max_corrupt_fraction=0.001 of the epoch's 18 allows (1)" in message
+    assert os.path.join(root, "train", "dog", "unreadable_") in message
+    # A ceiling the data is within: it trains on, logging the first few unreadable images
+    # and not a line for each.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        batches = _train(split, steps=6, skip_corrupt=True, max_corrupt_fraction=0.5)
+    replaced = sum(int(b["replaced"].sum()) for b in batches)
+    logged = [r for r in caplog.records if "replacing unreadable" in r.getMessage()]
+    assert replaced > len(logged) == pipeline.LOGGED_IN_FULL
+
+
+def test_an_unreadable_evaluation_image_is_named_as_one_and_counted_when_skipped(tmp_path, caplog):
+    root = write_imagefolder(tmp_path / "tree", per_class=(2, 2))
+    split = _with_unreadable(root, 2, split="val").test
+    with pytest.raises(data.CorruptImageError) as error:
+        list(data.encoded_eval_batches(split, 4, workers=0))
+    assert "to leave unreadable evaluation images out" in str(error.value)
+    assert "training" not in str(error.value)
+    with caplog.at_level(logging.WARNING):
+        list(data.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True))
+    assert "Evaluation left out 2 unreadable of this process's 8 images" in caplog.text
 
 
 def test_default_workers_leave_a_core_to_the_training_loop(dataset, monkeypatch):

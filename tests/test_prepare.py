@@ -202,6 +202,24 @@ def test_the_command_line_names_a_bad_source_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--threads=0", "error: --threads=0 must be positive: the files read at once."),
+        ("--to={file}", "error: --to={file} is a file; expected a folder (made if missing)."),
+    ],
+)
+def test_a_bad_argument_is_one_line_before_anything_is_written(tree, tmp_path, flag, message):
+    a_file = tmp_path / "a_file"
+    a_file.write_bytes(b"mine")
+    out = tmp_path / "out"
+    argv = [f"--from=imagefolder:{tree}", f"--to={out}", flag.format(file=a_file)]
+    with pytest.raises(SystemExit) as exit_:
+        prepare.main(argv)
+    assert exit_.value.code == message.format(file=a_file)
+    assert not out.exists() and a_file.read_bytes() == b"mine"
+
+
 def test_short_side_re_encodes_larger_images_and_keeps_the_rest(tree, tmp_path):
     out = str(tmp_path / "short")
     metadata = prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8, short_side=40)

@@ -16,6 +16,7 @@ from checkpoint_helpers import (
 )
 
 from haiku_state.checkpoint import Checkpointer
+from haiku_state.checkpoint.retention import Retention
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
 # they surface as unraisable exceptions whenever garbage collection runs, in any later test.
@@ -95,3 +96,19 @@ def test_a_step_of_an_unknown_format_version_is_never_deleted(setup, tmp_path):
     assert listing(tmp_path / "1") == foreign
     with Checkpointer(tmp_path, keep_best_by="accuracy", read_only=True) as reader:
         assert reader.best_step() is None  # Step 1 ranks nowhere.
+
+
+def test_a_best_metric_the_evaluation_does_not_report_is_named_once_and_a_bad_mode_refused(
+    caplog,
+):
+    retention = Retention(1, lambda step: True, lambda step: None, keep_best_by="top5")
+    with caplog.at_level("WARNING"):
+        retention.record(10, {"accuracy": 0.5, "loss": 1.0})
+        retention.record(20, {"accuracy": 0.6, "loss": 0.9})
+    told = [r.getMessage() for r in caplog.records if "keep_best_by='top5'" in r.getMessage()]
+    assert told == [
+        "Step 10's eval metrics ['accuracy', 'loss'] have no keep_best_by='top5': no step is "
+        "ranked by it."
+    ]
+    with pytest.raises(ValueError, match=r"keep_best_mode must be 'max' or 'min', got 'best'"):
+        Retention(1, lambda step: True, lambda step: None, keep_best_mode="best")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from absl import logging
+
 from haiku_state.checkpoint import format
 
 Metrics = Mapping[str, float]
@@ -42,6 +44,8 @@ class Retention:
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be None or at least 1, got {max_to_keep}.")
+        if keep_best_mode not in ("max", "min"):
+            raise ValueError(f"keep_best_mode must be 'max' or 'min', got {keep_best_mode!r}.")
         self.max_to_keep = max_to_keep
         self.keep_every_steps = keep_every_steps
         self.keep_best_by = keep_best_by
@@ -52,9 +56,23 @@ class Retention:
         self._read_metrics = read_metrics
         self._metrics: dict[int, Metrics | None] = {}
         self._unsupported: set[int] = set()  # Steps of a format version this code does not read.
+        self._told_unranked = False
 
     def record(self, step: int, metrics: Metrics | None) -> None:
-        """The eval metrics of a step being saved, so they need not be read back."""
+        """The eval metrics of a step being saved, so they need not be read back.
+
+        Metrics without `keep_best_by` rank nowhere: the first such step is named
+        in a warning, so a misnamed metric does not keep nothing silently.
+        """
+        if self.keep_best_by and metrics and self.keep_best_by not in metrics:
+            if not self._told_unranked:
+                logging.warning(
+                    "Step %d's eval metrics %s have no keep_best_by=%r: no step is ranked by it.",
+                    step,
+                    sorted(metrics),
+                    self.keep_best_by,
+                )
+            self._told_unranked = True
         self._metrics[step] = metrics
         self._unsupported.discard(step)
 

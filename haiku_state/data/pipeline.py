@@ -52,6 +52,12 @@ READ_AHEAD = 1
 # A corrupt training image is replaced by the next example of the split that reads; after
 # this many unreadable ones in a row, the split is taken to be broken.
 MAX_REPLACEMENTS = 64
+# `skip_corrupt`'s default ceiling (`config.data.max_corrupt_fraction`): the run stops once
+# more of an epoch's training examples than this fraction were unreadable.
+MAX_CORRUPT_FRACTION = 0.001
+# A worker logs each of its first few unreadable images, then one line every this many.
+LOGGED_IN_FULL = 5
+LOG_CORRUPT_EVERY = 1000
 # Slots of an iterator with no last step: far more than any run takes.
 _ENDLESS_STEPS = 2**40
 # How often a worker checks that the process that started it is still there.
@@ -164,6 +170,7 @@ class LoadTrainExample:
     ):
         self._split, self._seed, self._skip_corrupt = split, seed, skip_corrupt
         self._decoder = decoder
+        self._unreadable = 0  # Met by this worker.
 
     def __call__(self, slot: tuple[int, int, int]) -> dict[str, np.ndarray]:
         step, position, index = slot
@@ -177,12 +184,16 @@ class LoadTrainExample:
             except Exception as e:  # Any failure to read or decode is the file's.
                 if not self._skip_corrupt or attempt == MAX_REPLACEMENTS:
                     raise _corrupt(self._split, candidate, f"for step {step + 1}", e) from None
-                logging.warning(
-                    "Step %d: replacing unreadable %s (%s).",
-                    step + 1,
-                    records.describe(candidate),
-                    e,
-                )
+                self._unreadable += 1
+                if _logged(self._unreadable):
+                    logging.warning(
+                        "Step %d: replacing unreadable %s (%s); %d replaced by this worker%s.",
+                        step + 1,
+                        records.describe(candidate),
+                        e,
+                        self._unreadable,
+                        _LOG_NOTE,
+                    )
                 continue
             _check_label(self._split, candidate, label)
             example = {**fields, "label": np.int32(label)}
@@ -202,6 +213,7 @@ class LoadEvalExample:
 
     def __init__(self, split: EncodedSplit, skip_corrupt: bool, decoder: Decoder = CPU_DECODER):
         self._split, self._skip_corrupt, self._decoder = split, skip_corrupt, decoder
+        self._unreadable = 0  # Met by this worker.
 
     def __call__(self, slot: tuple[int, float]) -> dict[str, np.ndarray]:
         index, mask = slot
@@ -212,7 +224,15 @@ class LoadEvalExample:
         except Exception as e:  # Any failure to read or decode is the file's.
             if not self._skip_corrupt:
                 raise _corrupt(self._split, index, "in evaluation", e) from None
-            logging.warning("Evaluation leaves out unreadable %s (%s).", records.describe(index), e)
+            self._unreadable += 1
+            if _logged(self._unreadable):
+                logging.warning(
+                    "Evaluation leaves out unreadable %s (%s); %d left out by this worker%s.",
+                    records.describe(index),
+                    e,
+                    self._unreadable,
+                    _LOG_NOTE,
+                )
             fields, label, mask = self._decoder.blank(size), 0, 0.0
         else:
             _check_label(self._split, index, label)
@@ -222,12 +242,68 @@ class LoadEvalExample:
         return example
 
 
+_LOG_NOTE = f" (the first {LOGGED_IN_FULL} are logged, then every {LOG_CORRUPT_EVERY}th)"
+
+
+def _logged(count: int) -> bool:
+    """Whether a worker logs its `count`-th unreadable image: not a line per image."""
+    return count <= LOGGED_IN_FULL or count % LOG_CORRUPT_EVERY == 0
+
+
 def _corrupt(split: EncodedSplit, index: int, when: str, error: Exception) -> CorruptImageError:
+    if when == "in evaluation":
+        advice = "leave unreadable evaluation images out (counted in the log)"
+    else:
+        advice = "replace unreadable training images deterministically (counted as "
+        advice += "corrupt_fraction)"
     return CorruptImageError(
         f"Cannot decode the image {split.records.describe(index)} (example {index}) {when}: "
-        f"{type(error).__name__}: {error}. Set config.data.skip_corrupt=True to replace "
-        "unreadable training images deterministically (counted as corrupt_fraction)."
+        f"{type(error).__name__}: {error}. Set config.data.skip_corrupt=True to {advice}."
     )
+
+
+def _within_corrupt_ceiling(
+    batches: Iterator[Batch],
+    split: EncodedSplit,
+    order: order_lib.BatchOrder,
+    start_step: int,
+    max_fraction: float,
+) -> Iterator[Batch]:
+    """`batches`, stopped once an epoch's replaced examples pass `max_fraction` of it.
+
+    Counts this process's slice of each epoch: the `"replaced"` examples stand in for
+    unreadable ones. At least one unreadable image per epoch is always tolerated.
+
+    Raises:
+      CorruptImageError: naming how many of how many were unreadable, with examples.
+    """
+    per_epoch = order_lib.steps_per_epoch(order.num_examples, order.batch_size)
+    epoch_examples = per_epoch * order.local_size
+    allowed = max(1, int(max_fraction * epoch_examples))
+    epoch, read, unreadable, named = None, 0, 0, []
+    try:
+        for step, batch in enumerate(batches, start_step):
+            if step // per_epoch != epoch:
+                epoch, read, unreadable, named = step // per_epoch, 0, 0, []
+            read += order.local_size
+            replaced = np.flatnonzero(np.asarray(batch["replaced"]))
+            if replaced.size:
+                unreadable += replaced.size
+                indices = order_lib.step_indices(order, step)
+                named += [
+                    split.records.describe(int(indices[i])) for i in replaced[: 3 - len(named)]
+                ]
+                if unreadable > allowed:
+                    raise CorruptImageError(
+                        f"{unreadable} of the {read} training images read in epoch {epoch + 1} (up "
+                        f"to step {step + 1}) were unreadable, more than "
+                        f"config.data.max_corrupt_fraction={max_fraction:g} of the epoch's "
+                        f"{epoch_examples} allows ({allowed}); e.g. {named}. Repair or remove "
+                        "them, or raise max_corrupt_fraction."
+                    )
+            yield batch
+    finally:
+        batches.close()  # Stops the workers now, however the iterator ends.
 
 
 def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iterator[Batch]:
@@ -314,6 +390,7 @@ def encoded_train_batches(
     workers: int | None = None,
     skip_corrupt: bool = False,
     decoder: str | Decoder = "cpu",
+    max_corrupt_fraction: float = MAX_CORRUPT_FRACTION,
 ) -> Iterator[Batch]:
     """This process's training batches of an encoded split, decoded and cropped on the host.
 
@@ -328,6 +405,8 @@ def encoded_train_batches(
         `default_workers()`.
       skip_corrupt: replace unreadable images (see `LoadTrainExample`); the batches
         then carry `"replaced"`, 1.0 where an example stands in for a corrupt one.
+        Once more than `max_corrupt_fraction` of an epoch's examples (and more than
+        one) were replaced, the iterator raises `CorruptImageError`.
       decoder: `"cpu"`: the workers decode; `"gpu"`: the batches carry each
         example's bytes, crop box and flip, for `gpu_decode.decoded_batches`
         (`DECODERS`); or a `Decoder` of the caller's (importable by the workers).
@@ -345,7 +424,10 @@ def encoded_train_batches(
     order = order_lib.batch_order(len(split.records), batch_size, seed, start_step, process, where)
     slots = TrainSlots(order, start_step, _ENDLESS_STEPS if num_steps is None else num_steps)
     load = LoadTrainExample(split, seed, skip_corrupt, _check_decoder(decoder, where))
-    return _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
+    batches = _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
+    if skip_corrupt:
+        batches = _within_corrupt_ceiling(batches, split, order, start_step, max_corrupt_fraction)
+    return batches
 
 
 def encoded_eval_batches(
@@ -365,4 +447,28 @@ def encoded_eval_batches(
     where = "encoded_eval_batches"
     order = order_lib.eval_order(len(split.records), batch_size, process, where)
     load = LoadEvalExample(split, skip_corrupt, _check_decoder(decoder, where))
-    return _grain_batches(EvalSlots(order), load, order.local_size, _check_workers(workers, where))
+    batches = _grain_batches(
+        EvalSlots(order), load, order.local_size, _check_workers(workers, where)
+    )
+    return _counting_left_out(batches, order) if skip_corrupt else batches
+
+
+def _counting_left_out(batches: Iterator[Batch], order: order_lib.EvalOrder) -> Iterator[Batch]:
+    """`batches`, and a line after the pass if it left unreadable images out (`skip_corrupt`)."""
+    left_out = examples = 0
+    try:
+        for number, batch in enumerate(batches):
+            _, is_real = order_lib.eval_positions(order, number)
+            examples += int(is_real.sum())
+            left_out += int(is_real.sum() - np.asarray(batch["mask"]).sum())
+            yield batch
+    finally:
+        batches.close()
+    if left_out:
+        logging.warning(
+            "Evaluation left out %d unreadable of this process's %d images: its metrics are "
+            "over the other %d.",
+            left_out,
+            examples,
+            examples - left_out,
+        )

@@ -36,6 +36,8 @@ class PipelineOptions(NamedTuple):
       prefetch: host batches kept ready on the devices.
       skip_corrupt: replace (training) or leave out (evaluation) unreadable images
         instead of stopping with an error naming the file.
+      max_corrupt_fraction: with `skip_corrupt`, the training stops once more of an
+        epoch's examples than this fraction (and more than one) were unreadable.
       decoder: who computes an encoded split's pixels: `"cpu"`, the workers, or
         `"gpu"`, the devices (`gpu_decode`), from the workers' bytes, boxes and flips.
     """
@@ -44,6 +46,7 @@ class PipelineOptions(NamedTuple):
     prefetch: int = 2
     skip_corrupt: bool = False
     decoder: str = "cpu"
+    max_corrupt_fraction: float = pipeline.MAX_CORRUPT_FRACTION
 
 
 DEFAULT_OPTIONS = PipelineOptions()
@@ -86,6 +89,7 @@ def sharded_train_batches(
             workers=options.workers,
             skip_corrupt=options.skip_corrupt,
             decoder=options.decoder,
+            max_corrupt_fraction=options.max_corrupt_fraction,
         )
         if options.decoder == "gpu":
             host_load = pipeline.LoadTrainExample(split, seed, options.skip_corrupt)
