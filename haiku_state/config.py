@@ -125,8 +125,8 @@ SCHEMA = (
         help="milestones kept forever: steps divisible by this; 0: none"),
     Key("keep_best_by", "", str, choices=("", *losses.EVAL_METRICS), free=True,
         help="an eval metric, accuracy or loss, to keep the best step by; empty: none"),
-    Key("keep_best_mode", "max", str, choices=("max", "min"), free=True,
-        help="max for accuracy, min for loss"),
+    Key("keep_best_mode", "", str, choices=("", "max", "min"), free=True,
+        help="max or min; empty: the metric's own (max for accuracy, min for loss)"),
     Key("init_from", "", str, free=True,
         help="warm start: params and state of a checkpoint, a run's dir or a step dir"),
     Key("init_skip", "", str, free=True,
@@ -480,17 +480,17 @@ def _check_retention(config: Any) -> None:
     on the timer (`checkpoint_every_secs`) is kept as the newest, never ranked.
     """
     best_by, mode = config.keep_best_by, config.keep_best_mode
-    if not best_by:
-        if mode != schema_key("keep_best_mode").default:
-            raise ValueError(
-                f"config.keep_best_mode={mode!r} is set but config.keep_best_by is empty: "
-                f"set keep_best_by to one of {tuple(losses.EVAL_METRICS)}, or leave the mode."
-            )
-    else:
-        if mode != losses.EVAL_METRICS[best_by]:
+    if mode and not best_by:
+        raise ValueError(
+            f"config.keep_best_mode={mode!r} is set but config.keep_best_by is empty: "
+            f"set keep_best_by to one of {tuple(losses.EVAL_METRICS)}, or leave the mode."
+        )
+    if best_by:
+        if mode and mode != losses.EVAL_METRICS[best_by]:
             raise ValueError(
                 f"config.keep_best_by={best_by!r} with keep_best_mode={mode!r} would keep the "
-                f"worst step; set keep_best_mode={losses.EVAL_METRICS[best_by]!r}."
+                f"worst step; set keep_best_mode={losses.EVAL_METRICS[best_by]!r} or leave it "
+                "empty."
             )
         if config.checkpoint_every % config.eval_every:
             raise ValueError(
@@ -506,6 +506,11 @@ def _check_retention(config: Any) -> None:
             f"config.checkpoint_every={config.checkpoint_every} saves only the multiples of "
             f"{config.checkpoint_every}: use a multiple of {config.checkpoint_every}."
         )
+
+
+def keep_best_mode(config: Any) -> str:
+    """ "max" or "min": `config.keep_best_mode`, else the direction of `config.keep_best_by`."""
+    return config.keep_best_mode or losses.EVAL_METRICS.get(config.keep_best_by, "max")
 
 
 def host_memory_bytes() -> int:

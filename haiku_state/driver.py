@@ -30,7 +30,7 @@ from absl import logging
 
 from haiku_state import asserts, checkpoint, compilation_cache, data, divergence, loop, summaries
 from haiku_state import workdir as workdir_lib
-from haiku_state.config import validate_config
+from haiku_state.config import keep_best_mode, validate_config
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import (
     AXIS_NAME,
@@ -230,7 +230,7 @@ def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
         max_to_keep=config.max_to_keep,
         keep_every_steps=config.keep_every_steps,
         keep_best_by=config.keep_best_by,
-        keep_best_mode=config.keep_best_mode,
+        keep_best_mode=keep_best_mode(config),
     )
 
 

@@ -20,7 +20,7 @@ import jax
 from absl import logging
 
 from haiku_state import checkpoint, compilation_cache, data, loop, summaries
-from haiku_state.config import validate_config
+from haiku_state.config import keep_best_mode, validate_config
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
 from haiku_state.updater import TrainState, Updater, step_of
 
@@ -184,7 +184,7 @@ def _reading(
     config: Any, workdir: str, directory: str
 ) -> Iterator[tuple[checkpoint.Checkpointer, summaries.MetricWriter]]:
     """A read-only Checkpointer (that knows which step is best) and the eval writer."""
-    best = {"keep_best_by": config.keep_best_by, "keep_best_mode": config.keep_best_mode}
+    best = {"keep_best_by": config.keep_best_by, "keep_best_mode": keep_best_mode(config)}
     enabled = jax.process_index() == 0
     with (
         checkpoint.Checkpointer(directory, read_only=True, **best) as checkpointer,

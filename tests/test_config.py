@@ -187,7 +187,10 @@ def test_a_config_has_the_options_of_its_model_and_no_other():
             r"keep_best_by='loss' ranks .*checkpoint_every=100 is not a multiple of "
             r"config.eval_every=70",
         ),
-        ({"keep_best_by": "loss"}, r"keep_best_mode='max' would keep the worst step; set .*'min'"),
+        (
+            {"keep_best_by": "loss", "keep_best_mode": "max"},
+            r"keep_best_mode='max' would keep the worst step; set .*'min'",
+        ),
         ({"keep_best_by": "accuracy", "keep_best_mode": "min"}, r"set keep_best_mode='max'"),
         ({"keep_best_mode": "min"}, r"keep_best_mode='min' is set but config.keep_best_by is"),
         (
@@ -216,6 +219,14 @@ def test_retention_on_the_evaluated_saves_and_images_that_fit_pass():
     config.eval_every, config.checkpoint_every, config.keep_every_steps = 50, 100, 300
     config.data.name, config.data.image_size = "imagefolder", 224
     config_lib.validate_config(config, num_devices=4)
+
+
+@pytest.mark.parametrize(("metric", "mode"), [("loss", "min"), ("accuracy", "max")])
+def test_keep_best_by_alone_keeps_the_best_in_its_metrics_direction(metric, mode):
+    config = _experiment("mlp.py")
+    config.keep_best_by, config.eval_every, config.checkpoint_every = metric, 50, 100
+    config_lib.validate_config(config, num_devices=4)
+    assert config_lib.keep_best_mode(config) == mode
 
 
 def test_a_setting_the_configured_combination_ignores_is_named_in_a_warning(caplog, monkeypatch):
