@@ -48,23 +48,31 @@ class WorkdirError(ValueError):
 
 
 def check_usable(workdir: str) -> None:
-    """Refuses a workdir that is a file, a broken symlink, or a directory that cannot be written."""
-    if os.path.islink(workdir) and not os.path.exists(workdir):
-        try:
-            os.stat(workdir)
-        except OSError as e:
-            problem = "a symlink loop" if e.errno == errno.ELOOP else "a dangling symlink"
-            raise WorkdirError(
-                f"--workdir={workdir} is {problem} (to {os.readlink(workdir)!r}); point it at a "
-                "directory, or remove the link."
-            ) from None
+    """Refuses a workdir that is, or lies under, a file or a broken symlink, or is not writable."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"--workdir={workdir} is a file, not a directory.")
     existing = workdir
     while not os.path.exists(existing):
+        if os.path.islink(existing):  # A link that leads nowhere: `exists` follows it.
+            _refuse_broken_link(workdir, existing)
         existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise WorkdirError(f"--workdir={workdir}: {existing} is a file, not a directory.")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise WorkdirError(f"--workdir={workdir}: {existing} is not writable.")
+
+
+def _refuse_broken_link(workdir: str, link: str) -> None:
+    try:
+        os.stat(link)
+        problem = "a symlink that cannot be followed"
+    except OSError as e:
+        problem = "a symlink loop" if e.errno == errno.ELOOP else "a dangling symlink"
+    where = "" if link == workdir else f": {link}"
+    raise WorkdirError(
+        f"--workdir={workdir}{where} is {problem} (to {os.readlink(link)!r}); point it at a "
+        "directory, or remove the link."
+    )
 
 
 @contextlib.contextmanager
@@ -200,7 +208,12 @@ def read_record(workdir: str) -> tuple[dict[str, Any] | None, str]:
             record = json.load(f)
     except (OSError, ValueError) as e:
         return None, f"cannot be read ({e})"
-    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("config"), dict)
+        and isinstance(record.get("data", {}), dict)
+        and isinstance(record.get("changes", []), list)
+    ):
         return None, 'is not a record of a run (expected {"config": {...}, "data": {...}})'
     return record, ""
 

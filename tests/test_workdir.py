@@ -170,7 +170,12 @@ def test_a_workdir_that_is_a_dangling_symlink_or_a_loop_is_refused_naming_it(tmp
     os.symlink(tmp_path / "loop", tmp_path / "loop")
     with pytest.raises(workdir_lib.WorkdirError, match=r"loop is a symlink loop"):
         workdir_lib.check_usable(str(tmp_path / "loop"))
-    assert sorted(os.listdir(tmp_path)) == ["dangling", "loop"]  # Nothing written.
+    with pytest.raises(workdir_lib.WorkdirError, match=r"run: .*dangling is a dangling symlink"):
+        workdir_lib.check_usable(str(tmp_path / "dangling" / "run"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(workdir_lib.WorkdirError, match=r"run: .*file is a file, not a directory"):
+        workdir_lib.check_usable(str(tmp_path / "file" / "run"))
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "file", "loop"]  # Nothing written.
 
 
 def test_the_record_binds_only_a_run_that_has_a_checkpoint(tmp_path, caplog):

@@ -35,8 +35,8 @@ def split_digest(split: AnySplit) -> str | None:
 
 
 def identity(dataset: Dataset) -> dict[str, Any]:
-    """The record of `dataset` as read: sizes, class names, split digests (None values left out)."""
-    record = {
+    """The record of `dataset` as read: sizes, class names, split digests (None: not known)."""
+    return {
         "train_examples": num_examples(dataset.train),
         "test_examples": num_examples(dataset.test),
         "num_classes": dataset.num_classes,
@@ -45,12 +45,11 @@ def identity(dataset: Dataset) -> dict[str, Any]:
         "train_digest": split_digest(dataset.train),
         "test_digest": split_digest(dataset.test),
     }
-    return {key: value for key, value in record.items() if value is not None}
 
 
 def identity_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """How `current` differs from `recorded`, one line per difference, e.g.
-    `dataset: class 3 was 'n01440764', now 'n01443537'`.
+    `dataset.classes: class 3 was 'n01440764', now 'n01443537'`.
 
     Only the keys both records hold are compared: a record written by an older
     version lacks the newer keys, and their absence says nothing about the data.
@@ -60,7 +59,7 @@ def identity_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) ->
         old, new = recorded[key], current[key]
         if old == new:
             continue
-        if key == "classes":
+        if key == "classes" and old is not None and new is not None:
             changes.append(_class_change(list(old), list(new)))
         elif key.endswith("_digest"):
             split = key.removesuffix("_digest")
