@@ -68,14 +68,17 @@ def train_and_evaluate(
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     first_state = _first_train_state(experiment, config, workdir)
+    data_record = _data_record(experiment)
 
     with (
         _stop_request(stop) as stop,
-        _owning(workdir, config, experiment, allow_config_change),
+        _owning(workdir),
         _checkpointer(config, workdir) as checkpointer,
     ):
         stop.agree_every = config.log_every  # Processes agree when they fetch metrics anyway.
-        train_state = _resume(first_state, experiment, config, checkpointer)
+        train_state = _resume(
+            first_state, experiment, config, checkpointer, data_record, allow_config_change
+        )
         start_step = step_of(train_state)
         with (
             summaries.MetricWriter(
@@ -100,7 +103,7 @@ def train_and_evaluate(
                 window=window,
                 monitor=monitor,
                 evaluator=evaluator,
-                metadata=_run_metadata(config),
+                metadata=_run_metadata(config, data_record),
             )
             # In the order they run at a step: the metrics are logged before the
             # evaluation, whose metrics rank the checkpoint saved after it.
@@ -196,32 +199,18 @@ def _on_process_0(what: str, fn: Callable[[], Any]) -> None:
 
 
 @contextlib.contextmanager
-def _owning(
-    workdir: str, config: Any, experiment: Experiment, allow_config_change: bool
-) -> Iterator[None]:
-    """This run holds the workdir's lock (process 0 takes it) and has recorded its config."""
+def _owning(workdir: str) -> Iterator[None]:
+    """This run holds the workdir's lock (process 0 takes it)."""
     with contextlib.ExitStack() as lock:
         _on_process_0(
             "Locking the workdir", lambda: lock.enter_context(workdir_lib.exclusive_lock(workdir))
         )
-        _on_process_0(
-            "Recording the config",
-            lambda: workdir_lib.record_config(
-                workdir, config, allow_change=allow_config_change, data=_data_record(experiment)
-            ),
-        )
         yield
 
 
-def _data_record(experiment: Experiment) -> dict[str, int | None]:
-    """What `config.json` records of the data as read, checked on resume."""
-    dataset = experiment.dataset
-    return {
-        "train_examples": data.num_examples(dataset.train),
-        "test_examples": data.num_examples(dataset.test),
-        "num_classes": dataset.num_classes,
-        "short_side": dataset.short_side,  # The pixels of shards re-encoded smaller differ.
-    }
+def _data_record(experiment: Experiment) -> dict[str, Any]:
+    """What the run records of the data as read (sizes, class names, digests), checked on resume."""
+    return data.identity(experiment.dataset)
 
 
 def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
@@ -235,10 +224,34 @@ def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
 
 
 def _resume(
-    first: TrainState, experiment: Experiment, config: Any, checkpointer: checkpoint.Checkpointer
+    first: TrainState,
+    experiment: Experiment,
+    config: Any,
+    checkpointer: checkpoint.Checkpointer,
+    data_record: dict[str, Any],
+    allow_config_change: bool,
 ) -> TrainState:
-    """The latest complete checkpoint, else `first`; checked before training."""
+    """The latest complete checkpoint, else `first`; checked before training.
+
+    The config and data are checked against the run's record first, and the
+    record is written only once the restore succeeded: a refused run writes nothing.
+    """
+    pending: list[workdir_lib.ConfigRecord] = []
+    _on_process_0(
+        "Checking the config",
+        lambda: pending.append(
+            workdir_lib.check_config(
+                os.path.dirname(checkpointer.directory),
+                config,
+                allow_change=allow_config_change,
+                data=data_record,
+                has_checkpoint=bool(checkpointer.all_steps()),
+                checkpoint_metadata=_latest_run_metadata(checkpointer),
+            )
+        ),
+    )
     train_state = checkpointer.restore(first)
+    _on_process_0("Recording the config", lambda: pending[0].write())
     how = "Resuming"
     if train_state is None:
         how = f"Starting from {config.init_from}" if config.init_from else "Starting"
@@ -258,6 +271,16 @@ def _resume(
     asserts.assert_train_state_invariants(train_state)
     check_params_finite(train_state, step_of(train_state))
     return train_state
+
+
+def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any] | None:
+    """The run metadata of the newest complete checkpoint whose metadata can be read."""
+    for step in reversed(checkpointer.all_steps()):
+        try:
+            return checkpointer.metadata(step)
+        except ValueError:  # Damaged, or of another format: the restore says which.
+            continue
+    return None
 
 
 def _epochs_note(config: Any, experiment: Experiment) -> str:
@@ -285,10 +308,11 @@ def _epochs_note(config: Any, experiment: Experiment) -> str:
     return f" ({epochs:.4g} epochs of {per_epoch} steps)"
 
 
-def _run_metadata(config: Any) -> dict[str, Any]:
-    """What a checkpoint records about the run that wrote it."""
+def _run_metadata(config: Any, data_record: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (its config and data, too)."""
     return {
         "config": config.to_dict(),
+        "data": data_record,
         "local_device_count": jax.local_device_count(),
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),

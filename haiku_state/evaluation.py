@@ -6,6 +6,11 @@ another process, it evaluates every new complete checkpoint as it appears and
 exits after the final step's. Both read the checkpoints without touching them
 (no lock, nothing moved or deleted) and write their results to `metrics.jsonl`
 (split `eval`, marked `"separate": true`) and to TensorBoard's `eval` run.
+
+Both evaluate the run as it was trained: the keys of its recorded config
+(`config.json`, else the latest checkpoint's metadata) replace the command
+line's, with a warning naming those that differ, except the keys of how this
+process evaluates (`EVALUATOR_KEYS`). So `eval_follow` knows the run's last step.
 """
 
 from __future__ import annotations
@@ -20,11 +25,23 @@ import jax
 from absl import logging
 
 from haiku_state import checkpoint, compilation_cache, data, loop, summaries
+from haiku_state import workdir as workdir_lib
 from haiku_state.config import keep_best_mode, validate_config
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
 from haiku_state.updater import TrainState, Updater, step_of
 
 FOLLOW_POLL_SECS = 1.0
+# The keys the evaluating process chooses for itself; every other comes from the run's record.
+EVALUATOR_KEYS = (
+    "eval_batch_size",
+    "backend",
+    "compilation_cache_dir",
+    "profile_steps",
+    "data.dir",  # The data may be mounted elsewhere on the evaluator's machine.
+    "data.workers",
+    "data.prefetch",
+    "data.decoder",
+)
 
 
 def evaluate_split(
@@ -82,23 +99,70 @@ def evaluate_test_split(
 
 def _prepare(
     config: Any, workdir: str, *, wait: loop.StopRequest | None = None
-) -> tuple[Experiment, TrainState, str]:
-    """The experiment, a train state to restore into, and the checkpoint directory.
+) -> tuple[Any, Experiment, TrainState, str]:
+    """The run's config, the experiment, a train state to restore into, the checkpoint directory.
 
-    With `wait`, waits for the directory to appear (a training run about to start).
+    With `wait`, waits for the run's record to appear (a training run about to start).
     """
-    validate_config(config, jax.device_count(), jax.process_count())
     directory = os.path.join(workdir, "checkpoints")
-    while wait is not None and not os.path.isdir(directory) and not wait.should_stop_now():
+    while wait is not None and not _recorded(workdir) and not wait.should_stop_now():
         time.sleep(FOLLOW_POLL_SECS)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
+    config = run_config(config, workdir)
+    validate_config(config, jax.device_count(), jax.process_count())
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     like = experiment.updater.init(
         config.seed, placeholder_batch(experiment.dataset, config.batch_size)
     )
-    return experiment, like, directory
+    return config, experiment, like, directory
+
+
+def _recorded(workdir: str) -> bool:
+    """Whether a training run has recorded its config or saved a checkpoint there."""
+    return os.path.exists(os.path.join(workdir, workdir_lib.CONFIG_FILE)) or bool(
+        checkpoint.complete_steps(os.path.join(workdir, "checkpoints"))
+    )
+
+
+def run_config(config: Any, workdir: str) -> Any:
+    """`config` with the keys of the run's recorded config, but `EVALUATOR_KEYS`.
+
+    The record is `config.json`, else the metadata of the latest checkpoint; with
+    neither, `config` as it is.
+    """
+    record, problem = workdir_lib.read_record(workdir)
+    source = os.path.join(workdir, workdir_lib.CONFIG_FILE)
+    if record is None:
+        if problem:
+            logging.warning("%s %s; reading the run's config from its checkpoint.", source, problem)
+        record, source = _checkpoint_config(workdir), "the latest checkpoint's metadata"
+    if record is None:
+        logging.warning("%s holds no record of its config; evaluating with the one given.", workdir)
+        return config
+    config, changed = workdir_lib.with_recorded(config, record["config"], EVALUATOR_KEYS)
+    if changed:
+        logging.warning(
+            "The config given differs from the run's (as %s records it): %s; evaluating the run "
+            "with its own values.",
+            source,
+            "; ".join(changed),
+        )
+    return config
+
+
+def _checkpoint_config(workdir: str) -> dict[str, Any] | None:
+    """`{"config": ...}` from the metadata of the newest complete checkpoint that has one."""
+    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as reader:
+        for step in reversed(reader.all_steps()):
+            try:
+                metadata = reader.metadata(step)
+            except ValueError:
+                continue
+            if isinstance(metadata.get("config"), dict):
+                return {"config": metadata["config"]}
+    return None
 
 
 def _evaluate_and_record(
@@ -120,14 +184,21 @@ def evaluate_checkpoint(
     """Evaluates one checkpoint of `workdir` on the test split and records the result.
 
     Args:
-      config: the experiment config the checkpoints were trained with.
+      config: the experiment config; the run's recorded one replaces it (`run_config`).
       workdir: the run's directory.
       step: a step, "best" (by `config.keep_best_by`), or None for the latest.
       stop: interrupts the evaluation between batches (then {} is returned).
     """
-    experiment, like, directory = _prepare(config, workdir)
+    config, experiment, like, directory = _prepare(config, workdir)
     with _reading(config, workdir, directory) as (checkpointer, writer):
         if step == "best":
+            if not config.keep_best_by:
+                raise ValueError(
+                    f"--step=best: no keep_best_by was configured for the run in {workdir}, so "
+                    "no step is ranked. Pass --step=<a step> (complete steps: "
+                    f"{checkpointer.all_steps()}), or train with --config.keep_best_by=<an eval "
+                    "metric, e.g. accuracy> to keep and rank the best step."
+                )
             step = checkpointer.best_step()
             if step is None:
                 raise FileNotFoundError(
@@ -155,7 +226,7 @@ def follow_checkpoints(
     A checkpoint that is gone (retention deleted it) or damaged by the time it
     is read is skipped with a warning. Returns the metrics by step.
     """
-    experiment, like, directory = _prepare(config, workdir, wait=stop)
+    config, experiment, like, directory = _prepare(config, workdir, wait=stop)
     results: dict[int, dict[str, float]] = {}
     with _reading(config, workdir, directory) as (checkpointer, writer):
         done = False

@@ -196,40 +196,68 @@ def _drop_cut_line(fd: int, path: str) -> None:
     os.ftruncate(fd, end)
 
 
-def _read_records(path: str) -> list[dict[str, Any]]:
-    """The records of a metrics file; a last line cut short by a kill is skipped."""
-    records = []
-    with open(path) as f:
-        lines = f.read().splitlines()
+def _parse_records(path: str) -> tuple[list[dict[str, Any]], list[int], int]:
+    """The records of a metrics file, the numbers of its lines that are not records, and
+    the number of its last line."""
+    records, bad, last = [], [], 0
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        last = number
         try:
-            records.append(json.loads(line))
-        except ValueError as e:
-            if number == len(lines):
-                logging.warning("%s: skipping its last line, cut short (%s).", path, e)
-                continue
-            raise ValueError(f"{path} line {number} is not a JSON record: {e}") from None
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and "split" in record:
+            records.append(record)
+        else:
+            bad.append(number)
+    return records, bad, last
+
+
+def _read_records(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics file; lines that are not records are skipped with a warning."""
+    records, bad, _ = _parse_records(path)
+    if bad:
+        logging.warning("%s: skipping line(s) %s, not JSON records.", path, _numbers(bad))
     return records
+
+
+def _numbers(lines: list[int]) -> str:
+    return ", ".join(map(str, lines[:10])) + (
+        f" and {len(lines) - 10} more" if len(lines) > 10 else ""
+    )
 
 
 def supersede_after(workdir: str, step: int) -> None:
     """Marks the records past `step` `"superseded": true` (a resumed run logs them again).
 
     The file is rewritten whole (atomically) and a truncated last line dropped,
-    so nothing a later run appends follows a broken line.
+    so nothing a later run appends follows a broken line. A file damaged in the
+    middle keeps its readable records; the damaged file is first moved aside
+    whole (`metrics.jsonl.damaged-<time>`), with a warning, never deleted.
     """
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return
     with _locked(path):
-        with open(path) as f:
-            line_count = sum(1 for line in f if line.strip())
-        records = _read_records(path)
-        later = [r for r in records if r.get("step", 0) > step and not r.get("superseded")]
-        if not later and len(records) == line_count:
-            return  # Nothing to mark and no cut line: the file stays as it is.
+        records, bad, last = _parse_records(path)
+        if bad and bad != [last]:  # Not only a last line a kill cut short.
+            aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+            os.rename(path, aside)
+            logging.warning(
+                "%s: line(s) %s are not JSON records; the file as it was is moved aside to %s, "
+                "and its %d readable records are kept.",
+                path,
+                _numbers(bad),
+                aside,
+                len(records),
+            )
+        later = [r for r in records if r["step"] > step and not r.get("superseded")]
+        if not later and not bad:
+            return  # Nothing to mark and nothing unreadable: the file stays as it is.
         for record in later:
             record["superseded"] = True
         temporary = f"{path}.tmp-{os.getpid()}"

@@ -2,7 +2,7 @@
 
     WORKDIR/
       lock              host and pid of the run training here (held with flock)
-      config.json       the resolved config, written before anything else
+      config.json       the resolved config and the data as read, written once the run resumed
       checkpoints/      haiku_state.checkpoint
       metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
       profile/          jax.profiler traces (config.profile_steps)
@@ -12,23 +12,32 @@ evaluation beside it (`--mode=eval`, `eval_follow`) takes no lock. On resume
 the config is compared with the recorded one, and a change that would alter
 the trajectory (a key `config.SCHEMA` does not mark `free`) is refused unless
 explicitly allowed.
+
+The record binds only a run that has a checkpoint: `check_config` reads and
+compares, writing nothing (a refused run leaves the workdir as it was), and the
+driver writes the record it returns once the resume succeeded. Without a
+readable `config.json` the check is made against the config the latest
+checkpoint's metadata holds; an unreadable `config.json` is set aside (renamed,
+never deleted) when the new record is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import fcntl
 import json
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from absl import logging
 
 from haiku_state import config as config_lib
+from haiku_state import data as data_lib
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
@@ -39,14 +48,31 @@ class WorkdirError(ValueError):
 
 
 def check_usable(workdir: str) -> None:
-    """Refuses a workdir path that is a file, or a directory that cannot be written."""
+    """Refuses a workdir that is, or lies under, a file or a broken symlink, or is not writable."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"--workdir={workdir} is a file, not a directory.")
     existing = workdir
     while not os.path.exists(existing):
+        if os.path.islink(existing):  # A link that leads nowhere: `exists` follows it.
+            _refuse_broken_link(workdir, existing)
         existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise WorkdirError(f"--workdir={workdir}: {existing} is a file, not a directory.")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise WorkdirError(f"--workdir={workdir}: {existing} is not writable.")
+
+
+def _refuse_broken_link(workdir: str, link: str) -> None:
+    try:
+        os.stat(link)
+        problem = "a symlink that cannot be followed"
+    except OSError as e:
+        problem = "a symlink loop" if e.errno == errno.ELOOP else "a dangling symlink"
+    where = "" if link == workdir else f": {link}"
+    raise WorkdirError(
+        f"--workdir={workdir}{where} is {problem} (to {os.readlink(link)!r}); point it at a "
+        "directory, or remove the link."
+    )
 
 
 @contextlib.contextmanager
@@ -142,52 +168,167 @@ def _changes(
     ]
 
 
-def record_config(
-    workdir: str, config: Any, *, allow_change: bool, data: Mapping[str, Any] | None = None
-) -> None:
-    """Writes `WORKDIR/config.json`, first checking a recorded one against `config`.
+@dataclasses.dataclass(frozen=True)
+class ConfigRecord:
+    """The `config.json` a checked run writes once it has resumed (`check_config`).
+
+    Attributes:
+      path: `WORKDIR/config.json`.
+      record: what it will hold: the config, the data as read, the changes so far.
+      changes: the changes this run makes to the recorded config (allowed ones).
+      set_aside: why the file there now is set aside rather than replaced ("" if not).
+    """
+
+    path: str
+    record: dict[str, Any]
+    changes: tuple[str, ...] = ()
+    set_aside: str = ""
+
+    def write(self) -> None:
+        """Writes the record; an unreadable file there first is renamed, never deleted."""
+        if self.set_aside and os.path.exists(self.path):
+            moved = f"{self.path}.unreadable-{_stamp()}"
+            os.replace(self.path, moved)
+            logging.warning("%s %s; moved aside to %s.", self.path, self.set_aside, moved)
+        if self.changes:
+            logging.warning("Resuming with a changed config: %s", "; ".join(self.changes))
+        _write_json_atomically(self.path, self.record)
+
+
+def read_record(workdir: str) -> tuple[dict[str, Any] | None, str]:
+    """`config.json` of `workdir` and "", or None and why not ("" if there is none).
+
+    Writes nothing: an evaluator beside a training run reads it too.
+    """
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return None, ""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        return None, f"cannot be read ({e})"
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("config"), dict)
+        and isinstance(record.get("data", {}), dict)
+        and isinstance(record.get("changes", []), list)
+    ):
+        return None, 'is not a record of a run (expected {"config": {...}, "data": {...}})'
+    return record, ""
+
+
+def check_config(
+    workdir: str,
+    config: Any,
+    *,
+    allow_change: bool,
+    data: Mapping[str, Any] | None = None,
+    has_checkpoint: bool = True,
+    checkpoint_metadata: Mapping[str, Any] | None = None,
+) -> ConfigRecord:
+    """Checks `config` and `data` against the run's record; writes nothing.
+
+    The record is `config.json`; without a readable one, the metadata of the
+    latest checkpoint (which holds the config and data too). A workdir without
+    a checkpoint binds nothing: its `config.json` (a run that died before its
+    first save) is replaced.
 
     Args:
       workdir: the run's directory.
       config: the resolved config.
       allow_change: record a change that alters the trajectory instead of refusing it.
-      data: what the data as read looks like (split sizes, class count): a folder
-        that gained or lost files between a stop and a resume changes the batches
-        as surely as a changed config does.
+      data: the data as read (`data.identity`): a folder whose files or class
+        names changed between a stop and a resume changes the batches as surely
+        as a changed config does.
+      has_checkpoint: whether the workdir holds a complete checkpoint.
+      checkpoint_metadata: the run metadata of its latest checkpoint
+        (`{"config": ..., "data": ...}`), checked against when `config.json` is
+        missing or unreadable; None if there is none.
+
+    Returns:
+      The record to `write()` once the run has resumed.
 
     Raises:
-      WorkdirError: if the recorded config (or data) differs in a way that changes
-        the trajectory and `allow_change` is False; nothing is written then.
+      WorkdirError: if the config (or data) differs from the record in a way that
+        changes the trajectory and `allow_change` is False.
     """
     path = os.path.join(workdir, CONFIG_FILE)
     record = {"config": _as_json(config), "data": dict(data or {}), "changes": []}
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                previous = json.load(f)
-        except ValueError as e:
-            raise WorkdirError(
-                f"{path} is not valid JSON ({e}); move it away to start anew."
-            ) from None
-        changes = trajectory_changes(previous["config"], config)
-        # The batch order depends on the split sizes: compared like trajectory keys.
-        changes += _changes(
-            _flatten({"dataset": previous.get("data") or {}}),
-            _flatten({"dataset": dict(data or {})}),
-        )
-        if changes and not allow_change:
-            raise WorkdirError(
-                f"The config or data differs from what {workdir} was trained with, in "
-                f"ways that change the run: {'; '.join(changes)}. Pass --allow_config_change "
-                "to continue anyway (the change is recorded in config.json), or use another "
-                "--workdir."
+    previous, problem = read_record(workdir)
+    set_aside = problem
+    if not has_checkpoint:
+        if previous is not None:
+            logging.info(
+                "%s records a run that saved no checkpoint; it is replaced by this run's config.",
+                path,
             )
-        record["changes"] = previous.get("changes", [])
-        if changes:
-            logging.warning("Resuming with a changed config: %s", "; ".join(changes))
-            stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-            record["changes"].append({"at": stamp, "changes": changes})
-    _write_json_atomically(path, record)
+        return ConfigRecord(path, record, set_aside=set_aside)
+    source = path
+    if previous is None:
+        previous = _checkpoint_record(checkpoint_metadata)
+        source = "the latest checkpoint's metadata"
+        if problem:
+            logging.warning("%s %s; checking the config against %s instead.", path, problem, source)
+        elif previous is not None:
+            logging.warning("%s is missing; checking the config against %s.", path, source)
+    if previous is None:
+        logging.warning("%s: no record of the config to check against.", workdir)
+        return ConfigRecord(path, record, set_aside=set_aside)
+    changes = trajectory_changes(previous["config"], config)
+    # The batch order depends on the data as read: compared like trajectory keys.
+    changes += data_lib.identity_changes(previous.get("data") or {}, dict(data or {}))
+    if changes and not allow_change:
+        raise WorkdirError(
+            f"The config or data differs from what {workdir} was trained with (as {source} "
+            f"records it), in ways that change the run: {'; '.join(changes)}. Pass "
+            "--allow_config_change to continue anyway (the change is recorded in config.json), "
+            "or use another --workdir."
+        )
+    record["changes"] = list(previous.get("changes", []))
+    if changes:
+        record["changes"].append({"at": _stamp(iso=True), "changes": changes})
+    return ConfigRecord(path, record, tuple(changes), set_aside)
+
+
+def _checkpoint_record(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The record a checkpoint's run metadata amounts to, if it holds a config."""
+    if not metadata or not isinstance(metadata.get("config"), Mapping):
+        return None
+    return {"config": metadata["config"], "data": metadata.get("data") or {}}
+
+
+def record_config(
+    workdir: str, config: Any, *, allow_change: bool, data: Mapping[str, Any] | None = None
+) -> None:
+    """`check_config` and write the record at once (for a workdir with a checkpoint)."""
+    check_config(workdir, config, allow_change=allow_change, data=data).write()
+
+
+def with_recorded(
+    config: Any, recorded: Mapping[str, Any], keep: Collection[str]
+) -> tuple[Any, list[str]]:
+    """`config` with the recorded values of every key but `keep`; and those that differed.
+
+    Keys in only one of the two are left as `config` has them (as on resume).
+    """
+    config = config.copy_and_resolve_references()
+    old, new = _flatten(recorded), _flatten(_as_json(config))
+    changed = _changes(new, old, frozenset(keep))
+    for key in sorted(set(old) & set(new) - set(keep)):
+        if old[key] != new[key]:
+            *parents, leaf = key.split(".")
+            node = config
+            for parent in parents:
+                node = node[parent]
+            value = old[key]
+            node[leaf] = tuple(value) if isinstance(node[leaf], tuple) else value
+    return config, changed
+
+
+def _stamp(iso: bool = False) -> str:
+    now = datetime.datetime.now(datetime.UTC)
+    return now.isoformat(timespec="seconds") if iso else now.strftime("%Y%m%dT%H%M%SZ")
 
 
 def _write_json_atomically(path: str, value: Any) -> None:

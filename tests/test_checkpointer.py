@@ -123,7 +123,7 @@ def test_partial_checkpoints_are_never_loaded_and_unmarked_ones_are_moved_aside(
         assert int(checkpointer.restore(train_state).step[0]) == 1
         # The unmarked directory is moved aside, so its step can be saved; the killed
         # save's step is redone.
-        [moved] = set_aside_dirs(tmp_path, 7)
+        [moved] = set_aside_dirs(tmp_path, 7, "incomplete")
         assert listing(moved) == unmarked
         assert checkpointer.save(at_step(train_state, 7))
         assert checkpointer.save(at_step(train_state, 5))
@@ -171,10 +171,24 @@ def test_only_damaged_checkpoints_raise(setup, tmp_path):
         with pytest.raises(ValueError, match="step 0 is damaged"):
             reader.restore(train_state, step=0)
         assert step_dirs(tmp_path) == {"0"}  # A reader moves nothing.
+    # The refusal moves nothing, so it holds on every rerun until a person acts.
+    for _ in range(2):
+        with Checkpointer(tmp_path) as checkpointer:
+            refused = r"damaged \(steps \[0\]\).*nothing was moved. To start from scratch, move"
+            with pytest.raises(RuntimeError, match=f"Every complete .* {refused} them out"):
+                checkpointer.restore(train_state)
+        assert step_dirs(tmp_path) == {"0"} and not set_aside_dirs(tmp_path, 0)
+    # Steps set aside as damaged (by an earlier version, or a fallback) and nothing
+    # complete beside them: refused too, naming them.
+    os.rename(tmp_path / "0", tmp_path / "0.damaged-20261204T000000Z")
     with Checkpointer(tmp_path) as checkpointer:
-        with pytest.raises(RuntimeError, match="Every complete checkpoint .* is damaged"):
+        with pytest.raises(RuntimeError, match=r"no complete checkpoint, only damaged steps set "
+                           r"aside: 0.damaged-20261204T000000Z; refusing"):  # fmt: skip
             checkpointer.restore(train_state)
-    assert len(set_aside_dirs(tmp_path, 0)) == 1
+    # Moved out of the directory by a person: a fresh start.
+    os.rename(tmp_path / "0.damaged-20261204T000000Z", tmp_path.parent / f"{tmp_path.name}-0")
+    with Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.restore(train_state) is None
 
 
 def test_an_unreadable_step_item_is_damage(setup, tmp_path, caplog):

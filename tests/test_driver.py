@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -336,3 +337,36 @@ def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_check
     for end in (8, 12):
         steps_holding = len([s for s in holding if end - 4 < s <= end])
         assert logged[end] == pytest.approx(steps_holding / 4 / 16)
+
+
+def _workdir_files(workdir) -> dict[str, str]:
+    """Every file of a workdir but its logs, by path, with its content (config.json) or size."""
+    files = {}
+    for folder, _, names in os.walk(workdir):
+        for name in names:
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, workdir)
+            if not relative.startswith(("tensorboard", "metrics.jsonl", "lock")):
+                files[relative] = open(path).read() if name == "config.json" else 0
+    return files
+
+
+def test_a_refused_run_writes_nothing_and_the_check_survives_a_lost_config_json(
+    finished_run, tmp_path
+):
+    workdir, _ = finished_run
+    before = _workdir_files(workdir)
+    assert json.loads(before["config.json"])["data"]["train_digest"]  # Identified, not counted.
+    # Allowed, but the checkpoint does not fit the changed model: refused at the restore.
+    with pytest.raises(ValueError, match=r"does not fit the configured model"):
+        driver.train_and_evaluate(
+            mlp_config(**{"model.hidden_sizes": (16,)}), workdir, allow_config_change=True
+        )
+    assert _workdir_files(workdir) == before  # config.json still records (32,).
+    # Without config.json, the latest checkpoint's metadata holds the config to check.
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy)
+    os.remove(copy / "config.json")
+    with pytest.raises(ValueError, match=r"checkpoint's metadata.*seed: 0 -> 1"):
+        driver.train_and_evaluate(mlp_config(seed=1), str(copy))
+    assert not (copy / "config.json").exists()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import shutil
 
 import pytest
 from configs import mlp_config
@@ -56,3 +58,37 @@ def test_a_stop_request_interrupts_an_evaluation_between_batches(trained):
     assert evaluation.evaluate_split(*args, stop=stop) is not None
     stop.signal_name = "SIGTERM"
     assert evaluation.evaluate_split(*args, stop=stop) is None
+
+
+class _StopAfterChecks(loop.StopRequest):
+    """A stop request that a signal reaches after `checks` checks: a bound on a hang."""
+
+    def __init__(self, checks: int):
+        super().__init__()
+        self.checks = checks
+
+    def should_stop_now(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0
+
+
+def test_the_eval_modes_evaluate_the_run_as_its_record_says(trained, tmp_path, caplog):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(trained[0], workdir)
+    # Another length and no keep_best_by on the command line: the run's record wins.
+    given = mlp_config(steps=60)
+    stop = _StopAfterChecks(2000)
+    with caplog.at_level(logging.WARNING):
+        results = evaluation.follow_checkpoints(given, workdir, stop=stop, poll_secs=0.001)
+    assert sorted(results) == [10, 20, 30] and stop.checks >= 0  # Ended at the last step.
+    assert "steps: 60 -> 30" in caplog.text and "keep_best_by: '' -> 'accuracy'" in caplog.text
+    best = evaluation.evaluate_checkpoint(given, workdir, step="best")
+    assert best["accuracy"] == pytest.approx(max(r["accuracy"] for r in results.values()))
+    # A run that kept no best step: said so, and what to do.
+    record = json.loads(open(os.path.join(workdir, "config.json")).read())
+    record["config"]["keep_best_by"] = ""
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(record, f)
+    with pytest.raises(ValueError, match=r"no keep_best_by was configured for the run .* Pass "
+                       r"--step=<a step> \(complete steps: \[10, 20, 30\]\)"):  # fmt: skip
+        evaluation.evaluate_checkpoint(given, workdir, step="best")

@@ -51,6 +51,10 @@ def test_the_shards_hold_every_example_in_the_order_of_the_tree(tree, prepared):
     folder = data.load_dataset("imagefolder", data_dir=tree, image_size=IMAGE_SIZE)
     shards = data.load_dataset("arrayrecord", data_dir=prepared, image_size=IMAGE_SIZE)
     assert (shards.num_classes, shards.mean, shards.std) == (3, folder.mean, folder.std)
+    # The run's record identifies the shards: class names, and their names and sizes.
+    identity = data.identity(shards)
+    assert identity["classes"] == ["cat", "dog", "eel"] and identity["train_digest"]
+    assert identity["train_digest"] != identity["test_digest"]
     for split in ("train", "test"):
         a, b = getattr(folder, split).records, getattr(shards, split).records
         assert len(a) == len(b)

@@ -44,3 +44,22 @@ def test_a_line_cut_by_a_kill_is_dropped_before_the_next_record_is_appended(tmp_
         ("eval", 10),
         ("eval", 10),
     ]
+
+
+def test_a_file_damaged_in_the_middle_keeps_its_records_and_is_set_aside(tmp_path):
+    path = tmp_path / summaries.METRICS_FILE
+    good = [json.dumps({"step": step, "split": "train", "loss": 1.0}) for step in (10, 20, 30)]
+    damaged = "\n".join([good[0], "\x00\x00garbage", good[1], "[1, 2]", good[2]]) + "\n"
+    path.write_text(damaged)
+    assert [r["step"] for r in summaries.read_metrics(str(tmp_path))] == [10, 20, 30]
+    assert path.read_text() == damaged  # A reader changes nothing.
+    with summaries.MetricWriter(str(tmp_path), 100, resume_step=20) as resumed:
+        resumed.write(30, "train", {"loss": 0.5})
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.damaged-")]
+    assert aside.read_text() == damaged  # Moved aside whole, never deleted.
+    assert [(r["step"], r.get("superseded", False)) for r in _lines(tmp_path)] == [
+        (10, False),
+        (20, False),
+        (30, True),
+        (30, False),
+    ]

@@ -87,6 +87,10 @@ def test_every_difference_that_is_not_skipped_is_refused_by_name(setup, tmp_path
     with pytest.raises(ValueError, match=re.escape(expected)) as error:
         checkpoint.warm_start(wider, str(tmp_path), "", "i")
     assert "params/mlp/linear_1/w" in str(error.value) and "config.init_skip" in str(error.value)
+    # A skip that matches nothing would skip nothing: said so, with leaf names to aim at.
+    with pytest.raises(ValueError, match=r"init_skip='logits' matches none of the leaves .* "
+                       r"skip nothing; the leaves are params/mlp/"):  # fmt: skip
+        checkpoint.warm_start(wider, str(tmp_path), "logits", "i")
     warm = checkpoint.warm_start(wider, str(tmp_path), "mlp/(linear|batch_norm)", "i")
     assert_bit_identical(warm, wider)  # Every leaf skipped: nothing was taken.
 

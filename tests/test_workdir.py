@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -9,8 +10,10 @@ import sys
 
 import ml_collections
 import pytest
+from image_trees import CLASSES, write_imagefolder
 
 from haiku_state import config as config_lib
+from haiku_state import data
 from haiku_state import workdir as workdir_lib
 
 
@@ -158,3 +161,93 @@ def test_a_resumed_run_may_change_exactly_the_keys_the_schema_marks_free(tmp_pat
     else:
         with pytest.raises(workdir_lib.WorkdirError, match=rf"\b{key.name}: "):
             workdir_lib.record_config(workdir, changed, allow_change=False)
+
+
+def test_a_workdir_that_is_a_dangling_symlink_or_a_loop_is_refused_naming_it(tmp_path):
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    with pytest.raises(workdir_lib.WorkdirError, match=r"dangling is a dangling symlink \(to "):
+        workdir_lib.check_usable(str(tmp_path / "dangling"))
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    with pytest.raises(workdir_lib.WorkdirError, match=r"loop is a symlink loop"):
+        workdir_lib.check_usable(str(tmp_path / "loop"))
+    with pytest.raises(workdir_lib.WorkdirError, match=r"run: .*dangling is a dangling symlink"):
+        workdir_lib.check_usable(str(tmp_path / "dangling" / "run"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(workdir_lib.WorkdirError, match=r"run: .*file is a file, not a directory"):
+        workdir_lib.check_usable(str(tmp_path / "file" / "run"))
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "file", "loop"]  # Nothing written.
+
+
+def test_the_record_binds_only_a_run_that_has_a_checkpoint(tmp_path, caplog):
+    workdir = str(tmp_path)
+    workdir_lib.record_config(workdir, _config(seed=7), allow_change=False)
+    # The run that wrote it died before its first checkpoint: a corrected config replaces it.
+    with caplog.at_level("INFO"):
+        record = workdir_lib.check_config(
+            workdir, _config(), allow_change=False, has_checkpoint=False
+        )
+    assert "saved no checkpoint; it is replaced" in caplog.text
+    assert json.loads((tmp_path / "config.json").read_text())["config"]["seed"] == 7  # Not yet.
+    record.write()
+    assert json.loads((tmp_path / "config.json").read_text())["config"]["seed"] == 0
+    # Checking writes nothing, allowed change or not: the run writes the record once resumed.
+    before = (tmp_path / "config.json").read_text()
+    workdir_lib.check_config(workdir, _config(seed=1), allow_change=True)
+    assert (tmp_path / "config.json").read_text() == before
+
+
+def test_without_a_readable_record_the_checkpoint_metadata_is_checked_against(tmp_path, caplog):
+    workdir, path = str(tmp_path), tmp_path / "config.json"
+    metadata = {"config": workdir_lib._as_json(_config()), "data": {"num_classes": 10}}
+    check = functools.partial(
+        workdir_lib.check_config, workdir, allow_change=False, checkpoint_metadata=metadata
+    )
+    for content in (None, "{}", '{"config": {"seed": 0}, "da'):  # Missing, not a record, cut.
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(workdir_lib.WorkdirError, match=r"checkpoint's metadata.*seed: 0 -> 1"):
+            check(_config(seed=1))
+        with pytest.raises(workdir_lib.WorkdirError, match=r"num_classes: 10 -> 100"):
+            check(_config(), data={"num_classes": 100})
+        assert path.read_text() == content if content is not None else not path.exists()
+    # Accepted: the unreadable file is set aside (never deleted) when the record is written.
+    with caplog.at_level("WARNING"):
+        check(_config(log_every=5)).write()
+    assert "cannot be read" in caplog.text and "moved aside to" in caplog.text
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("config.json.unreadable-")]
+    assert aside.read_text() == '{"config": {"seed": 0}, "da'
+    assert json.loads(path.read_text())["config"]["log_every"] == 5
+
+
+def test_data_identity_changes_name_the_class_and_older_records_compare_what_they_have(tmp_path):
+    workdir = str(tmp_path)
+    old_record = {"train_examples": 20, "test_examples": 8, "num_classes": 4}  # No identity yet.
+    workdir_lib.record_config(workdir, _config(), allow_change=False, data=old_record)
+    current = {**old_record, "classes": ["ant", "bee", "cat", "dog"], "train_digest": "a"}
+    workdir_lib.record_config(workdir, _config(), allow_change=False, data=current)
+    renamed = {**current, "classes": ["ant", "bee", "cow", "dog"], "train_digest": "b"}
+    with pytest.raises(workdir_lib.WorkdirError) as refused:
+        workdir_lib.record_config(workdir, _config(), allow_change=False, data=renamed)
+    assert "class 2 was 'cat', now 'cow'" in str(refused.value)
+    assert "the train examples differ" in str(refused.value)
+
+
+def test_an_imagefolder_with_a_renamed_class_folder_is_other_data(tmp_path):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    before = data.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
+    for split in ("train", "val"):
+        os.rename(os.path.join(tree, split, CLASSES[0]), os.path.join(tree, split, "zz"))
+    after = data.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
+    assert before["train_examples"] == after["train_examples"]  # Same sizes: counts alone pass.
+    changes = data.identity_changes(before, after)
+    assert changes[0] == f"dataset.classes: class 0 was {CLASSES[0]!r}, now {CLASSES[1]!r}"
+    assert any("the train examples differ" in change for change in changes)
+
+
+def test_eval_takes_the_recorded_keys_but_its_own(tmp_path):
+    recorded = workdir_lib._as_json(_config(steps=400, **{"model.hidden_sizes": (8, 8)}))
+    given = _config(**{"data.workers": 3})
+    config, changed = workdir_lib.with_recorded(given, recorded, keep=("data.workers",))
+    assert config.steps == 400 and config.model.hidden_sizes == (8, 8)
+    assert config.data.workers == 3 and given.steps == 100
+    assert changed == ["model.hidden_sizes: [32] -> [8, 8]", "steps: 100 -> 400"]

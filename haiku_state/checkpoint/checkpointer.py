@@ -28,12 +28,15 @@ commit file alone marks completion. A step counts as complete here only when
 it holds `commit_success.txt`. Partial directories are never loaded.
 
 Damage: a step whose files cannot be read, whose arrays do not match their
-fingerprints (checksums in version 1), or whose params are not finite.
-`restore()` then falls back to the previous step, and (unless `read_only`)
-moves the damaged step aside to `<step>.damaged-<time>`, with a warning
-naming both paths: never deleted, and its number free to be saved again. A
-step directory without its commit file is moved aside the same way when a
-writer restores or saves that step.
+fingerprints (checksums in version 1), or whose params are not finite. `restore()` then falls back to the
+previous step, and once one restores (unless `read_only`) moves the damaged
+steps after it aside to `<step>.damaged-<time>`, with a warning naming both
+paths: never deleted, and their numbers free to be saved again. When every
+complete step is damaged, or none is left beside steps set aside as damaged,
+`restore()` refuses and moves nothing, on every call, until a person moves
+them: a run never starts from scratch next to a damaged one. A step directory
+without its commit file (a write that never finished) is moved aside to
+`<step>.incomplete-<time>` when a writer restores or saves that step.
 
 A step of a format version this code does not read is not damage: `restore`
 raises `format.UnsupportedFormatError` at it (no fallback past it), nothing
@@ -196,16 +199,18 @@ class Checkpointer:
             `like`, naming the first mismatching path (nothing is restored, no
             file is touched), or if the requested `step` is damaged.
           FileNotFoundError: if the requested `step` is not a complete checkpoint.
-          RuntimeError: if every complete checkpoint is damaged (rather than
-            silently starting from scratch next to them).
+          RuntimeError: if every complete checkpoint is damaged, or there is
+            none but steps set aside as damaged (rather than silently starting
+            from scratch next to them); nothing is moved.
         """
         self.wait_until_finished()  # A write in flight may be the newest step.
         _check_layout(like, "restore")
-        self._steps.set_aside_incomplete()
         self._manager.reload()  # Orbax caches the steps it knows.
         steps = self.all_steps()
         if step is None:
-            return self._restore_newest(like, steps)
+            train_state = self._restore_newest(like, steps)
+            self._steps.set_aside_incomplete()
+            return train_state
         if step not in steps:
             raise FileNotFoundError(
                 f"No complete checkpoint for step {step} in {self._directory} "
@@ -295,25 +300,41 @@ class Checkpointer:
         return train_state
 
     def _restore_newest(self, like: TrainState, steps: list[int]) -> TrainState | None:
-        """The newest of `steps` that is not damaged; damaged ones are set aside.
+        """The newest of `steps` that is not damaged; the damaged ones after it are set aside.
 
-        A step of an unsupported format version raises: falling back past it
-        would resume a run from behind its newest checkpoint.
+        Nothing is moved unless a step restores. A step of an unsupported format
+        version raises: falling back past it would resume a run from behind its
+        newest checkpoint.
         """
-        failures = []
+        damaged: list[tuple[int, format.DamagedCheckpointError]] = []
         for step in reversed(steps):
             try:
-                return self._restore_step(like, step)
+                train_state = self._restore_step(like, step)
             except format.DamagedCheckpointError as e:
-                self._steps.set_aside_damaged(step, e, then="falling back to an earlier step")
-                failures.append(f"{step}: {e}")
-        if not failures:
-            return None
-        raise RuntimeError(
-            f"Every complete checkpoint in {self._directory} is damaged; refusing to start "
-            "from scratch next to them (they were moved aside, not deleted). "
-            + " | ".join(failures)
+                damaged.append((step, e))
+                continue
+            for bad, error in damaged:
+                self._steps.set_aside_damaged(bad, error, then=f"resumed from step {step}")
+            return train_state
+        to_start_anew = (
+            f"To start from scratch, move them out of {self._directory} (nothing here "
+            "deletes them); to resume, put a good copy of a step back."
         )
+        if damaged:
+            raise RuntimeError(
+                f"Every complete checkpoint in {self._directory} is damaged (steps "
+                f"{sorted(step for step, _ in damaged)}); refusing to start from scratch next "
+                f"to them, and nothing was moved. {to_start_anew} | "
+                + " | ".join(f"{step}: {e}" for step, e in damaged)
+            )
+        set_aside = self._steps.set_aside_names("damaged")
+        if set_aside:
+            raise RuntimeError(
+                f"{self._directory} holds no complete checkpoint, only damaged steps set aside: "
+                f"{', '.join(set_aside)}; refusing to start from scratch next to them. "
+                + to_start_anew
+            )
+        return None
 
     def _step_dir(self, step: int) -> epath.Path:
         return self._steps.step_dir(step)
@@ -370,7 +391,7 @@ class StepDirectories:
             )
             return False
         if self.step_dir(step).exists():
-            self.set_aside_damaged(step, "it has no commit marker")
+            self._set_aside_unfinished(step, "it has no commit marker")
         return True
 
     def set_aside(self, step: int, reason: str) -> epath.Path | None:
@@ -404,7 +425,28 @@ class StepDirectories:
         """
         for step in self.named_steps():
             if not self.is_complete(step):
-                self.set_aside_damaged(step, "it has no commit marker: it never finished")
+                self._set_aside_unfinished(step, "it has no commit marker: it never finished")
+
+    def set_aside_names(self, reason: str) -> list[str]:
+        """The directories set aside for `reason` (`<step>.<reason>-<time>`), by name, sorted."""
+        if not self.directory.exists():
+            return []
+        return sorted(
+            path.name
+            for path in self.directory.iterdir()
+            if path.name.split(".", 1)[0].isdigit()
+            and path.name.split(".", 1)[-1].startswith(f"{reason}-")
+        )
+
+    def _set_aside_unfinished(self, step: int, reason: str) -> None:
+        path = self.step_dir(step)
+        moved = self.set_aside(step, "incomplete")
+        logging.warning(
+            "Checkpoint %s is incomplete (%s)%s.",
+            path,
+            reason,
+            f"; moved aside to {moved}, not deleted" if moved else "",
+        )
 
     def _rename_aside(self, step: int, reason: str) -> epath.Path | None:
         if self.read_only or jax.process_index() != 0 or not self.step_dir(step).exists():

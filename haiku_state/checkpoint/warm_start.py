@@ -73,6 +73,25 @@ def _merge(fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems:
     return merged
 
 
+def _check_skip_matches(pattern: re.Pattern, train_state: TrainState, saved: Any, path: str):
+    """Refuses a `skip` matching no leaf of the model or the checkpoint: it would skip nothing."""
+    names = []
+    for tree in WARM_STARTED_TREES:
+        for source in (getattr(train_state, tree), saved[tree]):
+            names += [
+                f"{tree}/{leaf_name(p)}" for p, _ in jax.tree_util.tree_leaves_with_path(source)
+            ]
+    if not any(pattern.search(name) for name in names):
+        shown = sorted(set(names))
+        raise ValueError(
+            f"config.init_skip={pattern.pattern!r} matches none of the leaves of the model or of "
+            f"config.init_from={path}, so it would skip nothing; the leaves are "
+            + ", ".join(shown[:6])
+            + (f" and {len(shown) - 6} more" if len(shown) > 6 else "")
+            + ". Correct the regex, or leave init_skip empty."
+        )
+
+
 def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) -> TrainState:
     """`train_state` with params and state from the checkpoint at `path` (see the module doc).
 
@@ -81,6 +100,7 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
 
     Raises:
       FileNotFoundError: if `path` holds no complete checkpoint.
+      ValueError: if `skip` matches no leaf (it would skip nothing).
       checkpoint.UnsupportedFormatError: if the step is of a format version this
         code does not read (a directory's newest step: no fallback past it).
       ValueError: naming every leaf that differs and is not skipped; nothing is loaded.
@@ -100,6 +120,8 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
         # Only the shapes and dtypes of a jit train state's global arrays are compared.
         fresh = current if global_layout else jax.device_get(replication.unreplicate(current))
         trees[tree] = _merge(fresh, saved[tree], tree, pattern, problems)
+    if pattern is not None:
+        _check_skip_matches(pattern, train_state, saved, path)
     if problems:
         raise ValueError(
             f"config.init_from={path} (step {step}) does not fit the model: "

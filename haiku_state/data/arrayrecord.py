@@ -17,6 +17,7 @@ already) with `group_size:1`, the layout grain reads one record at a time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -106,6 +107,14 @@ class ShardRecords:
         except Exception:  # The record itself is unreadable: its place is all there is.
             return where
 
+    def digest(self) -> str:
+        """A digest of the shards: their names, record counts and file sizes, in order."""
+        shards = [
+            (name, count, os.path.getsize(os.path.join(self._directory, name)))
+            for name, count in self._shards
+        ]
+        return hashlib.blake2b(json.dumps(shards).encode(), digest_size=16).hexdigest()
+
     def _shard_of(self, index: int) -> tuple[str, int]:
         for name, count in self._shards:
             if index < count:
@@ -166,4 +175,5 @@ def load_arrayrecord(data_dir: str, image_size: int) -> Dataset:
         mean=tuple(metadata["mean"]),
         std=tuple(metadata["std"]),
         short_side=metadata.get("short_side"),
+        class_names=tuple(metadata["classes"]) if "classes" in metadata else None,
     )

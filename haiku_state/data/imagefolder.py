@@ -100,6 +100,13 @@ class FileRecords:
     def describe(self, index: int) -> str:
         return self.path(index)
 
+    def digest(self) -> str:
+        """A digest of the file index: every path `<class>/<file>` and its label, in order."""
+        hasher = hashlib.blake2b(digest_size=16)
+        for array in self._index:
+            hasher.update(np.ascontiguousarray(array))
+        return hasher.hexdigest()
+
     def name(self, index: int) -> str:
         """The path of example `index` relative to the tree: `train/<class>/<file>`."""
         return os.path.relpath(self.path(index), os.path.dirname(self._folder))
@@ -135,6 +142,7 @@ def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
         name="imagefolder",
         mean=IMAGENET_MEAN,
         std=IMAGENET_STD,
+        class_names=tuple(classes),
     )
 
 

@@ -53,7 +53,9 @@ class Split(NamedTuple):
 class Records(Protocol):
     """Random access to the encoded examples of a split (an ImageFolder index, ArrayRecord shards).
 
-    Implementations are picklable: the decoding workers receive a copy.
+    Implementations are picklable: the decoding workers receive a copy. They may
+    also offer `digest() -> str`, a digest of what decides their examples, which
+    the run's record of its data holds (`identity.identity`).
     """
 
     def __len__(self) -> int: ...
@@ -98,6 +100,8 @@ class Dataset(NamedTuple):
       std: the matching standard deviation; None with `mean`.
       short_side: the short side the images were re-encoded to (`prepare
         --short_side`); None for images as their source stored them.
+      class_names: the name of each label's class (an ImageFolder's class
+        folders), where the source names them; None otherwise.
     """
 
     train: AnySplit
@@ -108,6 +112,7 @@ class Dataset(NamedTuple):
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     short_side: int | None = None
+    class_names: tuple[str, ...] | None = None
 
     @property
     def image_dtype(self) -> np.dtype:
