@@ -28,15 +28,16 @@ commit file alone marks completion. A step counts as complete here only when
 it holds `commit_success.txt`. Partial directories are never loaded.
 
 Damage: a step whose files cannot be read, whose arrays do not match their
-fingerprints (checksums in version 1), or whose params are not finite. `restore()` then falls back to the
-previous step, and once one restores (unless `read_only`) moves the damaged
-steps after it aside to `<step>.damaged-<time>`, with a warning naming both
-paths: never deleted, and their numbers free to be saved again. When every
-complete step is damaged, or none is left beside steps set aside as damaged,
-`restore()` refuses and moves nothing, on every call, until a person moves
-them: a run never starts from scratch next to a damaged one. A step directory
-without its commit file (a write that never finished) is moved aside to
-`<step>.incomplete-<time>` when a writer restores or saves that step.
+fingerprints (checksums in version 1), or whose params are not finite.
+`restore()` then falls back to the previous step, and once one restores
+(unless `read_only`) moves the damaged steps after it aside to
+`<step>.damaged-<time>`, with a warning naming both paths: never deleted, and
+their numbers free to be saved again. When every complete step is damaged, or
+none is left beside steps set aside as damaged, `restore()` refuses and moves
+nothing, on every call, until a person moves them: a run never starts from
+scratch next to a damaged one. A step directory without its commit file (a
+write that never finished) is moved aside to `<step>.incomplete-<time>` when a
+writer restores or saves that step.
 
 A step of a format version this code does not read is not damage: `restore`
 raises `format.UnsupportedFormatError` at it (no fallback past it), nothing
