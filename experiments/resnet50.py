@@ -26,7 +26,6 @@ IMAGENET_TRAIN_EXAMPLES = 1_281_167
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config = _base.get_config("resnet50")
-    config.steps = 200
     config.batch_size = 256
     config.log_every = 20
     config.check_every = 100
@@ -36,21 +35,27 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     # The linear scaling rule: 0.1 per 256 examples (Goyal et al., 2017).
     config.optimizer.learning_rate = 0.1
     config.optimizer.warmup_steps = 20
-
-    config.data.name = "synthetic"
-    config.data.image_shape = (224, 224, 3)
     config.data.image_size = 224
-    config.data.num_classes = 1000
-    config.data.num_train = 512
-    config.data.num_test = 256
     config.data.max_shift = 0
-    config.data.flip = True
 
     if variant == "imagenet":
         _imagenet_recipe(config)
     elif variant:
         raise ValueError(f"Unknown resnet50 variant {variant!r}; the variant is 'imagenet'.")
+    else:
+        _synthetic_input(config)
     return config
+
+
+def _synthetic_input(config: ml_collections.ConfigDict) -> None:
+    """A short run on synthetic ImageNet-shaped data (the keys the recipe does not read)."""
+    config.steps = 200
+    config.data.name = "synthetic"
+    config.data.image_shape = (224, 224, 3)
+    config.data.num_classes = 1000
+    config.data.num_train = 512
+    config.data.num_test = 256
+    config.data.flip = True
 
 
 def _imagenet_recipe(config: ml_collections.ConfigDict) -> None:

@@ -253,10 +253,14 @@ def default_config(model: str | None = None) -> ml_collections.ConfigDict:
 def free_keys(recorded: Mapping[str, Any], config: Mapping[str, Any]) -> set[str]:
     """The dotted keys a resumed run may change, given the recorded and the new flat config.
 
-    The keys the schema marks `free`, and `steps` if both configs have the same
-    schedule and it does not depend on the run's length.
+    The keys the schema marks `free`, `steps` if both configs have the same
+    schedule and it does not depend on the run's length, and the keys both
+    configs ignore (`ignored_settings`: e.g. `data.num_classes` of an image folder).
     """
     free = {key.name for key in SCHEMA if key.free}
+    free |= {
+        name for name, ignored, _ in _IGNORED_WHEN if ignored(recorded.get) and ignored(config.get)
+    }
     schedule = config.get("optimizer.schedule")
     if schedule in STEP_INDEPENDENT_SCHEDULES and recorded.get("optimizer.schedule") == schedule:
         free.add("steps")
@@ -554,32 +558,45 @@ def _warn_workers(config: Any) -> None:
         )
 
 
-# What a setting is ignored for: (key, when it is ignored, why), for `ignored_settings`.
+# What a setting is ignored for: (key, when it is ignored given a getter of dotted keys,
+# why), for `ignored_settings` and `free_keys`.
 _ENCODED = data.ENCODED_DATASETS
 _IGNORED_WHEN = (
-    ("steps", lambda c: c.num_epochs is not None, "num_epochs sets the run's length"),
-    ("keep_every_steps", lambda c: c.max_to_keep is None, "max_to_keep=None keeps every step"),
+    ("steps", lambda get: get("num_epochs") is not None, "num_epochs sets the run's length"),
+    (
+        "keep_every_steps",
+        lambda get: get("max_to_keep") is None,
+        "max_to_keep=None keeps every step",
+    ),
     (
         "data.dir",
-        lambda c: c.data.name in ("digits", "synthetic"),
+        lambda get: get("data.name") in ("digits", "synthetic"),
         "digits and synthetic data need no folder",
     ),
     *(
-        (f"data.{name}", lambda c: c.data.name != "synthetic", "only synthetic data reads it")
+        (
+            f"data.{name}",
+            lambda get: get("data.name") != "synthetic",
+            "only synthetic data reads it",
+        )
         for name in ("image_shape", "num_classes", "num_train", "num_test")
     ),
     *(
-        (f"data.{name}", lambda c: c.data.name not in _ENCODED, "the data is held in memory")
+        (f"data.{name}", lambda get: get("data.name") not in _ENCODED, "the data is held in memory")
         for name in ("workers", "decoder", "skip_corrupt")
     ),
-    ("data.max_corrupt_fraction", lambda c: not c.data.skip_corrupt, "skip_corrupt is False"),
+    (
+        "data.max_corrupt_fraction",
+        lambda get: not get("data.skip_corrupt"),
+        "skip_corrupt is False",
+    ),
     *(
-        (f"optimizer.{name}", lambda c: c.optimizer.name != "sgd", "only sgd reads it")
+        (f"optimizer.{name}", lambda get: get("optimizer.name") != "sgd", "only sgd reads it")
         for name in ("momentum", "nesterov")
     ),
     (
         "optimizer.warmup_steps",
-        lambda c: c.optimizer.schedule != "warmup_cosine",
+        lambda get: get("optimizer.schedule") != "warmup_cosine",
         "only the warmup_cosine schedule reads it",
     ),
 )
@@ -594,7 +611,7 @@ def ignored_settings(config: Any) -> list[str]:
     for name, ignored, why in _IGNORED_WHEN:
         value = _get(config, name)
         value = tuple(value) if isinstance(value, list) else value
-        if ignored(config) and value != schema_key(name).default:
+        if ignored(lambda key: _get(config, key)) and value != schema_key(name).default:
             lines.append(f"config.{name}={value!r} is ignored: {why}.")
     return lines
 

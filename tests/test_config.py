@@ -90,6 +90,20 @@ def test_an_experiment_has_exactly_the_keys_of_the_schema_for_its_model(name):
     assert set(config_lib.config_keys(config)) == expected
 
 
+@pytest.mark.parametrize("name", EXPERIMENT_FILES)
+def test_an_experiment_sets_no_key_its_own_combination_ignores(name):
+    assert config_lib.ignored_settings(_experiment(name)) == []
+
+
+def test_keys_both_configs_ignore_may_change_on_resume():
+    recorded = {"data.name": "imagefolder", "data.num_classes": 1000, "num_epochs": 90}
+    recorded["steps"] = 200
+    new = {**recorded, "data.num_classes": 10, "steps": 600}
+    assert {"data.num_classes", "steps"} <= config_lib.free_keys(recorded, new)
+    synthetic = {**new, "data.name": "synthetic", "num_epochs": None}
+    assert not {"data.num_classes", "steps"} & config_lib.free_keys(recorded, synthetic)
+
+
 def test_the_base_config_is_every_key_of_the_schema_at_its_default():
     base = config_lib.load_config_file(os.path.join(REPO, "experiments", "_base.py"))
     shared = [key for key in config_lib.SCHEMA if not key.for_models]
