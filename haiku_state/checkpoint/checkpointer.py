@@ -463,9 +463,22 @@ class StepDirectories:
 
 
 def _check_layout(train_state: TrainState, where: str) -> None:
-    """A per-device train state must have its device axis; a jit one is global arrays."""
-    if not sharding.is_global(train_state):
+    """A per-device train state must have its device axis; a jit one is global arrays.
+
+    One key alone does not make a jit train state: an unreplicated per-device
+    one (`hs.unreplicate`) has one key too, but its arrays are not laid out on a
+    mesh.
+    """
+    if not sharding.is_global(train_state) or not _on_a_mesh(train_state):
         replication.check_device_axis(train_state, where)
+
+
+def _on_a_mesh(train_state: TrainState) -> bool:
+    """Whether every array of `train_state` is a global array laid out on a device mesh."""
+    return all(
+        isinstance(leaf, jax.Array) and isinstance(leaf.sharding, jax.sharding.NamedSharding)
+        for leaf in jax.tree.leaves(train_state)
+    )
 
 
 def _writer_thread(async_save: bool) -> concurrent.futures.ThreadPoolExecutor | None:
