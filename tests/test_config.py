@@ -139,6 +139,8 @@ def test_a_none_default_is_a_placeholder_of_the_keys_type():
         ("label_smoothing", float("nan"), r"config.label_smoothing=nan must be finite"),
         ("model.hidden_sizes", (32, float("inf")), r"hidden_sizes=\(32, inf\) must be finite"),
         ("precision", "float64", r"Unknown config.precision 'float64'; expected one of"),
+        ("backend", "vmap", r"^Unknown config.backend 'vmap'; expected one of \('pmap', 'shard_"),
+        ("param_sharding", "zero3", r"^Unknown config.param_sharding 'zero3'; expected one of"),
     ],
 )
 def test_a_value_the_schema_does_not_allow_is_refused_naming_the_key_and_what_it_must_be(
@@ -180,6 +182,15 @@ def test_a_config_has_the_options_of_its_model_and_no_other():
         ({"optimizer.warmup_steps": 600}, r"warmup_steps=600 must be in \[0, steps=600\)"),
         ({"profile_steps": (3,)}, r"config.profile_steps=\(3,\) must be \(\) or \(start, stop\)"),
         ({"init_skip": "linear"}, r"config.init_skip is set but config.init_from is empty"),
+        (
+            {"param_sharding": "fsdp"},
+            r"^config.param_sharding='fsdp' needs config.backend='jit'; config.backend='pmap' "
+            r"[^\n]*$",
+        ),
+        (
+            {"backend": "shard_map", "param_sharding": "fsdp"},
+            r"^config.param_sharding='fsdp' needs config.backend='jit'; config.backend='shard_map'",
+        ),
     ],
 )
 def test_the_rules_between_keys(changes, message):
@@ -187,6 +198,14 @@ def test_the_rules_between_keys(changes, message):
     for key, value in changes.items():
         _set(config, key, value)
     with pytest.raises(ValueError, match=message):
+        config_lib.validate_config(config, num_devices=4)
+
+
+def test_the_jit_backend_takes_either_param_sharding():
+    config = _experiment("mlp.py")
+    config.backend = "jit"
+    for param_sharding in ("replicated", "fsdp"):
+        config.param_sharding = param_sharding
         config_lib.validate_config(config, num_devices=4)
 
 
