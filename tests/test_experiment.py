@@ -94,3 +94,30 @@ def test_a_jit_fsdp_experiment_trains_and_evaluates_as_the_pmap_one():
             jit_leaf = jit_leaf[key.key]
         np.testing.assert_allclose(jit_leaf, leaf, rtol=1e-5, atol=1e-6, err_msg=str(path))
     assert jit_eval == pytest.approx(pmap_eval, rel=1e-5)
+
+
+def test_the_wide_mlp_exceeds_a_64_mb_budget_replicated_and_fits_it_with_fsdp():
+    # Shapes only: tests/test_updater_jit.py trains such a model with fsdp in its budget.
+    budget = 64e6  # bytes of params and opt_state per device
+    config = config_lib.load_config_file(os.path.join(REPO, "experiments", "wide_mlp.py"))
+    config_lib.validate_config(config, jax.device_count())
+    built = experiment.build_experiment(config)
+    assert (built.updater.backend, built.updater.param_sharding) == ("jit", "fsdp")
+    image = jax.ShapeDtypeStruct((config.batch_size, *built.dataset.image_shape), np.float32)
+    params, _ = jax.eval_shape(
+        lambda key, batch: built.network.init(key, batch, is_training=True),
+        jax.random.key(0),
+        {"image": image, "label": jax.ShapeDtypeStruct((config.batch_size,), np.int32)},
+    )
+    trees = (params, jax.eval_shape(built.optimizer.init, params))
+    specs = sharding.param_specs(
+        trees, "fsdp", axis_name=experiment.AXIS_NAME, num_shards=jax.device_count()
+    )
+    leaves = jax.tree.leaves(trees)
+    leaf_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    per_device = sum(
+        leaf.size * leaf.dtype.itemsize // (jax.device_count() if spec != P() else 1)
+        for leaf, spec in zip(leaves, leaf_specs, strict=True)
+    )
+    assert total > budget >= per_device
