@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_experiments_are_the_files_not_starting_with_an_underscore():
-    assert config_lib.available_experiments() == ["mlp", "resnet", "resnet50"]
+    assert config_lib.available_experiments() == ["mlp", "resnet", "resnet50", "wide_mlp"]
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "resnet50"])
