@@ -17,6 +17,7 @@ per device count; the tests call it directly.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -37,6 +38,7 @@ from benchmarks.settings import (
     check_precision,
     synthetic_config,
 )
+from haiku_state import sharding
 from haiku_state.experiment import build_experiment
 from haiku_state.updater import Updater
 
@@ -122,7 +124,7 @@ def _warm_up(timed: Sequence[timing.Variant], settings: Settings, say: Log) -> i
 
 
 def _step_costs(updater: Updater, timed: Sequence[timing.Variant]) -> dict[str, dict[str, Any]]:
-    """XLA's analyses of the Updater's step, the hand-written one's and Flax's."""
+    """XLA's analyses of the Updater's steps (each backend timed), the hand-written's, Flax's."""
     by_name = {variant.name: variant for variant in timed}
     first = by_name["updater"]
     step_costs = {
@@ -130,6 +132,12 @@ def _step_costs(updater: Updater, timed: Sequence[timing.Variant]) -> dict[str, 
             updater.lower_update(first.carry, first.batches[0], with_norms=False)
         )
     }
+    for name in variants.JIT_VARIANTS:
+        if name in by_name:
+            variant = by_name[name]
+            jit_updater = variant.step.func.__self__  # functools.partial(updater.update, ...)
+            lowered = jit_updater.lower_update(variant.carry, variant.batches[0], with_norms=False)
+            step_costs[name] = costs.compiled_costs(lowered)
     for name in ("hand_written", "flax"):
         if name in by_name:
             variant = by_name[name]
@@ -144,6 +152,8 @@ def _throughput_line(throughput: dict[str, Any], ratios: dict[str, float | None]
         ("/hand-written", "updater_vs_hand_written"),
         ("/flax", "updater_vs_flax"),
         ("shard_map/pmap", "updater_shard_map_vs_pmap"),
+        ("jit/pmap", "updater_jit_vs_pmap"),
+        ("fsdp/pmap", "updater_fsdp_vs_pmap"),
     ):
         if ratios[ratio]:
             parts.append(f"{label} {ratios[ratio]:.3f}")
@@ -211,8 +221,57 @@ def _step_figures(
         ),
         "memory": {
             "compiled_update_per_device": step_costs["updater"]["memory_per_device"],
+            **_jit_memory(timed, step_costs),
             # The process's peak over everything so far (all variants), where reported.
             "device_peak_bytes_in_use": costs.device_memory_peak(),
+        },
+    }
+
+
+def params_and_opt_state_bytes(train_state: Any) -> tuple[int, int]:
+    """Bytes of params and `opt_state` on the fullest local device, and of one whole copy.
+
+    Read from the arrays' addressable shards, as `sharding.bytes_per_device` reads a
+    whole train state (of either layout).
+    """
+    held: collections.Counter = collections.Counter()
+    leaves = jax.tree.leaves((train_state.params, train_state.opt_state))
+    for leaf in leaves:
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    copies = 1 if sharding.is_global(train_state) else jax.local_device_count()
+    return max(held.values()), sum(leaf.nbytes for leaf in leaves) // copies
+
+
+def _jit_memory(
+    timed: Sequence[timing.Variant], step_costs: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Per-device memory of the pmap and jit Updaters' train states, where the jit ones ran.
+
+    `params_and_opt_state_per_device`: from the arrays' shards, with the whole copy
+    (`whole`) and the bound fsdp must meet (`fsdp_bound`: the split leaves' 1/N plus
+    the leaves it keeps whole). `compiled_update_per_device_by_backend`: XLA's memory
+    analysis of each compiled step (the arguments hold the train state and the batch).
+    """
+    by_name = {variant.name: variant for variant in timed}
+    if not all(name in by_name for name in variants.JIT_VARIANTS):
+        return {}
+    per_device = {}
+    for name in ("updater", *variants.JIT_VARIANTS):
+        per_device[name], whole = params_and_opt_state_bytes(by_name[name].carry)
+    fsdp_state = by_name["updater_fsdp"].carry
+    leaves = jax.tree.leaves((fsdp_state.params, fsdp_state.opt_state))
+    kept_whole = sum(leaf.nbytes for leaf in leaves if leaf.sharding.is_fully_replicated)
+    num_devices = jax.device_count()
+    per_device["whole"] = whole
+    per_device["fsdp_bound"] = -(-(whole - kept_whole) // num_devices) + kept_whole
+    per_device["fsdp_vs_replicated"] = per_device["updater_fsdp"] / per_device["updater_jit"]
+    return {
+        "params_and_opt_state_per_device": per_device,
+        "compiled_update_per_device_by_backend": {
+            "pmap": step_costs["updater"]["memory_per_device"],
+            "jit": step_costs["updater_jit"]["memory_per_device"],
+            "fsdp": step_costs["updater_fsdp"]["memory_per_device"],
         },
     }
 

@@ -68,6 +68,8 @@ _TEXT_COLUMNS: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
     ("upd/flax", 8, lambda r: _fmt(r["ratios"].get("updater_vs_flax"), ".3f")),
     ("shmap ex/s", 10, lambda r: _fmt(_examples_per_s(r, "updater_shard_map"), ",.0f")),
     ("shmap/pmap", 10, lambda r: _fmt(r["ratios"].get("updater_shard_map_vs_pmap"), ".3f")),
+    ("jit/pmap", 8, lambda r: _fmt(r["ratios"].get("updater_jit_vs_pmap"), ".3f")),
+    ("fsdp/pmap", 9, lambda r: _fmt(r["ratios"].get("updater_fsdp_vs_pmap"), ".3f")),
     ("TFLOP/s", 8, lambda r: _fmt(r["utilisation"]["achieved_tflop_per_s"], ".3f")),
     ("MFU", 6, lambda r: _fmt(r["utilisation"]["mfu"], ".1%")),
     ("compile s", 9, lambda r: _fmt(r["throughput"]["updater"]["compile_s"], ".1f")),

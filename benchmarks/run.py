@@ -142,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
         help="Skip the Updater with backend='shard_map' (timed next to the pmap Updater).",
     )
     flag(
+        "--no_updater_jit",
+        action="store_true",
+        help="Skip the Updater with backend='jit', replicated and fsdp (timed next to the pmap "
+        "Updater).",
+    )
+    flag(
         "--shard_map",
         action="store_true",
         help="Also time the hand-written step as jit(shard_map): what pmap dispatch costs.",
@@ -245,6 +251,7 @@ def _quick_settings(
         flax=not args.no_flax and first_count,
         shard_map=args.shard_map and compared,
         updater_shard_map=not args.no_updater_shard_map and compared,
+        updater_jit=not args.no_updater_jit and compared,
         norms=compared,
         model_overrides=QUICK_MODEL_OVERRIDES.get(name, ()),
     )
@@ -262,6 +269,7 @@ def _full_settings(name: str, args: argparse.Namespace, batch_size: int | None) 
         flax=not args.no_flax,
         shard_map=args.shard_map,
         updater_shard_map=not args.no_updater_shard_map,
+        updater_jit=not args.no_updater_jit,
     )
 
 
@@ -278,6 +286,7 @@ def _cpu_resnet50_settings(args: argparse.Namespace, batch_size: int | None) -> 
         flax=not args.no_flax,
         shard_map=args.shard_map,
         updater_shard_map=not args.no_updater_shard_map,
+        updater_jit=not args.no_updater_jit,
     )
 
 
@@ -302,7 +311,7 @@ def settings_for(
             skip_loop = "--quick: the loop runs for mlp at the first device count only"
         if precision != "float32":  # What a precision changes: the steps it compiles.
             settings = dataclasses.replace(
-                settings, updater_shard_map=False, norms=False, loop_steps=0
+                settings, updater_shard_map=False, updater_jit=False, norms=False, loop_steps=0
             )
             skip_loop = "--quick: the loop runs in float32 only"
     else:
@@ -466,9 +475,9 @@ def _notes(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[str]:
     notes = []
     if args.quick:
         notes.append(
-            "--quick: the hand-written step and the shard_map Updater are timed on "
+            "--quick: the hand-written step and the shard_map and jit Updaters are timed on "
             f"{', '.join(QUICK_COMPARED_EXPERIMENTS)} only (each is another compile elsewhere); "
-            "in bfloat16 and float16 without the shard_map Updater and the loop."
+            "in bfloat16 and float16 without the shard_map and jit Updaters and the loop."
         )
     if any(r.get("platform") == "cpu" for r in runs) and max(args.devices) > 1:
         notes.append(

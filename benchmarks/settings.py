@@ -78,6 +78,11 @@ class Settings:
       updater_shard_map: whether to also time the library's `Updater` built with
         `backend="shard_map"` (`throughput.updater_shard_map`), against the pmap
         Updater (`ratios.updater_shard_map_vs_pmap`).
+      updater_jit: whether to also time the library's `Updater` built with
+        `backend="jit"`, with `param_sharding` "replicated" and "fsdp"
+        (`throughput.updater_jit`, `throughput.updater_fsdp`), against the pmap
+        Updater (`ratios.updater_jit_vs_pmap`, `ratios.updater_fsdp_vs_pmap`), and
+        their memory (`memory.params_and_opt_state_per_device`).
       norms: whether to also time the Updater's step with the global norms
         (`throughput.updater_with_norms`, `ratios.updater_with_norms_vs_updater`):
         what they cost on the steps the loop logs.
@@ -103,6 +108,7 @@ class Settings:
     flax: bool = True
     shard_map: bool = False
     updater_shard_map: bool = True
+    updater_jit: bool = True
     norms: bool = True
     precision: str = "float32"
     model_overrides: tuple[tuple[str, Any], ...] = ()

@@ -29,6 +29,8 @@ RATIOS = {
     "updater_vs_flax": ("updater", "flax"),
     "input_pipeline_vs_presharded": ("updater_with_input", "updater"),
     "updater_shard_map_vs_pmap": ("updater_shard_map", "updater"),
+    "updater_jit_vs_pmap": ("updater_jit", "updater"),
+    "updater_fsdp_vs_pmap": ("updater_fsdp", "updater"),
     "shard_map_vs_hand_written": ("shard_map", "hand_written"),
 }
 

@@ -9,10 +9,13 @@
   `driver.train_and_evaluate` uses instead of pre-sharded batches;
 * `shard_map`: the hand-written step as `jit(shard_map)` (only when asked);
 * `updater_shard_map`: the Updater of the same config with `backend="shard_map"`;
+* `updater_jit`, `updater_fsdp`: the Updater of the same config with `backend="jit"`
+  and `param_sharding` "replicated" / "fsdp", on global arrays, fed the same batches;
 * `flax`: for the ResNets, the Flax linen peer (`benchmarks.flax_models`).
 
-Every variant but Flax starts from one `Updater.init` (each from a copy of its
-state, since each step donates its own): the same `TrainState`, initialised once.
+Every variant but Flax and the jit ones starts from one `Updater.init` (each from a
+copy of its state, since each step donates its own): the same `TrainState`,
+initialised once. The jit variants initialise their own, in their layout.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from benchmarks import baselines
 from benchmarks.settings import FLAX_PEERS, Settings
 from benchmarks.timing import Variant
 from haiku_state import data, optim, replication
-from haiku_state.experiment import Experiment
+from haiku_state.experiment import Experiment, make_network
 from haiku_state.updater import Updater
 
 HALF_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -95,6 +98,26 @@ def _flax_variant(config: Any, experiment: Experiment, host: list[Any]) -> Varia
     return Variant("flax", step, state, batches)
 
 
+# The jit Updater's variants: name -> param_sharding.
+JIT_VARIANTS = {"updater_jit": "replicated", "updater_fsdp": "fsdp"}
+
+
+def jit_updater_of(config: Any, experiment: Experiment, param_sharding: str) -> Updater:
+    """The Updater `build_experiment` makes of `config` with backend `jit` and `param_sharding`."""
+    jit_config = config.copy_and_resolve_references()
+    jit_config.backend, jit_config.param_sharding = "jit", param_sharding
+    return Updater(
+        make_network(jit_config, experiment.dataset),
+        experiment.optimizer,
+        experiment.loss_fn,
+        axis_name=experiment.updater.axis_name,
+        augment_fn=experiment.augment_fn,
+        loss_scale=experiment.loss_scale,
+        backend="jit",
+        param_sharding=param_sharding,
+    )
+
+
 def _copy(array: jax.Array) -> jax.Array:
     """The array in new buffers with its sharding: a state the step may donate."""
     return jax.device_put(array, array.sharding, may_alias=False)
@@ -153,6 +176,12 @@ def build_variants(
                 "updater_shard_map", functools.partial(shard_map_updater.update, with_norms=False)
             )
         )
+    if settings.updater_jit:
+        for variant_name, param_sharding in JIT_VARIANTS.items():
+            jit_updater = jit_updater_of(config, experiment, param_sharding)
+            jit_step = functools.partial(jit_updater.update, with_norms=False)
+            jit_state = jit_updater.init(config.seed, batches[0])
+            variants.append(Variant(variant_name, jit_step, jit_state, batches))
     if settings.flax and name in FLAX_PEERS:
         variants.append(_flax_variant(config, experiment, host))
     return variants, input_name

@@ -34,7 +34,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from haiku_state import compilation_cache, data, losses, models, optim, replication
+from haiku_state import compilation_cache, data, losses, models, optim, replication, sharding
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 
@@ -133,9 +133,12 @@ SCHEMA = (
         help="regex of param and state paths that keep their fresh initialisation"),
     Key("profile_steps", (), tuple, free=True,
         help="(start, stop): a jax.profiler trace into WORKDIR/profile; (): none"),
-    Key("backend", "pmap", str, choices=replication.PER_DEVICE_BACKENDS, free=True,
-        help="pmap, or shard_map: the same step on jax.shard_map (the Updater's jit backend "
-        "is not a run option yet: its checkpoints are not written)"),
+    Key("backend", "pmap", str, choices=replication.BACKENDS, free=True,
+        help="pmap, or shard_map (the same step on jax.shard_map, the same TrainState), or "
+        "jit: one program over global arrays on a mesh of every device"),
+    Key("param_sharding", "replicated", str, choices=sharding.PARAM_SHARDINGS, free=True,
+        help="backend=jit: params and opt_state whole on every device (replicated), or split "
+        "over the devices (fsdp; leaves under 64 KiB stay whole)"),
     Key("precision", "float32", str, choices=models.PRECISIONS,
         help="float32, or bfloat16 / float16: mixed precision"),
     Key("label_smoothing", 0.0, float, bounds=FRACTION,
@@ -351,6 +354,7 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
     _check_init_skip(config)
     _check_compilation_cache_dir(config)
     _check_decoder(config)
+    _check_param_sharding(config)
     _check_retention(config)
     _check_host_memory(config, num_processes)
     _warn_workers(config)
@@ -614,6 +618,15 @@ def ignored_settings(config: Any) -> list[str]:
         if ignored(lambda key: _get(config, key)) and value != schema_key(name).default:
             lines.append(f"config.{name}={value!r} is ignored: {why}.")
     return lines
+
+
+def _check_param_sharding(config: Any) -> None:
+    """Only the jit backend splits params and opt_state; the per-device ones replicate them."""
+    if config.param_sharding != "replicated" and config.backend != "jit":
+        raise ValueError(
+            f"config.param_sharding={config.param_sharding!r} needs config.backend='jit'; "
+            f"config.backend={config.backend!r} holds a whole replica on every device."
+        )
 
 
 def training_steps(config: Any, num_train_examples: int) -> int:

@@ -28,7 +28,16 @@ from typing import Any
 import jax
 from absl import logging
 
-from haiku_state import asserts, checkpoint, compilation_cache, data, divergence, loop, summaries
+from haiku_state import (
+    asserts,
+    checkpoint,
+    compilation_cache,
+    data,
+    divergence,
+    loop,
+    sharding,
+    summaries,
+)
 from haiku_state import workdir as workdir_lib
 from haiku_state.config import keep_best_mode, validate_config
 from haiku_state.evaluation import evaluate_test_split
@@ -266,6 +275,12 @@ def _resume(
         jax.default_backend(),
         jax.process_count(),
         os.path.dirname(checkpointer.directory),
+    )
+    logging.info(
+        "%s (backend=%s, param_sharding=%s).",
+        sharding.format_bytes_per_device(*sharding.bytes_per_device(train_state)),
+        config.backend,
+        config.param_sharding,
     )
     # Also compiles the checks every save runs, before the first window's clock starts.
     asserts.assert_train_state_invariants(train_state)

@@ -63,16 +63,7 @@ def build_experiment(config: Any) -> Experiment:
     data_config = config.data
     dataset, input_options = load_data(data_config, config.seed)
     total_steps = training_steps(config, data.num_examples(dataset.train))
-    model_options = {k: v for k, v in config.model.items() if k != "name"}
-    network = models.make_network(
-        config.model.name,
-        dataset.num_classes,
-        cross_replica_axis=AXIS_NAME,
-        precision=config.precision,
-        image_mean=dataset.mean,
-        image_std=dataset.std,
-        **model_options,
-    )
+    network = make_network(config, dataset)
     optimizer = optim.make_optimizer(config.optimizer, total_steps)
     loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
     augment_fn = data.make_augment_fn(max_shift=data_config.max_shift, flip=data_config.flip)
@@ -86,6 +77,7 @@ def build_experiment(config: Any) -> Experiment:
         augment_fn=augment_fn,
         loss_scale=loss_scale,
         backend=config.backend,
+        param_sharding=config.param_sharding,
     )
     schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     return Experiment(
@@ -99,6 +91,26 @@ def build_experiment(config: Any) -> Experiment:
         schedule,
         total_steps,
         input_options,
+    )
+
+
+def make_network(config: Any, dataset: data.Dataset) -> hk.TransformedWithState:
+    """The network `config.model` names, built for `config.backend`.
+
+    BatchNorm normalises with the statistics of the global batch on every backend:
+    the per-device backends reduce them over `AXIS_NAME` (`cross_replica_axis`);
+    under `jit` the step sees the global batch and XLA inserts the reductions, so
+    the network binds no axis (`cross_replica_axis=None`).
+    """
+    model_options = {k: v for k, v in config.model.items() if k != "name"}
+    return models.make_network(
+        config.model.name,
+        dataset.num_classes,
+        cross_replica_axis=None if config.backend == "jit" else AXIS_NAME,
+        precision=config.precision,
+        image_mean=dataset.mean,
+        image_std=dataset.std,
+        **model_options,
     )
 
 

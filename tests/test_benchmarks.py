@@ -109,6 +109,27 @@ def test_benchmark_experiment_reports_positive_finite_throughputs_and_ratios(mlp
     assert [len(windows) for windows in after_loops] == [TINY.windows] * TINY.loop_runs
 
 
+def test_the_jit_updaters_are_timed_beside_pmap_and_fsdp_holds_a_quarter_per_device(mlp_run):
+    _, result = mlp_run
+    for variant in ("updater_jit", "updater_fsdp"):
+        assert _is_positive_finite(result["throughput"][variant]["examples_per_s"]), variant
+    for ratio in ("updater_jit_vs_pmap", "updater_fsdp_vs_pmap"):
+        assert _is_positive_finite(result["ratios"][ratio]), ratio
+    # The MLP's weights (64 x 256 and 256 x 256 float32) and their momentum are split.
+    memory = result["memory"]["params_and_opt_state_per_device"]
+    assert memory["updater"] == memory["updater_jit"] == memory["whole"]
+    assert memory["updater_fsdp"] == memory["fsdp_bound"] < memory["whole"] / 3
+    assert memory["fsdp_vs_replicated"] == memory["updater_fsdp"] / memory["updater_jit"]
+    # XLA's analysis of the compiled steps: the train state is most of the arguments.
+    compiled = result["memory"]["compiled_update_per_device_by_backend"]
+    saved = memory["whole"] - memory["updater_fsdp"]
+    assert compiled["jit"]["argument_size_in_bytes"] == compiled["pmap"]["argument_size_in_bytes"]
+    assert (
+        compiled["jit"]["argument_size_in_bytes"] - compiled["fsdp"]["argument_size_in_bytes"]
+        == saved
+    )
+
+
 def test_run_record_is_written_as_json_with_machine_versions_and_figures(mlp_run, tmp_path):
     device_run, result = mlp_run
     run_record = record.make_run_record(

@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_experiments_are_the_files_not_starting_with_an_underscore():
-    assert config_lib.available_experiments() == ["mlp", "resnet", "resnet50"]
+    assert config_lib.available_experiments() == ["mlp", "resnet", "resnet50", "wide_mlp"]
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "resnet50"])
@@ -69,7 +69,7 @@ def test_the_resnet50_imagenet_recipe_scales_the_learning_rate_and_warmup_with_t
 
 # The schema: one entry per key, from which the defaults, validation and resume check derive.
 
-EXPERIMENT_FILES = ["mlp.py", "resnet.py", "resnet50.py", "resnet50.py:imagenet"]
+EXPERIMENT_FILES = ["mlp.py", "resnet.py", "resnet50.py", "resnet50.py:imagenet", "wide_mlp.py"]
 
 
 def _experiment(name):
@@ -155,6 +155,8 @@ def test_a_none_default_is_a_placeholder_of_the_keys_type():
         ("precision", "float64", r"Unknown config.precision 'float64'; expected one of"),
         ("keep_best_by", "bogus", r"Unknown config.keep_best_by 'bogus'; expected one of \('', "),
         ("data.max_corrupt_fraction", 1.0, r"config.data.max_corrupt_fraction=1.0 must be in"),
+        ("backend", "vmap", r"^Unknown config.backend 'vmap'; expected one of \('pmap', 'shard_"),
+        ("param_sharding", "zero3", r"^Unknown config.param_sharding 'zero3'; expected one of"),
     ],
 )
 def test_a_value_the_schema_does_not_allow_is_refused_naming_the_key_and_what_it_must_be(
@@ -216,6 +218,15 @@ def test_a_config_has_the_options_of_its_model_and_no_other():
             r"config.data.image_size=100000: the \d+ crops of 100000x100000 .* GiB, more than "
             r"this host's",
         ),
+        (
+            {"param_sharding": "fsdp"},
+            r"^config.param_sharding='fsdp' needs config.backend='jit'; config.backend='pmap' "
+            r"[^\n]*$",
+        ),
+        (
+            {"backend": "shard_map", "param_sharding": "fsdp"},
+            r"^config.param_sharding='fsdp' needs config.backend='jit'; config.backend='shard_map'",
+        ),
     ],
 )
 def test_the_rules_between_keys(changes, message):
@@ -265,6 +276,14 @@ def test_a_setting_the_configured_combination_ignores_is_named_in_a_warning(capl
         caplog.text
     )
     assert "config.optimizer.momentum=0.5 is ignored" in caplog.text
+
+
+def test_the_jit_backend_takes_either_param_sharding():
+    config = _experiment("mlp.py")
+    config.backend = "jit"
+    for param_sharding in ("replicated", "fsdp"):
+        config.param_sharding = param_sharding
+        config_lib.validate_config(config, num_devices=4)
 
 
 def test_the_warmup_is_checked_against_steps_only_without_num_epochs():
