@@ -10,7 +10,8 @@ defined below the function.
 
 A run in a workdir that holds checkpoints resumes from the latest complete one
 and continues exactly as an uninterrupted run would. SIGTERM or SIGINT at any
-moment ends in a checkpoint of the step reached and a clean exit.
+moment ends in a checkpoint of the step reached and a `loop.Stopped` error
+saying so (the command line exits 128 + the signal's number).
 
 In a multi-process run every process calls the same functions with the same
 config and workdir: each loads its own slice of every global batch, only
@@ -59,7 +60,12 @@ def train_and_evaluate(
         one in a key that changes the run (the change is recorded).
 
     Returns:
-      The final evaluation, or {} when a signal stopped the run (after saving).
+      The final evaluation (of the test split at the last step).
+
+    Raises:
+      loop.Stopped: when a signal stopped the run before its final evaluation,
+        after saving the step reached; its message says which step was saved, its
+        `exit_code` what the command line exits with. Call again to resume.
     """
     # Set-up: a bad config, workdir, dataset or warm start is refused here, before
     # anything is written.
@@ -126,24 +132,22 @@ def train_and_evaluate(
                     stop=stop,
                 )
                 if end.stopped and end.step > start_step:
-                    logging.warning(
-                        "%s received: saving step %d and stopping.",
-                        stop.signal_name or "A stop signal (on another process)",
-                        end.step,
-                    )
                     saver.run(end.step, end.train_state)
         checkpointer.wait_until_finished()
 
-        if end.stopped or stop.should_stop_now():
-            return {}
         final = evaluator.metrics_at(end.step)
-        if final is None:
+        if end.stopped:
+            raise stop.stopped(_stopped_at(end.step, experiment.total_steps, checkpointer))
+        if final is None and not stop.should_stop_now():
             logging.info("Already trained to step %d; evaluating.", end.step)
             final = evaluate_test_split(
                 experiment, end.train_state, config.eval_batch_size, stop=stop
             )
-            if final is None:  # A signal interrupted it; the step is saved already.
-                return {}
+        if final is None:  # A signal came before or during it; the last step is saved.
+            raise stop.stopped(
+                f"stopped at step {end.step}, the last, before its final evaluation; "
+                f"saved step {checkpointer.latest_step()}. Run again to evaluate."
+            )
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(
@@ -152,6 +156,18 @@ def train_and_evaluate(
             flush=True,
         )
     return final
+
+
+def _stopped_at(step: int, last_step: int, checkpointer: checkpoint.Checkpointer) -> str:
+    """Where a signal stopped the loop, and what is saved, for `loop.Stopped`."""
+    latest = checkpointer.latest_step()
+    if latest == step:
+        saved = f"saved step {step}"
+    elif latest is None:
+        saved = "nothing saved (no checkpoint yet)"
+    else:
+        saved = f"nothing new to save (the latest checkpoint is step {latest})"
+    return f"stopped at step {step} of {last_step}; {saved}. Run again to resume."
 
 
 # The set-up and the resume.

@@ -7,6 +7,11 @@ This module imports the library and nothing in the library imports it. Its
 flags are defined when `main` runs, so importing it (for `train_and_evaluate`,
 re-exported from `haiku_state.driver`) defines none.
 
+The exit status: 0 when the run reached its last step and evaluated it (or the
+evaluation finished); 128 + the signal's number (143 for SIGTERM, 130 for
+SIGINT) when a signal stopped it early, after saving the step reached and
+logging one line that says which; 1 with a one-line error otherwise.
+
 Multi-process (multi-host) runs use JAX's own runtime: start one process per
 host (or per GPU) with `--coordinator_address=HOST:PORT --num_processes=N
 --process_id=K`, or `--multihost` alone where `jax.distributed.initialize()`
@@ -270,6 +275,9 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
         raise app.UsageError("--workdir is required.")
     try:
         _run_mode(command_line, command_line.config.value, stop)
+    except loop.Stopped as e:  # Not a failure, not a success: a scheduler runs it again.
+        logging.warning("%s", e)
+        sys.exit(e.exit_code)
     except _USER_ERRORS as e:
         logging.error("%s", e)
         sys.exit(f"error: {e}")

@@ -56,3 +56,17 @@ def test_a_stop_request_interrupts_an_evaluation_between_batches(trained):
     assert evaluation.evaluate_split(*args, stop=stop) is not None
     stop.signal_name = "SIGTERM"
     assert evaluation.evaluate_split(*args, stop=stop) is None
+
+
+def test_a_stopped_eval_mode_raises_stopped_with_the_signal_and_records_nothing(trained):
+    workdir, _ = trained
+    metrics_file = os.path.join(workdir, "metrics.jsonl")
+    before = open(metrics_file).read()
+    stop = loop.StopRequest()
+    stop.signal_name, stop.signum = "SIGINT", 2  # As its handler records a Ctrl-C.
+    with pytest.raises(
+        loop.Stopped, match="SIGINT received: stopped the evaluation of step 30"
+    ) as e:
+        evaluation.evaluate_checkpoint(_config(), workdir, stop=stop)
+    assert e.value.exit_code == 130
+    assert open(metrics_file).read() == before
