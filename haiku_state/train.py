@@ -137,10 +137,18 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _quiet_library_info_logs() -> None:
-    """Orbax logs every file it renames at INFO; keep its warnings, drop the chatter."""
+    """Orbax logs every file it renames at INFO; keep its warnings, drop the chatter.
+
+    Its background threads also log the traceback of a failed write (a full
+    disk) before the error reaches the Checkpointer, which reports it in one
+    line: their records keep their message and lose the traceback.
+    """
 
     def keep(record) -> bool:
-        return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+        if "/orbax/" not in record.pathname:
+            return True
+        record.exc_info, record.exc_text = None, None
+        return record.levelno >= std_logging.WARNING
 
     logging.get_absl_handler().addFilter(keep)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging as std_logging
 import os
 import pathlib
 import signal
@@ -152,6 +153,28 @@ def test_importing_the_library_defines_no_flags_and_main_defines_them():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_environment(),
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_orbax_logs_keep_their_warnings_and_lose_their_tracebacks():
+    from absl import logging
+
+    from haiku_state import train
+
+    handler = logging.get_absl_handler()
+    before = list(handler.filters)
+    train._quiet_library_info_logs()
+    try:
+        try:
+            raise ValueError("RESOURCE_EXHAUSTED")
+        except ValueError:
+            failed = std_logging.LogRecord(
+                "absl", std_logging.ERROR, "/x/orbax/future.py", 1, "failed", (), sys.exc_info()
+            )
+        info = std_logging.LogRecord("absl", std_logging.INFO, "/x/orbax/a.py", 1, "mv", (), None)
+        assert handler.filter(failed) and failed.exc_info is None  # Its message, one line.
+        assert not handler.filter(info)
+    finally:
+        handler.filters[:] = before
 
 
 # -- Bad input: one line, before anything is written ----------------------------------------------
