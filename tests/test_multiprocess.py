@@ -242,9 +242,9 @@ def test_bad_multiprocess_flags_are_refused_before_anything_runs(tmp_path, flags
     assert not workdir.exists()
 
 
-def test_a_signal_to_one_process_stops_every_process_at_the_same_saved_step(tmp_path):
+def _start_long_run(workdir) -> list[subprocess.Popen]:
+    """Two processes of a run too long to end by itself, once both have logged a step."""
     port = _free_port()
-    workdir = tmp_path / "run"
     procs = [
         subprocess.Popen(
             [
@@ -268,13 +268,24 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_saved_step(tmp_
         )
         for process_id in range(2)
     ]
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        metrics = workdir / "metrics.jsonl"
-        deadline = time.monotonic() + TIMEOUT_S
         while not (metrics.exists() and metrics.read_text().strip()):
             assert time.monotonic() < deadline, "the run never logged"
             assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
             time.sleep(0.2)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs
+
+
+def test_a_signal_to_one_process_stops_every_process_at_the_same_saved_step(tmp_path):
+    workdir = tmp_path / "run"
+    procs = _start_long_run(workdir)
+    try:
         procs[1].send_signal(signal.SIGTERM)  # Process 0 is not signalled.
         outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
     finally:
@@ -290,6 +301,20 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_saved_step(tmp_
     assert "SIGTERM received by another process: " + said in last_lines[0], last_lines
     assert "SIGTERM received: " + said in last_lines[1], last_lines
     assert load_checkpoint(str(workdir), saved[0])["step"]["step"] == saved[0]
+
+
+def test_a_killed_process_stops_the_other_at_once_in_one_line_naming_it(tmp_path):
+    procs = _start_long_run(tmp_path / "run")
+    try:
+        procs[1].kill()
+        # Without a word JAX's exit would wait for its heartbeat, then abort with a trace.
+        _, errors = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1, errors[-3000:]
+    assert "Process 0 of 2 lost process 1: a collective failed" in errors.splitlines()[-1]
+    assert "Fatal Python error" not in errors and "Traceback" not in errors
 
 
 def test_jit_fsdp_on_two_processes_equals_one_process_of_four_devices(tmp_path):
