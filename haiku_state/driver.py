@@ -23,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from haiku_state import asserts, checkpoint, compilation_cache, data, divergence, loop, summaries
 from haiku_state import workdir as workdir_lib
@@ -70,6 +73,7 @@ def train_and_evaluate(
     # Set-up: a bad config, workdir, dataset or warm start is refused here, before
     # anything is written.
     validate_config(config, jax.device_count(), jax.process_count())
+    check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
@@ -188,6 +192,46 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     if not config.init_from or checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
         return fresh
     return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+
+
+def check_same_config_on_every_process(config: Any) -> None:
+    """Refuses processes started with different configs, naming the keys and the processes.
+
+    A collective of a multi-process run: every process compares a digest of each
+    config key's value with those of the others. Without it, the replicas would
+    drift apart and only the first replica check would tell.
+
+    Raises:
+      ValueError: naming the keys that differ from process 0's, and the processes.
+    """
+    if jax.process_count() == 1:
+        return
+    flat = _flat_config(config.to_dict())
+    digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
+    shape = np.array([len(flat), zlib.crc32(digests.tobytes())], np.uint32).view(np.int32)
+    every_shape = np.asarray(multihost_utils.process_allgather(shape))
+    if (every_shape == every_shape[0]).all():
+        return
+    differ = [k for k in range(jax.process_count()) if (every_shape[k] != every_shape[0]).any()]
+    if (every_shape[:, 0] == every_shape[0, 0]).all():  # The same keys: say which values differ.
+        every = np.asarray(multihost_utils.process_allgather(digests.view(np.int32)))
+        keys = [key for i, key in enumerate(flat) if (every[:, i] != every[0, i]).any()]
+    else:
+        keys = ["(the set of keys)"]
+    raise ValueError(
+        f"Processes {differ} were started with a config that differs from process 0's in "
+        f"{', '.join(keys)}; start every process with the same --config and overrides."
+    )
+
+
+def _flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in sorted(tree.items()):
+        if isinstance(value, dict):
+            flat.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _on_process_0(what: str, fn: Callable[[], Any]) -> None:
