@@ -72,8 +72,8 @@ class Deadline(train_loop.StopRequest):
     """A stop request made by a wall-clock limit, as a signal makes one.
 
     `driver.train_and_evaluate(..., stop=Deadline(s))` stops at the first step
-    boundary after `s` seconds, saves the step reached and returns; what it logged
-    until then stands. None: no limit.
+    boundary after `s` seconds, saves the step reached and raises
+    `train_loop.Stopped`; what it logged until then stands. None: no limit.
     """
 
     REASON = "the benchmark's time limit"
@@ -188,7 +188,10 @@ def benchmark_training_loop(
     start = time.perf_counter()
     # Its final-eval line to stderr: stdout is the table's.
     with contextlib.redirect_stdout(sys.stderr), CompileEvents() as compiles:
-        final = driver.train_and_evaluate(config, str(workdir), stop=deadline)
+        try:
+            final = driver.train_and_evaluate(config, str(workdir), stop=deadline)
+        except train_loop.Stopped:  # The time limit: no final evaluation.
+            final = {}
     wall_s = time.perf_counter() - start
     bare = bare_update()
     records = _train_records(workdir)

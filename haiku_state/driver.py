@@ -10,7 +10,8 @@ defined below the function.
 
 A run in a workdir that holds checkpoints resumes from the latest complete one
 and continues exactly as an uninterrupted run would. SIGTERM or SIGINT at any
-moment ends in a checkpoint of the step reached and a clean exit.
+moment ends in a checkpoint of the step reached and a `loop.Stopped` error
+saying so (the command line exits 128 + the signal's number).
 
 In a multi-process run every process calls the same functions with the same
 config and workdir: each loads its own slice of every global batch, only
@@ -22,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from haiku_state import (
     asserts,
@@ -68,11 +72,17 @@ def train_and_evaluate(
         one in a key that changes the run (the change is recorded).
 
     Returns:
-      The final evaluation, or {} when a signal stopped the run (after saving).
+      The final evaluation (of the test split at the last step).
+
+    Raises:
+      loop.Stopped: when a signal stopped the run before its final evaluation,
+        after saving the step reached; its message says which step was saved, its
+        `exit_code` what the command line exits with. Call again to resume.
     """
     # Set-up: a bad config, workdir, dataset or warm start is refused here, before
     # anything is written.
     validate_config(config, jax.device_count(), jax.process_count())
+    check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
@@ -138,24 +148,22 @@ def train_and_evaluate(
                     stop=stop,
                 )
                 if end.stopped and end.step > start_step:
-                    logging.warning(
-                        "%s received: saving step %d and stopping.",
-                        stop.signal_name or "A stop signal (on another process)",
-                        end.step,
-                    )
                     saver.run(end.step, end.train_state)
         checkpointer.wait_until_finished()
 
-        if end.stopped or stop.should_stop_now():
-            return {}
         final = evaluator.metrics_at(end.step)
-        if final is None:
+        if end.stopped:
+            raise stop.stopped(_stopped_at(end.step, experiment.total_steps, checkpointer))
+        if final is None and not stop.should_stop_now():
             logging.info("Already trained to step %d; evaluating.", end.step)
             final = evaluate_test_split(
                 experiment, end.train_state, config.eval_batch_size, stop=stop
             )
-            if final is None:  # A signal interrupted it; the step is saved already.
-                return {}
+        if final is None:  # A signal came before or during it; the last step is saved.
+            raise stop.stopped(
+                f"stopped at step {end.step}, the last, before its final evaluation; "
+                f"saved step {checkpointer.latest_step()}. Run again to evaluate."
+            )
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(
@@ -165,6 +173,18 @@ def train_and_evaluate(
         )
     monitor.check_recovered(end.step, final)  # A loss that exploded and stayed so fails the run.
     return final
+
+
+def _stopped_at(step: int, last_step: int, checkpointer: checkpoint.Checkpointer) -> str:
+    """Where a signal stopped the loop, and what is saved, for `loop.Stopped`."""
+    latest = checkpointer.latest_step()
+    if latest == step:
+        saved = f"saved step {step}"
+    elif latest is None:
+        saved = "nothing saved (no checkpoint yet)"
+    else:
+        saved = f"nothing new to save (the latest checkpoint is step {latest})"
+    return f"stopped at step {step} of {last_step}; {saved}. Run again to resume."
 
 
 # The set-up and the resume.
@@ -193,6 +213,46 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
         )
         return fresh
     return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+
+
+def check_same_config_on_every_process(config: Any) -> None:
+    """Refuses processes started with different configs, naming the keys and the processes.
+
+    A collective of a multi-process run: every process compares a digest of each
+    config key's value with those of the others. Without it, the replicas would
+    drift apart and only the first replica check would tell.
+
+    Raises:
+      ValueError: naming the keys that differ from process 0's, and the processes.
+    """
+    if jax.process_count() == 1:
+        return
+    flat = _flat_config(config.to_dict())
+    digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
+    shape = np.array([len(flat), zlib.crc32(digests.tobytes())], np.uint32).view(np.int32)
+    every_shape = np.asarray(multihost_utils.process_allgather(shape))
+    if (every_shape == every_shape[0]).all():
+        return
+    differ = [k for k in range(jax.process_count()) if (every_shape[k] != every_shape[0]).any()]
+    if (every_shape[:, 0] == every_shape[0, 0]).all():  # The same keys: say which values differ.
+        every = np.asarray(multihost_utils.process_allgather(digests.view(np.int32)))
+        keys = [key for i, key in enumerate(flat) if (every[:, i] != every[0, i]).any()]
+    else:
+        keys = ["(the set of keys)"]
+    raise ValueError(
+        f"Processes {differ} were started with a config that differs from process 0's in "
+        f"{', '.join(keys)}; start every process with the same --config and overrides."
+    )
+
+
+def _flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in sorted(tree.items()):
+        if isinstance(value, dict):
+            flat.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _on_process_0(what: str, fn: Callable[[], Any]) -> None:

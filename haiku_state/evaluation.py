@@ -105,7 +105,11 @@ def _prepare(
     With `wait`, waits for the run's record to appear (a training run about to start).
     """
     directory = os.path.join(workdir, "checkpoints")
-    while wait is not None and not _recorded(workdir) and not wait.should_stop_now():
+    if wait is not None and not _recorded(workdir):
+        logging.info("Waiting for %s to hold a run's record (a training run to start).", workdir)
+    while wait is not None and not _recorded(workdir):
+        if wait.should_stop_now():
+            raise wait.stopped(f"stopped while waiting for a run in {workdir}; nothing evaluated.")
         time.sleep(FOLLOW_POLL_SECS)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
@@ -187,7 +191,10 @@ def evaluate_checkpoint(
       config: the experiment config; the run's recorded one replaces it (`run_config`).
       workdir: the run's directory.
       step: a step, "best" (by `config.keep_best_by`), or None for the latest.
-      stop: interrupts the evaluation between batches (then {} is returned).
+      stop: interrupts the evaluation between batches.
+
+    Raises:
+      loop.Stopped: when `stop` interrupted the evaluation (nothing is recorded).
     """
     config, experiment, like, directory = _prepare(config, workdir)
     with _reading(config, workdir, directory) as (checkpointer, writer):
@@ -208,8 +215,12 @@ def evaluate_checkpoint(
         train_state = checkpointer.restore(like, step)
         if train_state is None:
             raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
-        metrics = _evaluate_and_record(experiment, train_state, config, writer, stop) or {}
-    if jax.process_index() == 0 and metrics:
+        metrics = _evaluate_and_record(experiment, train_state, config, writer, stop)
+        if metrics is None:
+            raise stop.stopped(
+                f"stopped the evaluation of step {step_of(train_state)}; nothing recorded."
+            )
+    if jax.process_index() == 0:
         print(
             f"Eval of {directory} at step {step_of(train_state)}: "
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
@@ -225,6 +236,9 @@ def follow_checkpoints(
 
     A checkpoint that is gone (retention deleted it) or damaged by the time it
     is read is skipped with a warning. Returns the metrics by step.
+
+    Raises:
+      loop.Stopped: when `stop` asked to stop before the last step's evaluation.
     """
     config, experiment, like, directory = _prepare(config, workdir, wait=stop)
     results: dict[int, dict[str, float]] = {}
@@ -247,7 +261,13 @@ def follow_checkpoints(
                     break
                 results[step] = metrics
             done = max(results, default=-1) >= experiment.total_steps
-    return {step: metrics for step, metrics in results.items() if metrics}
+    evaluated = sorted(step for step, metrics in results.items() if metrics)
+    if not done:
+        raise stop.stopped(
+            f"stopped following {directory} before its step {experiment.total_steps}; "
+            f"evaluated steps {evaluated or 'none'}."
+        )
+    return {step: results[step] for step in evaluated}
 
 
 @contextlib.contextmanager

@@ -60,6 +60,13 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value`; a collective in a multi-process run."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
 class WindowSummary(NamedTuple):
     """The metrics of the steps since the previous fetch, averaged, and how long they took."""
 
@@ -187,20 +194,40 @@ class Profiler:
             self.tracing = False
 
 
+class Stopped(Exception):
+    """A signal stopped a run or an evaluation before its end, after it saved what it had.
+
+    Its message is the one line that says where it stopped and what was saved.
+    `exit_code` is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT):
+    what a shell reports for a process a signal ended, so a scheduler's restart
+    policy (Kubernetes, SLURM --requeue) runs it again, and a rerun resumes.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGTERM)
+
+
 class StopRequest:
     """Turns SIGTERM/SIGINT into a decision the loop reads between steps.
 
     Installed for the whole life of a run (the command line installs it first
     thing), so a signal at any moment, also during compilation, evaluation or
-    the final save, ends in a saved step and a clean exit; further signals are
-    only recorded. In a multi-process run every process must stop at the same
-    step (the save is collective), but a signal may reach only some of them:
-    there the processes agree every `agree_every` steps (when the loop fetches
-    metrics anyway) on whether any of them was signalled.
+    the final save, ends in a saved step and a `Stopped` error (what `stopped`
+    makes) in place of the run's result; further signals are only recorded.
+    In a multi-process run every process must stop at the same step (the save
+    is collective), but a signal may reach only some of them: there the
+    processes agree every `agree_every` steps (when the loop fetches metrics
+    anyway) on whether any of them was signalled.
     """
 
     def __init__(self, agree_every: int = 1):
         self.signal_name: str | None = None
+        self.signum = 0  # The number of `signal_name` when a signal made the request.
         self.agree_every = agree_every
         self._previous = {}
 
@@ -213,6 +240,21 @@ class StopRequest:
     def should_stop_now(self) -> bool:
         """Whether any process was signalled; a collective in a multi-process run."""
         return any_process(self.signal_name is not None)
+
+    def stopped(self, what: str) -> Stopped:
+        """The `Stopped` error to raise: `what` (where it stopped, what was saved), and why.
+
+        A collective in a multi-process run: every process names the signal that
+        one of them received, and exits with its code.
+        """
+        signum = max_over_processes(self.signum)
+        if self.signum:
+            why = f"{self.signal_name} received"
+        elif signum:
+            why = f"{signal.Signals(signum).name} received by another process"
+        else:
+            why = f"Stopped by {self.signal_name or 'a stop request'}"
+        return Stopped(f"{why}: {what}", signum)
 
     def __enter__(self) -> StopRequest:
         return self.install()
@@ -240,7 +282,8 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         del frame
-        self.signal_name = self.signal_name or signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name, self.signum = signal.Signals(signum).name, signum
 
     def __exit__(self, *exc_info) -> None:
         for signum, handler in self._previous.items():

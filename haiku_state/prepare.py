@@ -32,6 +32,7 @@ import concurrent.futures
 import io
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -279,6 +280,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # The shard being written is dropped whole (`write_shard`).
+        print(
+            f"\nInterrupted: the complete shards in {args.out_dir} are kept; run the same "
+            "command again to write the rest.",
+            file=sys.stderr,
+        )
+        sys.exit(128 + signal.SIGINT)
     sizes = {split: s["num_examples"] for split, s in metadata["splits"].items()}
     print(f"Wrote {args.out_dir}: {sizes} examples, {metadata['num_classes']} classes.")
 

@@ -7,6 +7,11 @@ This module imports the library and nothing in the library imports it. Its
 flags are defined when `main` runs, so importing it (for `train_and_evaluate`,
 re-exported from `haiku_state.driver`) defines none.
 
+The exit status: 0 when the run reached its last step and evaluated it (or the
+evaluation finished); 128 + the signal's number (143 for SIGTERM, 130 for
+SIGINT) when a signal stopped it early, after saving the step reached and
+logging one line that says which; 1 with a one-line error otherwise.
+
 Multi-process (multi-host) runs use JAX's own runtime: start one process per
 host (or per GPU) with `--coordinator_address=HOST:PORT --num_processes=N
 --process_id=K`, or `--multihost` alone where `jax.distributed.initialize()`
@@ -132,10 +137,18 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _quiet_library_info_logs() -> None:
-    """Orbax logs every file it renames at INFO; keep its warnings, drop the chatter."""
+    """Orbax logs every file it renames at INFO; keep its warnings, drop the chatter.
+
+    Its background threads also log the traceback of a failed write (a full
+    disk) before the error reaches the Checkpointer, which reports it in one
+    line: their records keep their message and lose the traceback.
+    """
 
     def keep(record) -> bool:
-        return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+        if "/orbax/" not in record.pathname:
+            return True
+        record.exc_info, record.exc_text = None, None
+        return record.levelno >= std_logging.WARNING
 
     logging.get_absl_handler().addFilter(keep)
 
@@ -158,6 +171,10 @@ def _drop_late_orbax_callbacks() -> None:
         default_hook(unraisable)
 
     sys.unraisablehook = hook
+
+
+# How long a process may go silent before the others give it up for lost and stop.
+HEARTBEAT_TIMEOUT_S = 15
 
 
 def initialize_distributed(
@@ -205,7 +222,12 @@ def initialize_distributed(
         raise ValueError(
             f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
         )
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+    )
     if jax.process_index() != 0:
         logging.set_verbosity(logging.WARNING)
     logging.info(
@@ -220,6 +242,38 @@ def initialize_distributed(
 # One-line errors: bad input, bad files, a run that cannot go on. Anything else is a bug
 # and keeps its traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, RuntimeError, OSError)
+
+
+# How a collective fails when a process at its other end has died (gloo over TCP).
+_LOST_PROCESS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Gloo ")
+
+
+def _lost_a_process(error: Exception) -> bool:
+    """Whether `error` is a collective that failed because another process died."""
+    return jax.process_count() > 1 and any(sign in str(error) for sign in _LOST_PROCESS_SIGNS)
+
+
+def _exit_lost(error: Exception) -> None:
+    """Exits at once, naming the lost process in one line.
+
+    JAX's own exit would wait at a shutdown barrier for the dead process until its
+    heartbeat times out, then abort with a stack trace of every thread. Every
+    `with` block of the run has closed by now (the checkpoint in flight, the
+    input workers); nothing is left for the interpreter's exit to do.
+    """
+    others = [k for k in range(jax.process_count()) if k != jax.process_index()]
+    lost = f"process {others[0]}" if len(others) == 1 else "another process"
+    logging.error(
+        "Process %d of %d lost %s: a collective failed (%s). Stopping; run every process "
+        "again to resume from the latest checkpoint.",
+        jax.process_index(),
+        jax.process_count(),
+        lost,
+        str(error).splitlines()[0][:200],
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _step_flag(value: str | None) -> int | str | None:
@@ -270,7 +324,12 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
         raise app.UsageError("--workdir is required.")
     try:
         _run_mode(command_line, command_line.config.value, stop)
+    except loop.Stopped as e:  # Not a failure, not a success: a scheduler runs it again.
+        logging.warning("%s", e)
+        sys.exit(e.exit_code)
     except _USER_ERRORS as e:
+        if _lost_a_process(e):
+            _exit_lost(e)
         logging.error("%s", e)
         sys.exit(f"error: {e}")
     finally:

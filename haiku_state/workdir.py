@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
@@ -47,8 +48,21 @@ class WorkdirError(ValueError):
     """The workdir cannot be used as asked: locked, unwritable, or trained with another config."""
 
 
+# The longest path a checkpoint writes below the workdir, with room to spare: Orbax's
+# temporary `checkpoints/<step>.orbax-checkpoint-tmp-<time>/train_state.orbax-checkpoint-
+# tmp-<time>/ocdbt.process_<k>/d/<32 hex digits>`.
+CHECKPOINT_PATH_ROOM = 200
+
+
 def check_usable(workdir: str) -> None:
-    """Refuses a workdir that is, or lies under, a file or a broken symlink, or is not writable."""
+    """Refuses a workdir that cannot hold a run, before anything is written.
+
+    Refused: a path that is, or lies under, a file or a broken symlink (dangling, or
+    a loop); a workdir, or its `checkpoints` folder, that
+    cannot be written (permissions, a read-only filesystem), tried with a file
+    that never gets a name; a path so long that the checkpoints' paths would pass
+    the filesystem's PATH_MAX, or with a name past its NAME_MAX.
+    """
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"--workdir={workdir} is a file, not a directory.")
     existing = workdir
@@ -58,8 +72,39 @@ def check_usable(workdir: str) -> None:
         existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
         raise WorkdirError(f"--workdir={workdir}: {existing} is a file, not a directory.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise WorkdirError(f"--workdir={workdir}: {existing} is not writable.")
+    for folder in (existing, os.path.join(workdir, "checkpoints")):
+        if os.path.isdir(folder):
+            _check_writable(workdir, folder)
+    _check_path_lengths(workdir, existing)
+
+
+def _check_writable(workdir: str, folder: str) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=folder):  # O_TMPFILE: nothing appears in `folder`.
+            pass
+    except OSError as e:
+        raise WorkdirError(
+            f"--workdir={workdir}: {folder} is not writable ({e.strerror}); a run could not "
+            "save its checkpoints there. Make it writable or choose another --workdir."
+        ) from None
+
+
+def _check_path_lengths(workdir: str, existing: str) -> None:
+    path = os.path.abspath(workdir)
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    long_names = [name for name in path.split(os.sep) if len(name) > name_max]
+    if long_names:
+        raise WorkdirError(
+            f"--workdir={workdir}: the name {long_names[0][:40]}... is {len(long_names[0])} "
+            f"characters; the filesystem allows {name_max}."
+        )
+    if len(path) + CHECKPOINT_PATH_ROOM > path_max:
+        raise WorkdirError(
+            f"--workdir={workdir[:60]}... is {len(path)} characters long: the paths of its "
+            f"checkpoints would pass the filesystem's limit of {path_max}; choose a path "
+            f"shorter than {path_max - CHECKPOINT_PATH_ROOM} characters."
+        )
 
 
 def _refuse_broken_link(workdir: str, link: str) -> None:

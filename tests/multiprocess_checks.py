@@ -21,7 +21,7 @@ import numpy as np
 def outcome(check) -> str:
     try:
         check()
-    except AssertionError as e:
+    except (AssertionError, ValueError) as e:
         return "raised: " + str(e).replace("\n", " ")
     return "passed"
 
@@ -52,6 +52,19 @@ def main(port: int, num_processes: int, process_id: int) -> None:
         jnp.arange(jax.local_device_count()) + process_id * jax.local_device_count(),
     )
     print("RESULT keys_global", outcome(lambda: hs.assert_keys_distinct(global_keys)), flush=True)
+
+    # The config of the last process differs in one nested key.
+    from ml_collections import ConfigDict
+
+    from haiku_state import driver
+
+    config = ConfigDict({"seed": 0, "optimizer": {"name": "sgd", "learning_rate": 0.1}})
+    same = outcome(lambda: driver.check_same_config_on_every_process(config))
+    print("RESULT same_config", same, flush=True)
+    if process_id == num_processes - 1:
+        config.optimizer.learning_rate = 0.2
+    other = outcome(lambda: driver.check_same_config_on_every_process(config))
+    print("RESULT other_config", other, flush=True)
     jax.distributed.shutdown()
 
 

@@ -1,6 +1,7 @@
 """Tests of haiku_state.checkpoint.checkpointer: saves and exact resume, async saves under
 donation, the step directories, partial and damaged checkpoints set aside, never deleted."""
 
+import errno
 import logging
 import os
 import shutil
@@ -200,3 +201,27 @@ def test_an_unreadable_step_item_is_damage(setup, tmp_path, caplog):
         assert int(checkpointer.restore(train_state).step[0]) == 1
     assert len(set_aside_dirs(tmp_path, 2)) == 1
     assert any("JSONDecodeError" in r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_step_that_cannot_be_moved_aside_says_both(tmp_path, monkeypatch):
+    from etils import epath
+
+    from haiku_state.checkpoint import checkpointer as checkpointer_lib
+
+    def read_only(self, step, reason):
+        raise OSError(errno.EROFS, "Read-only file system", str(self.step_dir(step)))
+
+    monkeypatch.setattr(checkpointer_lib.StepDirectories, "_rename_aside", read_only)
+    steps = checkpointer_lib.StepDirectories(epath.Path(tmp_path))
+    with pytest.raises(OSError, match=r"/2 is damaged \(bad checksum\) and cannot be moved aside"):
+        steps.set_aside_damaged(2, "bad checksum")
+
+
+def test_a_full_disk_is_one_error_that_says_what_to_do(setup, tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing "params" in OCDBT database')
+
+    with Checkpointer(tmp_path, async_save=False) as checkpointer:
+        monkeypatch.setattr(checkpointer._manager, "save", full)
+        with pytest.raises(OSError, match="No space left to write checkpoint step 0 .* free space"):
+            checkpointer.save(setup.init())

@@ -262,9 +262,8 @@ def test_the_evaluation_of_an_already_trained_run_stops_on_a_signal(tmp_path):
     driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path))
     # The first check is before the evaluation; the signal comes during it.
     stop = _StopAfterChecks(1)
-    assert (
-        driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path), stop=stop) == {}
-    )
+    with pytest.raises(loop.Stopped, match="stopped at step 30, the last, before its final eval"):
+        driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path), stop=stop)
 
 
 # -- Image folders and shards ----------------------------------------------------------------------

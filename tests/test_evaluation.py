@@ -92,3 +92,17 @@ def test_the_eval_modes_evaluate_the_run_as_its_record_says(trained, tmp_path, c
     with pytest.raises(ValueError, match=r"no keep_best_by was configured for the run .* Pass "
                        r"--step=<a step> \(complete steps: \[10, 20, 30\]\)"):  # fmt: skip
         evaluation.evaluate_checkpoint(given, workdir, step="best")
+
+
+def test_a_stopped_eval_mode_raises_stopped_with_the_signal_and_records_nothing(trained):
+    workdir, _ = trained
+    metrics_file = os.path.join(workdir, "metrics.jsonl")
+    before = open(metrics_file).read()
+    stop = loop.StopRequest()
+    stop.signal_name, stop.signum = "SIGINT", 2  # As its handler records a Ctrl-C.
+    with pytest.raises(
+        loop.Stopped, match="SIGINT received: stopped the evaluation of step 30"
+    ) as e:
+        evaluation.evaluate_checkpoint(_config(), workdir, stop=stop)
+    assert e.value.exit_code == 130
+    assert open(metrics_file).read() == before

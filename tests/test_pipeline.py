@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from image_trees import CORRUPTIONS, add_corrupt_file, write_imagefolder
 
 from haiku_state import data, replication
 from haiku_state.data import order, pipeline
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 IMAGE_SIZE = 16
 NUM_DEVICES = 4
@@ -244,3 +247,47 @@ def test_a_decoding_worker_leaves_ctrl_c_to_the_training_process():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and "still here" in result.stdout, result.stderr
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Not ours.
+
+
+_ORPHAN = """
+import multiprocessing, os, sys, time
+
+def worker(parent_pid):
+    while os.getppid() == parent_pid:  # Still starting when its parent is killed.
+        time.sleep(0.05)
+    from haiku_state.data import pipeline
+    pipeline.exit_with_parent(0, 1)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=worker, args=(os.getpid(),))
+    child.start()
+    with open(sys.argv[1], "w") as f:
+        f.write(str(child.pid))
+    os._exit(0)  # As if killed: nothing stops the child.
+"""
+
+
+def test_a_worker_whose_parent_died_while_it_started_exits(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    pid_file = tmp_path / "child.pid"
+    subprocess.run([sys.executable, str(script), str(pid_file)], env=env, check=True)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 60
+    try:
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(child), "the orphaned worker is still running"
+    finally:
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

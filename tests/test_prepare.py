@@ -282,3 +282,25 @@ def test_a_run_does_not_resume_on_shards_of_another_short_side(prepared, tmp_pat
     workdir_lib.record_config(workdir, {"seed": 0}, allow_change=False, data=records[full])
     with pytest.raises(workdir_lib.WorkdirError, match="dataset.short_side: None -> 4"):
         workdir_lib.record_config(workdir, {"seed": 0}, allow_change=False, data=records[short])
+
+
+def test_ctrl_c_leaves_no_partial_shard_and_exits_130_in_one_line(
+    tree, tmp_path, capsys, monkeypatch
+):
+    def interrupted():
+        yield arrayrecord.encode_example(b"\x00", 0, "a.png")
+        raise KeyboardInterrupt
+
+    shard = str(tmp_path / "train-00000-of-00001.array_record")
+    with pytest.raises(KeyboardInterrupt):
+        arrayrecord.write_shard(shard, interrupted())
+    assert os.listdir(tmp_path) == []  # Neither the shard nor its temporary file.
+
+    def convert(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "convert", convert)
+    with pytest.raises(SystemExit) as exit_:
+        prepare.main([f"--from=imagefolder:{tree}", f"--to={tmp_path}/out"])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err.strip().startswith("Interrupted: the complete shards in")

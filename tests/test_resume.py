@@ -103,7 +103,7 @@ def uninterrupted(tmp_path_factory):
     return final_state(workdir)
 
 
-def test_sigterm_saves_the_step_in_flight_exits_0_and_resumes_bit_identically(
+def test_sigterm_saves_the_step_in_flight_exits_143_and_resumes_bit_identically(
     uninterrupted, tmp_path
 ):
     workdir = str(tmp_path)
@@ -112,10 +112,10 @@ def test_sigterm_saves_the_step_in_flight_exits_0_and_resumes_bit_identically(
     wait_for_logged_step(workdir, 20, process)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output
-    assert "SIGTERM received: saving step" in output
+    assert process.returncode == 143, output
     saved = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints"))]
     assert len(saved) == 1 and 20 <= saved[0] < STEPS, saved
+    assert f"SIGTERM received: stopped at step {saved[0]} of {STEPS}; saved step" in output
 
     output = run_to_end(workdir, f"--config.checkpoint_every={STEPS}")
     assert f"Resuming at step {saved[0]}" in output

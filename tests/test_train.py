@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging as std_logging
 import os
 import pathlib
 import signal
@@ -154,6 +155,28 @@ def test_importing_the_library_defines_no_flags_and_main_defines_them():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_orbax_logs_keep_their_warnings_and_lose_their_tracebacks():
+    from absl import logging
+
+    from haiku_state import train
+
+    handler = logging.get_absl_handler()
+    before = list(handler.filters)
+    train._quiet_library_info_logs()
+    try:
+        try:
+            raise ValueError("RESOURCE_EXHAUSTED")
+        except ValueError:
+            failed = std_logging.LogRecord(
+                "absl", std_logging.ERROR, "/x/orbax/future.py", 1, "failed", (), sys.exc_info()
+            )
+        info = std_logging.LogRecord("absl", std_logging.INFO, "/x/orbax/a.py", 1, "mv", (), None)
+        assert handler.filter(failed) and failed.exc_info is None  # Its message, one line.
+        assert not handler.filter(info)
+    finally:
+        handler.filters[:] = before
+
+
 # -- Bad input: one line, before anything is written ----------------------------------------------
 
 
@@ -232,7 +255,7 @@ def test_a_second_run_on_a_workdir_is_refused_and_the_first_finishes(tmp_path):
         rest, _ = first.communicate(timeout=120)
     finally:
         first.kill()
-    assert first.returncode == 0, rest
+    assert first.returncode == 143, rest
     saved = steps_on_disk(tmp_path)
     assert saved and all(
         os.path.exists(tmp_path / "checkpoints" / str(s) / "train_state") for s in saved
@@ -282,15 +305,18 @@ def test_eval_follow_evaluates_every_checkpoint_beside_a_training_run(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "phase, needle",
+    "phase, needle, last_line",
     [
-        ("start", "Starting at step 0"),  # Before any step: nothing to save.
-        ("mid_run_twice", "step 20/"),  # Two signals 150 ms apart.
-        ("final_save", "Saving checkpoint step 60 "),
+        # Before any step: nothing to save.
+        ("start", "Starting at step 0", "SIGINT received: stopped at step 0 of 60; nothing saved"),
+        # Two signals 150 ms apart.
+        ("mid_run_twice", "step 20/", "SIGTERM received: stopped at step {saved} of 60; saved"),
+        # The last step is saved; unless its final evaluation ran, not a success.
+        ("final_save", "Saving checkpoint step 60 ", "at step 60, the last, before its final"),
     ],
 )
-def test_a_signal_at_any_phase_ends_in_a_clean_exit_with_a_complete_checkpoint(
-    tmp_path, phase, needle
+def test_a_signal_at_any_phase_saves_says_where_and_exits_128_plus_its_number(
+    tmp_path, phase, needle, last_line
 ):
     process = start(tmp_path, "--config.checkpoint_every=1000", steps=60)
     wait_for_output(process, needle)
@@ -299,7 +325,10 @@ def test_a_signal_at_any_phase_ends_in_a_clean_exit_with_a_complete_checkpoint(
         time.sleep(0.15)
         process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output[-3000:]
+    if phase == "final_save" and process.returncode == 0:  # The evaluation beat the signal.
+        last_line = "Final eval at step 60: accuracy"
+    else:
+        assert process.returncode == (130 if phase == "start" else 143), output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
     saved = steps_on_disk(tmp_path) if (tmp_path / "checkpoints").exists() else []
     if phase == "final_save":
@@ -308,3 +337,14 @@ def test_a_signal_at_any_phase_ends_in_a_clean_exit_with_a_complete_checkpoint(
         assert len(saved) == 1 and 20 <= saved[0] < 60
     for step in saved:
         assert (tmp_path / "checkpoints" / str(step) / "commit_success.txt").exists()
+    assert last_line.format(saved=saved and saved[0]) in output.strip().splitlines()[-1], output
+
+
+def test_eval_follow_stopped_while_it_waits_for_checkpoints_exits_143(tmp_path):
+    follower = start(tmp_path / "not_yet", "--mode=eval_follow")
+    wait_for_output(follower, "Waiting for")
+    follower.send_signal(signal.SIGTERM)
+    output, _ = follower.communicate(timeout=120)
+    assert follower.returncode == 143, output[-3000:]
+    assert "SIGTERM received: stopped while waiting for" in output.strip().splitlines()[-1]
+    assert "No checkpoints" not in output and not (tmp_path / "not_yet").exists()

@@ -74,6 +74,22 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     workdir_lib.check_usable(str(tmp_path / "new" / "deeper"))  # Creatable: fine.
 
 
+def test_a_checkpoints_folder_that_cannot_be_written_is_refused_before_training(tmp_path):
+    (tmp_path / "checkpoints").symlink_to("/proc/self")  # Not writable, even for root.
+    with pytest.raises(workdir_lib.WorkdirError, match="checkpoints is not writable"):
+        workdir_lib.check_usable(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
+
+
+def test_a_workdir_whose_checkpoint_paths_would_be_too_long_is_refused(tmp_path):
+    with pytest.raises(workdir_lib.WorkdirError, match="the filesystem allows 255"):
+        workdir_lib.check_usable(str(tmp_path / ("n" * 256)))
+    deep = os.path.join(str(tmp_path), *["d" * 250] * 16)  # About 4000 characters.
+    with pytest.raises(workdir_lib.WorkdirError, match="would pass the filesystem's limit"):
+        workdir_lib.check_usable(deep)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_workdir_that_cannot_be_created_is_refused_naming_it():
     workdir = "/proc/self/haiku_state_test/w"  # Not writable, even for root.
     with pytest.raises(workdir_lib.WorkdirError, match=f"--workdir={workdir} cannot be written"):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import errno
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -292,6 +293,15 @@ class Checkpointer:
             args = format.save_args(encoded, metadata_item)
             self._manager.save(encoded.step, args=args, force=True)
             self._manager.wait_until_finished()
+        except Exception as e:
+            if not _is_disk_full(e):
+                raise
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left to write checkpoint step {encoded.step} in {self._directory}: "
+                f"free space there (or keep fewer steps: max_to_keep) and run again to resume "
+                f"from step {self.latest_step()} ({type(e).__name__}: {str(e)[:200]})",
+            ) from None
         finally:
             self.retention.saving_step = None
 
@@ -409,7 +419,13 @@ class StepDirectories:
     def set_aside_damaged(self, step: int, reason: object, then: str = "") -> None:
         """Sets a damaged step aside with a warning naming both paths, then `then`."""
         path = self.step_dir(step)
-        moved = self.set_aside(step, "damaged")
+        try:
+            moved = self.set_aside(step, "damaged")
+        except OSError as e:
+            raise OSError(
+                f"Checkpoint {path} is damaged ({reason}) and cannot be moved aside: {e}. "
+                "Make the folder writable, or move the step away yourself."
+            ) from None
         logging.warning(
             "Checkpoint %s is damaged (%s)%s%s.",
             path,
@@ -479,6 +495,13 @@ def _on_a_mesh(train_state: TrainState) -> bool:
         isinstance(leaf, jax.Array) and isinstance(leaf.sharding, jax.sharding.NamedSharding)
         for leaf in jax.tree.leaves(train_state)
     )
+
+
+def _is_disk_full(error: Exception) -> bool:
+    """Whether a failed write ran out of space (TensorStore says so in its message)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(sign in str(error) for sign in ("No space left", "RESOURCE_EXHAUSTED"))
 
 
 def _writer_thread(async_save: bool) -> concurrent.futures.ThreadPoolExecutor | None:

@@ -65,8 +65,11 @@ def write_shard(path: str, records: Iterable[bytes]) -> int:
         for record in records:
             writer.write(record)
             count += 1
-    finally:
+    except BaseException:  # Also Ctrl-C: no partial shard is left behind.
         writer.close()
+        os.remove(temporary)
+        raise
+    writer.close()
     os.replace(temporary, path)
     return count
 

@@ -29,6 +29,7 @@ bytes with the crop box and flip the host drew, for the device to decode
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -337,8 +338,10 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
 
     grain's workers are daemons of the training process, but a process killed
     outright cannot stop them; they would block forever on a queue nobody reads,
-    holding their memory and the parent's pipes. A daemon thread polls the parent
-    instead.
+    holding their memory, their shared memory and the parent's pipes. A daemon
+    thread watches the parent instead: through the pipe `multiprocessing` gives
+    every child it starts (its `parent_process()`), which also tells of a parent
+    that died while this worker was still starting, before this runs.
 
     Ctrl-C reaches every process of the terminal's group: a worker ignores it
     and leaves the stop to the training process, which closes the pipeline.
@@ -349,10 +352,14 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
     del worker_index, worker_count  # The same for every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)
-    parent = os.getppid()
+    parent = multiprocessing.parent_process()
+    parent_pid = os.getppid()
+
+    def alive() -> bool:
+        return parent.is_alive() if parent is not None else os.getppid() == parent_pid
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while alive():
             time.sleep(ORPHAN_CHECK_S)
         os._exit(1)
 
