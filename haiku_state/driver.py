@@ -215,11 +215,16 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
 
 
+# Keys that say where this host finds things or how hard it works, not what the run
+# computes: hosts may differ in them (another mount point, another core count).
+PER_HOST_KEYS = ("compilation_cache_dir", "data.dir", "data.workers", "data.prefetch")
+
+
 def check_same_config_on_every_process(config: Any) -> None:
     """Refuses processes started with different configs, naming the keys and the processes.
 
     A collective of a multi-process run: every process compares a digest of each
-    config key's value with those of the others. Without it, the replicas would
+    config key's value (`PER_HOST_KEYS` aside) with those of the others. Without it, the replicas would
     drift apart and only the first replica check would tell.
 
     Raises:
@@ -227,7 +232,11 @@ def check_same_config_on_every_process(config: Any) -> None:
     """
     if jax.process_count() == 1:
         return
-    flat = _flat_config(config.to_dict())
+    flat = {
+        key: value
+        for key, value in _flat_config(config.to_dict()).items()
+        if key not in PER_HOST_KEYS
+    }
     digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
     shape = np.array([len(flat), zlib.crc32(digests.tobytes())], np.uint32).view(np.int32)
     every_shape = np.asarray(multihost_utils.process_allgather(shape))

@@ -59,6 +59,7 @@ def main(port: int, num_processes: int, process_id: int) -> None:
     from haiku_state import driver
 
     config = ConfigDict({"seed": 0, "optimizer": {"name": "sgd", "learning_rate": 0.1}})
+    config.data = {"dir": f"/mnt/host{process_id}/data"}  # Where each host mounts it may differ.
     same = outcome(lambda: driver.check_same_config_on_every_process(config))
     print("RESULT same_config", same, flush=True)
     if process_id == num_processes - 1:
