@@ -224,8 +224,8 @@ def check_same_config_on_every_process(config: Any) -> None:
     """Refuses processes started with different configs, naming the keys and the processes.
 
     A collective of a multi-process run: every process compares a digest of each
-    config key's value (`PER_HOST_KEYS` aside) with those of the others. Without it, the replicas would
-    drift apart and only the first replica check would tell.
+    config key's value (`PER_HOST_KEYS` aside) with those of the others. Without
+    it, the replicas would drift apart and only the first replica check would tell.
 
     Raises:
       ValueError: naming the keys that differ from process 0's, and the processes.

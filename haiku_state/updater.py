@@ -42,6 +42,7 @@ with a `cross_replica_axis` is refused (no device axis is bound under jit).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -326,11 +327,12 @@ class Updater:
             that uses a collective axis (BatchNorm's `cross_replica_axis`).
         """
         replication.check_batch(batch, "init")
-        sequence = hk.PRNGSequence(seed)
-        init_key = _as_typed_key(next(sequence))
-        run_key = _as_typed_key(next(sequence))
-        if self._backend == "jit":
-            return self._init_global(init_key, run_key, batch)
+        with self._random_bits():  # The keys are split under it too.
+            sequence = hk.PRNGSequence(seed)
+            init_key = _as_typed_key(next(sequence))
+            run_key = _as_typed_key(next(sequence))
+            if self._backend == "jit":
+                return self._init_global(init_key, run_key, batch)
         num_devices = jax.local_device_count()
         device_axis = replication.device_axis_sharding(self._axis_name)
         rng = per_device_keys(run_key, num_devices, jax.process_index() * num_devices)
@@ -383,7 +385,8 @@ class Updater:
         self._check_arguments(train_state, batch, "lower_update")
         update, batch = self._program(train_state, batch, "lower_update", with_norms)
         try:
-            return update.lower(train_state, batch)
+            with self._random_bits():
+                return update.lower(train_state, batch)
         except NameError as e:
             self._refuse_unbound_axis(e, "lower_update")
             raise
@@ -471,6 +474,19 @@ class Updater:
             raise
         return self._global_programs_for(like).init(key_data, batch, key_impl)
 
+    def _random_bits(self) -> contextlib.AbstractContextManager:
+        """The PRNG setting the programs are traced, lowered and run under.
+
+        The jit programs draw with the partitionable threefry whatever the process's
+        setting (the command line turns it off on CPU for the per-device backends):
+        each device then computes only the bits of its own shard (of the params it
+        initialises, of the batch it drops out), not the whole array's. The bits are
+        the same on any mesh, so a run still does not depend on the devices.
+        """
+        if self._backend != "jit":
+            return contextlib.nullcontext()
+        return jax.threefry_partitionable(True)
+
     def _init_global_fn(self, key_data, batch, key_impl: str) -> TrainState:
         init_key, run_key = (jax.random.wrap_key_data(k, impl=key_impl) for k in key_data)
         batch = sharding.merge_device_axis(batch, self._mesh)
@@ -544,7 +560,8 @@ class Updater:
         mapped size), so the per-leaf check in Python runs only when the call fails.
         """
         try:
-            return program(train_state, batch)
+            with self._random_bits():
+                return program(train_state, batch)
         except (ValueError, TypeError):
             # The clear message, if it is that.
             if self._backend == "jit":

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import chex
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -481,3 +482,18 @@ def test_a_train_state_of_the_other_param_sharding_is_refused_naming_the_leaf(ru
     with pytest.raises(ValueError, match=pattern):
         runs["replicated"]["updater"].update(fsdp_state, _batches()[0])
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(fsdp_state))
+
+
+def test_jit_programs_draw_partitionable_bits_whatever_the_process_setting():
+    # The command line turns the partitionable threefry off on CPU for the per-device
+    # backends; the jit programs keep it, so each device draws only its shard's bits.
+    network = _network(dropout_rate=0.5)
+    draws = []
+    for partitionable in (False, True):
+        with jax.threefry_partitionable(partitionable):
+            step_updater = _updater("jit", "fsdp", network=network)
+            initial = step_updater.init(0, _batches()[0])
+            params = to_host(initial.params)
+            _, metrics = step_updater.update(initial, _batches()[0])
+            draws.append((params, jax.device_get(metrics["loss"])))
+    chex.assert_trees_all_equal(draws[0], draws[1])
