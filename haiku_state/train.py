@@ -153,26 +153,6 @@ def _quiet_library_info_logs() -> None:
     logging.get_absl_handler().addFilter(keep)
 
 
-def _drop_late_orbax_callbacks() -> None:
-    """Keeps the traces of a failed checkpoint read off the terminal.
-
-    When a damaged checkpoint fails to read, Orbax closes its event loop while
-    TensorStore still has reads in flight; each one's completion callback then
-    finds the loop closed and is reported as an unraisable RuntimeError. The
-    damage itself is handled (and logged once) by the Checkpointer.
-    """
-    default_hook = sys.unraisablehook
-
-    def hook(unraisable) -> None:
-        error = unraisable.exc_value
-        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-            logging.debug("A late callback of a failed checkpoint read: %s", error)
-            return
-        default_hook(unraisable)
-
-    sys.unraisablehook = hook
-
-
 # How long a process may go silent before the others give it up for lost and stop.
 HEARTBEAT_TIMEOUT_S = 15
 
@@ -302,7 +282,6 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
     # First thing: from here to the exit a signal asks for a clean stop.
     stop = loop.StopRequest().install()
     _quiet_library_info_logs()
-    _drop_late_orbax_callbacks()
     if command_line.cpu_devices.value:
         jax.config.update("jax_num_cpu_devices", command_line.cpu_devices.value)
     try:

@@ -1,13 +1,17 @@
 """Tests of haiku_state.checkpoint.checkpointer: saves and exact resume, async saves under
 donation, the step directories, partial and damaged checkpoints set aside, never deleted."""
 
+import asyncio
 import errno
+import gc
 import logging
 import os
 import shutil
+import sys
 
 import jax
 import pytest
+import tensorstore as ts
 from checkpoint_helpers import (
     Setup,
     assert_bit_identical,
@@ -162,6 +166,38 @@ def test_a_damaged_final_step_is_saved_again(setup, tmp_path):
         assert checkpointer.save(at_step(train_state, 2))  # Its number is free again.
         checkpointer.wait_until_finished()
         assert int(checkpointer.restore(train_state).step[0]) == 2
+
+
+async def _fail_with(error: Exception) -> None:
+    raise error
+
+
+def test_the_leftovers_of_a_damaged_read_stay_quiet(setup, tmp_path, monkeypatch, caplog):
+    reported = []  # What would be printed as "Exception ignored ..." tracebacks.
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    train_state = setup.init()
+    save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
+    damage(largest_file(tmp_path / "2" / "train_state" / "d"), "truncate")
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.DEBUG):
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+        # What a failed read leaves in flight when Orbax closes its loop, whose timing
+        # decides how much of it a real read leaves: a TensorStore read that completes
+        # after the loop closed, and a read task that failed too, never retrieved.
+        promise, late_read = ts.Promise.new()
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        late_read.__await__()  # As awaiting it does: a callback to the loop once it is done.
+        error = ValueError(f'Error reading local file "{tmp_path}/2/train_state/d/0"')
+        failed = loop.create_task(_fail_with(error))
+        loop.run_until_complete(asyncio.sleep(0))
+        asyncio.set_event_loop(None)
+        loop.close()
+        promise.set_result(None)
+        del failed
+        gc.collect()
+    assert reported == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and str(tmp_path / "2") in warnings[0], warnings
 
 
 def test_only_damaged_checkpoints_raise(setup, tmp_path):

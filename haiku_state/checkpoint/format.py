@@ -64,11 +64,14 @@ match their fingerprints or checksums, params that are not finite): the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import json
+import logging as std_logging
+import sys
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -343,7 +346,8 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
     item = _read_step_item(manager, step)
     version = item.get("format_version", 1)
     try:
-        tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
+        with _orbax_read(manager, step):
+            tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
         if tree_metadata is None:
             raise FileNotFoundError(f"item {TRAIN_STATE!r} has no readable metadata")
         trees = dict(getattr(tree_metadata, "tree", tree_metadata))
@@ -392,7 +396,8 @@ def _read_verified(
     """The `train_state` item read into `targets`, checked against its integrity data."""
     args = ocp.args.Composite(**{TRAIN_STATE: ocp.args.StandardRestore(targets)})
     try:
-        trees = manager.restore(step, args=args)[TRAIN_STATE]
+        with _orbax_read(manager, step):
+            trees = manager.restore(step, args=args)[TRAIN_STATE]
     except Exception as e:  # The header was read, so a failed read is damage.
         raise DamagedCheckpointError(_reason(e)) from e
     if header.version == 1:
@@ -402,6 +407,61 @@ def _read_verified(
     if problem is not None:
         raise DamagedCheckpointError(problem)
     return trees
+
+
+# The leftovers of a failed read. Orbax reads every array concurrently in an event loop
+# of its own and closes it as soon as one read fails, while TensorStore still has the
+# others in flight. Each of those then reports, after the `DamagedCheckpointError` was
+# handled: TensorStore's completion callback cannot reach the closed loop (`RuntimeError:
+# Event loop is closed`, through `sys.unraisablehook`, with no "Exception ignored" line),
+# the coroutines left suspended fail the same way when collected, and tasks that failed
+# too are logged by asyncio as "Task exception was never retrieved". The damage is
+# reported once, by the caller; these would add hundreds of lines of tracebacks.
+
+_reading_or_failed: set[str] = set()  # Step directories, "<directory>/<step>/".
+_next_unraisablehook: Any = None
+
+
+def _drop_late_loop_callback(unraisable: Any) -> None:
+    """`sys.unraisablehook`: drops a callback or coroutine that outlived its event loop."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        logging.debug("A late callback of a failed checkpoint read: %s", error)
+        return
+    _next_unraisablehook(unraisable)
+
+
+def _is_not_a_failed_read_task(record: std_logging.LogRecord) -> bool:
+    """A filter of asyncio's logger: drops the failed tasks of a failed checkpoint read."""
+    error = record.exc_info[1] if record.exc_info else None
+    text = str(error) if error is not None else ""
+    return not any(step_dir in text for step_dir in _reading_or_failed)
+
+
+def _drop_leftovers_of_failed_reads() -> None:
+    """Keeps the leftovers of failed reads (see above) off the terminal; idempotent.
+
+    Process-wide, as they come from other threads at any later time; installed by
+    the first read, so every user of the checkpoints has it, not only the CLI.
+    """
+    global _next_unraisablehook
+    if sys.unraisablehook is not _drop_late_loop_callback:
+        _next_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _drop_late_loop_callback
+    asyncio_logger = std_logging.getLogger("asyncio")
+    if _is_not_a_failed_read_task not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_is_not_a_failed_read_task)
+
+
+@contextlib.contextmanager
+def _orbax_read(manager: ocp.CheckpointManager, step: int) -> Iterator[None]:
+    """Around an Orbax read of the arrays of `step` or their metadata: keeps its leftovers
+    off the terminal should it fail."""
+    step_dir = f"{_step_dir(manager, step)}/"
+    _drop_leftovers_of_failed_reads()
+    _reading_or_failed.add(step_dir)
+    yield
+    _reading_or_failed.discard(step_dir)  # Reached only when the read succeeded.
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
