@@ -21,9 +21,12 @@ detects them (SLURM, TPU pods).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging as std_logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -153,8 +156,14 @@ def _quiet_library_info_logs() -> None:
     logging.get_absl_handler().addFilter(keep)
 
 
-# How long a process may go silent before the others give it up for lost and stop.
+# How long a process may go silent before JAX's coordinator gives it up for lost and
+# aborts every process (with a fatal error and a dump of every thread).
 HEARTBEAT_TIMEOUT_S = 15
+# Each process sets its own key in the coordinator's key-value store every BEAT_S and
+# stops, in one line, when another's key has not changed for LOST_AFTER_S: before JAX does.
+BEAT_S = 1.0
+LOST_AFTER_S = 10.0
+_BEATS_KEY = "haiku_state/beats/"
 
 
 def initialize_distributed(
@@ -208,6 +217,15 @@ def initialize_distributed(
         process_id,
         heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
     )
+    if jax.process_count() > 1:
+        from jax._src import distributed  # Its client: JAX has no public accessor.
+
+        threading.Thread(
+            target=_watch_other_processes,
+            args=(distributed.global_state.client,),
+            name="beats",
+            daemon=True,
+        ).start()
     if jax.process_index() != 0:
         logging.set_verbosity(logging.WARNING)
     logging.info(
@@ -233,23 +251,50 @@ def _lost_a_process(error: Exception) -> bool:
     return jax.process_count() > 1 and any(sign in str(error) for sign in _LOST_PROCESS_SIGNS)
 
 
-def _exit_lost(error: Exception) -> None:
+def _watch_other_processes(client: Any) -> None:
+    """Beats for this process; stops it when another process falls silent.
+
+    A collective whose other end has died can wait forever (XLA:CPU with several
+    devices per process, NCCL) until JAX's heartbeat aborts every process with a
+    fatal error. Runs until the process exits; ends quietly when the runtime
+    shuts down or fails (which JAX reports itself).
+    """
+    me = jax.process_index()
+    others = [str(k) for k in range(jax.process_count()) if k != me]
+    last_beat = dict.fromkeys(others, "")
+    last_change = dict.fromkeys(others, time.monotonic())  # On this process's clock.
+    try:
+        for beat in itertools.count():
+            client.key_value_set(f"{_BEATS_KEY}{me}", str(beat), allow_overwrite=True)
+            now = time.monotonic()
+            for key, value in client.key_value_dir_get(_BEATS_KEY):
+                k = key.rpartition("/")[2]
+                if k != str(me) and value != last_beat[k]:
+                    last_beat[k], last_change[k] = value, now
+            silent = [k for k in others if now - last_change[k] > LOST_AFTER_S]
+            if silent:
+                lost = f"process{'es' if len(silent) > 1 else ''} {', '.join(silent)}"
+                _exit_lost(lost, f"silent for {LOST_AFTER_S:.0f} s")
+            time.sleep(BEAT_S)
+    except jax.errors.JaxRuntimeError as e:
+        logging.debug("Beats stopped: %s", e)
+
+
+def _exit_lost(lost: str, how: str) -> None:
     """Exits at once, naming the lost process in one line.
 
     JAX's own exit would wait at a shutdown barrier for the dead process until its
-    heartbeat times out, then abort with a stack trace of every thread. Every
-    `with` block of the run has closed by now (the checkpoint in flight, the
-    input workers); nothing is left for the interpreter's exit to do.
+    heartbeat times out, then abort with a stack trace of every thread. Nothing
+    the user saved is at stake: a checkpoint in flight is either complete or
+    ignored on resume.
     """
-    others = [k for k in range(jax.process_count()) if k != jax.process_index()]
-    lost = f"process {others[0]}" if len(others) == 1 else "another process"
     logging.error(
-        "Process %d of %d lost %s: a collective failed (%s). Stopping; run every process "
-        "again to resume from the latest checkpoint.",
+        "Process %d of %d lost %s: %s. Stopping; run every process again to resume from "
+        "the latest checkpoint.",
         jax.process_index(),
         jax.process_count(),
         lost,
-        str(error).splitlines()[0][:200],
+        how,
     )
     sys.stdout.flush()
     sys.stderr.flush()
@@ -308,7 +353,9 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
         sys.exit(e.exit_code)
     except _USER_ERRORS as e:
         if _lost_a_process(e):
-            _exit_lost(e)
+            others = [k for k in range(jax.process_count()) if k != jax.process_index()]
+            lost = f"process {others[0]}" if len(others) == 1 else "another process"
+            _exit_lost(lost, f"a collective failed ({str(e).splitlines()[0][:200]})")
         logging.error("%s", e)
         sys.exit(f"error: {e}")
     finally:
