@@ -35,6 +35,7 @@ FOLLOW_POLL_SECS = 1.0
 EVALUATOR_KEYS = (
     "eval_batch_size",
     "backend",
+    "param_sharding",  # Goes with the backend: fsdp needs jit.
     "compilation_cache_dir",
     "profile_steps",
     "data.dir",  # The data may be mounted elsewhere on the evaluator's machine.

@@ -13,7 +13,7 @@ import shutil
 import pytest
 from configs import mlp_config, steps_on_disk
 
-from haiku_state import driver
+from haiku_state import driver, evaluation
 
 
 def test_a_jit_fsdp_run_trains_saves_and_resumes_exactly(tmp_path, caplog):
@@ -38,3 +38,9 @@ def test_a_jit_fsdp_run_trains_saves_and_resumes_exactly(tmp_path, caplog):
     resumed = driver.train_and_evaluate(config, workdir)
     assert steps_on_disk(workdir) == [15, 30]
     assert resumed == pytest.approx(final, rel=1e-6)
+
+    # Evaluated with the pmap backend: the jit checkpoint restores onto it, and the
+    # recorded param_sharding (fsdp needs jit) gives way to the evaluator's own.
+    pmap_config = mlp_config(**{"model.hidden_sizes": (256,)})
+    evaluated = evaluation.evaluate_checkpoint(pmap_config, workdir)
+    assert evaluated == pytest.approx(final, rel=1e-5)
