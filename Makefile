@@ -92,7 +92,7 @@ $(STAMP_PREFIX)%: setup.cfg pyproject.toml $(wildcard $(LOCK))
 endif
 
 test: $(call installed,test+bench+plots)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 train: $(call installed,plots)
 	$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
