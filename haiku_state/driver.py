@@ -234,7 +234,7 @@ def check_same_config_on_every_process(config: Any) -> None:
         return
     flat = {
         key: value
-        for key, value in _flat_config(config.to_dict()).items()
+        for key, value in sorted(workdir_lib.flatten(config.to_dict()).items())
         if key not in PER_HOST_KEYS
     }
     digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
@@ -252,16 +252,6 @@ def check_same_config_on_every_process(config: Any) -> None:
         f"Processes {differ} were started with a config that differs from process 0's in "
         f"{', '.join(keys)}; start every process with the same --config and overrides."
     )
-
-
-def _flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in sorted(tree.items()):
-        if isinstance(value, dict):
-            flat.update(_flat_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _on_process_0(what: str, fn: Callable[[], Any]) -> None:

@@ -175,11 +175,12 @@ def _read_holder(path: str) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}"
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as a flat dict of dotted keys: `{"optimizer.name": "sgd", ...}`."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -198,7 +199,7 @@ def trajectory_changes(recorded: Mapping[str, Any], config: Any) -> list[str]:
     one of the two (a key this version of the code added or removed) are not
     compared: their absence says nothing about the value the run used.
     """
-    old, new = _flatten(recorded), _flatten(_as_json(config))
+    old, new = flatten(recorded), flatten(_as_json(config))
     return _changes(old, new, config_lib.free_keys(old, new))
 
 
@@ -358,7 +359,7 @@ def with_recorded(
     Keys in only one of the two are left as `config` has them (as on resume).
     """
     config = config.copy_and_resolve_references()
-    old, new = _flatten(recorded), _flatten(_as_json(config))
+    old, new = flatten(recorded), flatten(_as_json(config))
     changed = _changes(new, old, frozenset(keep))
     for key in sorted(set(old) & set(new) - set(keep)):
         if old[key] != new[key]:

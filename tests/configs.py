@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from haiku_state import config as config_lib
+from haiku_state import loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,3 +37,15 @@ def steps_on_disk(workdir) -> list[int]:
     """The step directories of a workdir's checkpoints (complete or not), ascending."""
     checkpoints = os.path.join(workdir, "checkpoints")
     return sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit())
+
+
+class StopAfterChecks(loop.StopRequest):
+    """A stop request that a signal reaches after its first `checks` checks: a bound on a hang."""
+
+    def __init__(self, checks: int):
+        super().__init__()
+        self.checks = checks
+
+    def should_stop_now(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0

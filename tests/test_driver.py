@@ -15,7 +15,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from configs import mlp_config, steps_on_disk
+from configs import StopAfterChecks, mlp_config, steps_on_disk
 from image_trees import CORRUPTIONS, write_imagefolder
 
 from haiku_state import checkpoint, data, driver, evaluation, loop, prepare, summaries, train
@@ -246,22 +246,10 @@ def test_checkpoints_are_also_saved_on_a_timer_at_log_boundaries(tmp_path):
     assert steps_on_disk(tmp_path) == [10, 20, 30]
 
 
-class _StopAfterChecks(loop.StopRequest):
-    """A stop request that a signal reaches after its first `checks` checks."""
-
-    def __init__(self, checks: int):
-        super().__init__()
-        self.checks = checks
-
-    def should_stop_now(self) -> bool:
-        self.checks -= 1
-        return self.checks < 0
-
-
 def test_the_evaluation_of_an_already_trained_run_stops_on_a_signal(tmp_path):
     driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path))
     # The first check is before the evaluation; the signal comes during it.
-    stop = _StopAfterChecks(1)
+    stop = StopAfterChecks(1)
     with pytest.raises(loop.Stopped, match="stopped at step 30, the last, before its final eval"):
         driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path), stop=stop)
 

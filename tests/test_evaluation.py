@@ -13,7 +13,7 @@ import os
 import shutil
 
 import pytest
-from configs import mlp_config
+from configs import StopAfterChecks, mlp_config
 
 from haiku_state import checkpoint, driver, evaluation, loop
 from haiku_state.experiment import build_experiment, placeholder_batch
@@ -60,24 +60,12 @@ def test_a_stop_request_interrupts_an_evaluation_between_batches(trained):
     assert evaluation.evaluate_split(*args, stop=stop) is None
 
 
-class _StopAfterChecks(loop.StopRequest):
-    """A stop request that a signal reaches after `checks` checks: a bound on a hang."""
-
-    def __init__(self, checks: int):
-        super().__init__()
-        self.checks = checks
-
-    def should_stop_now(self) -> bool:
-        self.checks -= 1
-        return self.checks < 0
-
-
 def test_the_eval_modes_evaluate_the_run_as_its_record_says(trained, tmp_path, caplog):
     workdir = str(tmp_path / "run")
     shutil.copytree(trained[0], workdir)
     # Another length and no keep_best_by on the command line: the run's record wins.
     given = mlp_config(steps=60)
-    stop = _StopAfterChecks(2000)
+    stop = StopAfterChecks(2000)
     with caplog.at_level(logging.WARNING):
         results = evaluation.follow_checkpoints(given, workdir, stop=stop, poll_secs=0.001)
     assert sorted(results) == [10, 20, 30] and stop.checks >= 0  # Ended at the last step.
