@@ -195,24 +195,30 @@ def _stop_request(stop: loop.StopRequest | None) -> contextlib.AbstractContextMa
     return contextlib.nullcontext(stop) if stop else loop.StopRequest()
 
 
-def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState:
-    """A fresh initialisation, or a warm start (`config.init_from`) for a workdir without
-    checkpoints. Runs before the workdir is touched, so a warm start that does not fit
-    the model is refused with nothing written."""
-    fresh = experiment.updater.init(
-        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
-    )
+def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState | None:
+    """A fresh initialisation, or a warm start (`config.init_from`), for a workdir without
+    checkpoints; None for one with checkpoints, which resumes and initialises nothing.
+    Runs before the workdir is touched, so a warm start that does not fit the model is
+    refused with nothing written."""
+    if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
+        if config.init_from:
+            logging.warning(
+                "config.init_from=%r is ignored: %s holds checkpoints, and the run resumes "
+                "from its latest (init_from starts a new workdir only).",
+                config.init_from,
+                workdir,
+            )
+        return None
+    fresh = _fresh_train_state(experiment, config)
     if not config.init_from:
         return fresh
-    if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
-        logging.warning(
-            "config.init_from=%r is ignored: %s holds checkpoints, and the run resumes from "
-            "its latest (init_from starts a new workdir only).",
-            config.init_from,
-            workdir,
-        )
-        return fresh
     return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+
+
+def _fresh_train_state(experiment: Experiment, config: Any) -> TrainState:
+    return experiment.updater.init(
+        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
+    )
 
 
 # Keys that say where this host finds things or how hard it works, not what the run
@@ -292,14 +298,14 @@ def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
 
 
 def _resume(
-    first: TrainState,
+    first: TrainState | None,
     experiment: Experiment,
     config: Any,
     checkpointer: checkpoint.Checkpointer,
     data_record: dict[str, Any],
     allow_config_change: bool,
 ) -> TrainState:
-    """The latest complete checkpoint, else `first`; checked before training.
+    """The latest complete checkpoint, else `first` (or a fresh one); checked before training.
 
     The config and data are checked against the run's record first, and the
     record is written only once the restore succeeded: a refused run writes nothing.
@@ -318,12 +324,20 @@ def _resume(
             )
         ),
     )
-    train_state = checkpointer.restore(first)
+    # A resume reads into the shapes and shardings alone: nothing is initialised for it.
+    like = (
+        first
+        if first is not None
+        else experiment.updater.abstract_init(
+            placeholder_batch(experiment.dataset, config.batch_size)
+        )
+    )
+    train_state = checkpointer.restore(like)
     _on_process_0("Recording the config", lambda: pending[0].write())
     how = "Resuming"
     if train_state is None:
         how = f"Starting from {config.init_from}" if config.init_from else "Starting"
-        train_state = first
+        train_state = first if first is not None else _fresh_train_state(experiment, config)
     logging.info(
         "%s at step %d of %d%s on %d %s device(s) in %d process(es); workdir %s.",
         how,

@@ -118,8 +118,8 @@ def _prepare(
     validate_config(config, jax.device_count(), jax.process_count())
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
-    like = experiment.updater.init(
-        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
+    like = experiment.updater.abstract_init(
+        placeholder_batch(experiment.dataset, config.batch_size)
     )
     return config, experiment, like, directory
 

@@ -168,6 +168,16 @@ def is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def key_impl_name(keys: Any) -> str:
+    """The PRNG implementation of typed keys, e.g. "threefry2x32"; also of abstract ones.
+
+    `jax.random.key_impl` takes concrete keys only; a trace of it takes both.
+    """
+    names = []
+    jax.eval_shape(lambda k: names.append(str(jax.random.key_impl(k))), keys)
+    return names[0]
+
+
 def global_key_data(keys: jax.Array) -> np.ndarray:
     """The raw data of every process's per-device keys, `[global_devices, ...]`, on the host.
 

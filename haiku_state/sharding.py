@@ -157,6 +157,18 @@ def train_state_shardings(
     )
 
 
+def put_global(host_tree: PyTree, shardings: PyTree) -> PyTree:
+    """Host arrays as global arrays of `shardings`: each process places the shards it holds.
+
+    Every process passes the same values (e.g. an initialisation from the same seed).
+    """
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda index: x[index]),
+        host_tree,
+        shardings,
+    )
+
+
 def global_batch_view(batch: PyTree, device_mesh: Mesh) -> PyTree:
     """The processes' `[local_devices, per_device_batch, ...]` batches as one global array each.
 

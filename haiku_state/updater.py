@@ -55,7 +55,7 @@ import jmp
 import numpy as np
 import optax
 
-from haiku_state import asserts, replication, sharding
+from haiku_state import asserts, initialization, replication, sharding
 
 BACKENDS = replication.BACKENDS
 PARAM_SHARDINGS = sharding.PARAM_SHARDINGS
@@ -159,12 +159,28 @@ def _checked_loss(loss_fn: LossFn, outputs: Any, batch: Batch) -> tuple[jax.Arra
     return loss, metrics
 
 
-def _norms(grads: Any, params: Any, updates: Any) -> Metrics:
+NORMS = ("l2_grads", "l2_params", "l2_updates")
+
+
+def global_norms(grads: Any, params: Any, updates: Any) -> Metrics:
     """Global L2 norms, big_vision's names: what to look at first when a run goes wrong."""
+    trees = (grads, params, updates)
     return {
-        "l2_grads": optax.tree.norm(grads),
-        "l2_params": optax.tree.norm(params),
-        "l2_updates": optax.tree.norm(updates),
+        name: optax.tree.norm(tree).astype(jnp.float32)
+        for name, tree in zip(NORMS, trees, strict=True)
+    }
+
+
+def zero_norms(grads: Any, params: Any, updates: Any) -> Metrics:
+    """Zeros in the norms' place, typed like them (a per-device backend's types say which
+    device axes a value varies over, and a `lax.cond`'s two branches must agree)."""
+
+    def zero_like(tree):
+        leaves = jax.tree.leaves(tree)
+        return jnp.zeros_like(leaves[0], jnp.float32, shape=()) if leaves else jnp.float32(0)
+
+    return {
+        name: zero_like(tree) for name, tree in zip(NORMS, (grads, params, updates), strict=True)
     }
 
 
@@ -211,7 +227,7 @@ class _GlobalPrograms(NamedTuple):
 
     shardings: TrainState  # Of every leaf, by the param_sharding rule.
     init: Callable[..., TrainState]
-    update: dict[bool, Callable[..., tuple[TrainState, Metrics]]]  # By with_norms.
+    update: Callable[..., tuple[TrainState, Metrics]]
     evaluate: Callable[..., Metrics]
 
 
@@ -274,25 +290,18 @@ class Updater:
         self._loss_scale = loss_scale
         self._backend = backend
         self._param_sharding = param_sharding
+        self._norms_flags: dict[bool, jax.Array] = {}  # Placed when first asked for.
         if backend == "jit":
             self._mesh = sharding.mesh(axis_name)
             # Built on first use for each shape of train state: the shardings depend on it.
             self._global_programs: dict[tuple, _GlobalPrograms] = {}
             return
         parallel = dict(backend=backend, axis_name=axis_name)
-        self._init_parallel = replication.parallelize(self._init_fn, **parallel)
-        # Two programs of the step: with the global norms, and without (their three
-        # passes over the parameters are the cost of a small model's step worth saving on
-        # the steps nobody logs). Each compiles when first called.
-        self._update_parallel = {
-            with_norms: replication.parallelize(
-                functools.partial(self._update_fn, with_norms=with_norms),
-                out_axes=(0, None),
-                donate_argnums=(0,),
-                **parallel,
-            )
-            for with_norms in (True, False)
-        }
+        # One program of the step, compiled when first called: whether it computes the
+        # global norms is an argument (`_norms_flag`), not a second program.
+        self._update_parallel = replication.parallelize(
+            self._update_fn, out_axes=(0, None), donate_argnums=(0,), **parallel
+        )
         self._evaluate_parallel = replication.parallelize(
             self._evaluate_fn, out_axes=None, **parallel
         )
@@ -320,7 +329,15 @@ class Updater:
             as the train state's one key.
           batch: a device-sharded batch (leaves `[local_devices, per_device, ...]`,
             as `hs.shard` makes it), for every backend; only its shapes and dtypes
-            matter, and under `jit` its values for data-dependent initialisers.
+            matter, unless a parameter is computed from the input (then the first
+            device's shard is read).
+
+        The params and state are `initialization.initial_params_and_state`'s: drawn
+        on the host in one small program rather than compiled into the network's
+        forward pass (seconds, not the minute XLA takes to compile ResNet-50's
+        initialisers on a TPU), the same on every platform, backend and device
+        count; state the network computes from its input (BatchNorm's moving
+        averages, which the first step overwrites) starts at zero.
 
         Raises:
           ValueError: for a batch not laid out per device; with `jit`, for a network
@@ -331,15 +348,86 @@ class Updater:
             sequence = hk.PRNGSequence(seed)
             init_key = _as_typed_key(next(sequence))
             run_key = _as_typed_key(next(sequence))
-            if self._backend == "jit":
-                return self._init_global(init_key, run_key, batch)
+        try:
+            params, state = initialization.initial_params_and_state(
+                self._forward,
+                init_key,
+                replication.unreplicate(batch),  # One device's shard.
+                axis_name=None if self._backend == "jit" else self._axis_name,
+            )
+        except NameError as e:
+            self._refuse_unbound_axis(e, "init")
+            raise
+        run_key_data = np.asarray(jax.device_get(jax.random.key_data(run_key)))
+        key_impl = str(jax.random.key_impl(run_key))
+        if self._backend == "jit":
+            like = jax.eval_shape(
+                functools.partial(self._train_state_from, key_impl=key_impl),
+                params,
+                state,
+                run_key_data,
+            )
+            programs = self._global_programs_for(like)
+            params, state = sharding.put_global(
+                (params, state), (programs.shardings.params, programs.shardings.state)
+            )
+            return programs.init(params, state, run_key_data, key_impl)
         num_devices = jax.local_device_count()
-        device_axis = replication.device_axis_sharding(self._axis_name)
-        rng = per_device_keys(run_key, num_devices, jax.process_index() * num_devices)
-        init_keys = replication.replicate(init_key, self._axis_name)
-        params, state, opt_state = self._init_parallel(init_keys, batch)
-        rng, step = jax.device_put((rng, np.zeros((num_devices,), np.int32)), device_axis)
-        return TrainState(params, state, opt_state, rng, step)
+        place = jax.jit(
+            functools.partial(self._replicated_train_state_from, num_devices=num_devices),
+            static_argnames=("key_impl", "first_index"),
+            out_shardings=replication.device_axis_sharding(self._axis_name),
+        )
+        first_index = jax.process_index() * num_devices
+        return place(params, state, run_key_data, key_impl=key_impl, first_index=first_index)
+
+    def abstract_init(self, batch: Batch) -> TrainState:
+        """The shapes, dtypes and shardings `init` would give, as `jax.ShapeDtypeStruct`s.
+
+        What `Checkpointer.restore` needs to read a checkpoint into: a resumed run
+        traces the network, and initialises nothing.
+        """
+        replication.check_batch(batch, "abstract_init")
+        key = jax.random.key(0)
+        try:
+            params, state = initialization.initial_shapes(
+                self._forward,
+                key,
+                replication.unreplicate(batch),
+                axis_name=None if self._backend == "jit" else self._axis_name,
+            )
+        except NameError as e:
+            self._refuse_unbound_axis(e, "abstract_init")
+            raise
+        key_data = jax.eval_shape(jax.random.key_data, key)
+        key_impl = str(jax.random.key_impl(key))
+        if self._backend == "jit":
+            like = jax.eval_shape(
+                functools.partial(self._train_state_from, key_impl=key_impl),
+                params,
+                state,
+                key_data,
+            )
+            shardings = self._global_programs_for(like).shardings
+        else:
+            num_devices = jax.local_device_count()
+            like = jax.eval_shape(
+                functools.partial(
+                    self._replicated_train_state_from,
+                    key_impl=key_impl,
+                    num_devices=num_devices,
+                    first_index=0,
+                ),
+                params,
+                state,
+                key_data,
+            )
+            shardings = jax.tree.map(
+                lambda _: replication.device_axis_sharding(self._axis_name), like
+            )
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, shardings
+        )
 
     def update(
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
@@ -360,12 +448,14 @@ class Updater:
           `l2_params` (after the update) and `l2_updates`.
         """
         self._check_arguments(train_state, batch, "update")
-        update, batch = self._program(train_state, batch, "update", with_norms)
-        if not self._check_finite:
-            return self._call(update, train_state, batch, "update")
-        step = step_of(train_state)
-        new_train_state, metrics = self._call(update, train_state, batch, "update")
-        asserts.check_finite_losses([(step, jax.device_get(metrics))])
+        update, batch = self._program(train_state, batch, "update")
+        step = step_of(train_state) if self._check_finite else None
+        flag = self._norms_flag(with_norms)
+        new_train_state, metrics = self._call(update, train_state, batch, "update", flag)
+        if not with_norms:  # The program's placeholders for them.
+            metrics = {name: value for name, value in metrics.items() if name not in NORMS}
+        if self._check_finite:
+            asserts.check_finite_losses([(step, jax.device_get(metrics))])
         return new_train_state, metrics
 
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
@@ -383,10 +473,10 @@ class Updater:
         Under `jit` the figures of the compiled program are per device.
         """
         self._check_arguments(train_state, batch, "lower_update")
-        update, batch = self._program(train_state, batch, "lower_update", with_norms)
+        update, batch = self._program(train_state, batch, "lower_update")
         try:
             with self._random_bits():
-                return update.lower(train_state, batch)
+                return update.lower(train_state, batch, self._norms_flag(with_norms))
         except NameError as e:
             self._refuse_unbound_axis(e, "lower_update")
             raise
@@ -401,21 +491,33 @@ class Updater:
             return _pmean_floating(tree, self._axis_name)
         return jax.lax.pmean(tree, self._axis_name)
 
-    def _init_fn(self, init_key, batch):
-        params, state = self._forward.init(init_key, batch, is_training=True)
-        # Averaging makes replicas identical even for data-dependent initialisers.
-        state = self._mean_over_devices(state, floating_only=True)
+    def _train_state_from(self, params, state, run_key_data, key_impl: str) -> TrainState:
+        """The initial TrainState of a network's params and state, in the jit layout."""
         opt_state = self._optimizer.init(params)
         if self._loss_scale is not None:
             opt_state = pack_loss_scale(opt_state, self._loss_scale)
-        return params, state, opt_state
+        run_key = jax.random.wrap_key_data(run_key_data, impl=key_impl)
+        return TrainState(params, state, opt_state, run_key, jnp.zeros((), jnp.int32))
+
+    def _replicated_train_state_from(
+        self, params, state, run_key_data, *, key_impl: str, num_devices: int, first_index: int
+    ) -> TrainState:
+        """The same in the per-device layout: a copy per device, and one key per device."""
+        params, state, opt_state, run_key, step = self._train_state_from(
+            params, state, run_key_data, key_impl
+        )
+        copies = jax.tree.map(
+            lambda x: jnp.broadcast_to(x, (num_devices, *x.shape)), (params, state, opt_state)
+        )
+        rng = per_device_keys(run_key, num_devices, first_index)
+        return TrainState(*copies, rng, jnp.broadcast_to(step, (num_devices,)))
 
     def _loss(self, params, state, key, batch, loss_scale):
         outputs, new_state = self._forward.apply(params, state, key, batch, is_training=True)
         loss, metrics = _checked_loss(self._loss_fn, outputs, batch)
         return loss_scale.scale(loss), (loss, new_state, metrics)
 
-    def _update_fn(self, train_state: TrainState, batch, with_norms: bool):
+    def _update_fn(self, train_state: TrainState, batch, with_norms: jax.Array):
         params, state, opt_state, rng, step = train_state
         rng, step_key = jax.random.split(rng)
         augment_key, apply_key = jax.random.split(step_key)
@@ -435,8 +537,19 @@ class Updater:
         new_params = optax.apply_updates(params, updates)
         new_opt_state = new_optimizer_state
         metrics = {"loss": loss, **metrics}
-        if with_norms:
-            metrics.update(_norms(grads, new_params, updates))
+        # The norms' three passes over the parameters are worth saving on the steps nobody
+        # logs (a small model's step pays a fifth more for them on a CPU); a second program
+        # without them would cost a second compile, as long as the first on an accelerator.
+        metrics.update(
+            jax.lax.cond(
+                with_norms,
+                global_norms,
+                zero_norms,
+                grads,
+                new_params,
+                updates,
+            )
+        )
         if scaled:
             # Gradients are averaged already, so every device takes the same decision.
             grads_finite = jmp.all_finite(grads)
@@ -459,21 +572,6 @@ class Updater:
 
     # The jit backend: the same functions on the global batch, with explicit shardings.
 
-    def _init_global(self, init_key: jax.Array, run_key: jax.Array, batch: Batch) -> TrainState:
-        # The keys as host data: every process holds the same, and the program places
-        # them on every device (a device array cannot be put on other processes' devices).
-        key_data = np.stack([jax.device_get(jax.random.key_data(k)) for k in (init_key, run_key)])
-        key_impl = str(jax.random.key_impl(init_key))
-        batch = sharding.global_batch_view(batch, self._mesh)
-        try:
-            like = jax.eval_shape(
-                functools.partial(self._init_global_fn, key_impl=key_impl), key_data, batch
-            )
-        except NameError as e:
-            self._refuse_unbound_axis(e, "init")
-            raise
-        return self._global_programs_for(like).init(key_data, batch, key_impl)
-
     def _random_bits(self) -> contextlib.AbstractContextManager:
         """The PRNG setting the programs are traced, lowered and run under.
 
@@ -487,13 +585,7 @@ class Updater:
             return contextlib.nullcontext()
         return jax.threefry_partitionable(True)
 
-    def _init_global_fn(self, key_data, batch, key_impl: str) -> TrainState:
-        init_key, run_key = (jax.random.wrap_key_data(k, impl=key_impl) for k in key_data)
-        batch = sharding.merge_device_axis(batch, self._mesh)
-        params, state, opt_state = self._init_fn(init_key, batch)
-        return TrainState(params, state, opt_state, run_key, jnp.zeros((), jnp.int32))
-
-    def _update_global_fn(self, train_state: TrainState, batch, with_norms: bool):
+    def _update_global_fn(self, train_state: TrainState, batch, with_norms: jax.Array):
         return self._update_fn(
             train_state, sharding.merge_device_axis(batch, self._mesh), with_norms
         )
@@ -513,22 +605,19 @@ class Updater:
         shardings = sharding.train_state_shardings(train_state, self._mesh, self._param_sharding)
         batch = sharding.batch_sharding(self._mesh)
         whole = sharding.replicated(self._mesh)
-        update = {
-            with_norms: jax.jit(
-                functools.partial(self._update_global_fn, with_norms=with_norms),
-                in_shardings=(shardings, batch),
-                out_shardings=(shardings, whole),
-                donate_argnums=0,
-            )
-            for with_norms in (True, False)
-        }
+        update = jax.jit(
+            self._update_global_fn,
+            in_shardings=(shardings, batch, whole),
+            out_shardings=(shardings, whole),
+            donate_argnums=0,
+        )
         return _GlobalPrograms(
             shardings=shardings,
             init=jax.jit(
-                self._init_global_fn,
-                in_shardings=(whole, batch),
+                self._train_state_from,
+                in_shardings=(shardings.params, shardings.state, whole),
                 out_shardings=shardings,
-                static_argnums=2,  # key_impl
+                static_argnums=3,  # key_impl
             ),
             update=update,
             evaluate=jax.jit(
@@ -536,23 +625,36 @@ class Updater:
             ),
         )
 
-    def _program(
-        self, train_state: TrainState, batch: Batch, where: str, with_norms: bool = True
-    ) -> tuple[Callable, Batch]:
+    def _program(self, train_state: TrainState, batch: Batch, where: str) -> tuple[Callable, Batch]:
         """The program that runs `where` on these arguments, and the batch as it takes it."""
         if self._backend != "jit":
             if where == "evaluate":
                 return self._evaluate_parallel, batch
-            return self._update_parallel[with_norms], batch
+            return self._update_parallel, batch
         programs = self._global_programs_for(train_state)
         batch = sharding.global_batch_view(batch, self._mesh)
         if where == "evaluate":
             return programs.evaluate, batch
-        return programs.update[with_norms], batch
+        return programs.update, batch
+
+    def _norms_flag(self, with_norms: bool) -> jax.Array:
+        """`with_norms` as the step program takes it, placed once per value (no transfer a step)."""
+        flags = self._norms_flags
+        if with_norms not in flags:
+            if self._backend == "jit":
+                where = sharding.replicated(self._mesh)
+                flags[with_norms] = jax.device_put(np.bool_(with_norms), where)
+            else:
+                where = replication.device_axis_sharding(self._axis_name)
+                value = np.full((jax.local_device_count(),), with_norms)
+                flags[with_norms] = jax.device_put(value, where)
+        return flags[with_norms]
 
     # Argument checks: clear errors before anything runs or is donated.
 
-    def _call(self, program: Callable, train_state: TrainState, batch: Batch, where: str):
+    def _call(
+        self, program: Callable, train_state: TrainState, batch: Batch, where: str, *more: Any
+    ):
         """Calls a step program; if it rejects its arguments, names the train-state leaf at fault.
 
         pmap and jit refuse a misshapen or mis-sharded train state themselves,
@@ -561,7 +663,7 @@ class Updater:
         """
         try:
             with self._random_bits():
-                return program(train_state, batch)
+                return program(train_state, batch, *more)
         except (ValueError, TypeError):
             # The clear message, if it is that.
             if self._backend == "jit":

@@ -490,9 +490,10 @@ def _check_layout(train_state: TrainState, where: str) -> None:
 
 
 def _on_a_mesh(train_state: TrainState) -> bool:
-    """Whether every array of `train_state` is a global array laid out on a device mesh."""
+    """Whether every leaf of `train_state` is laid out on a device mesh (arrays or shapes)."""
     return all(
-        isinstance(leaf, jax.Array) and isinstance(leaf.sharding, jax.sharding.NamedSharding)
+        isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
+        and isinstance(leaf.sharding, jax.sharding.NamedSharding)
         for leaf in jax.tree.leaves(train_state)
     )
 

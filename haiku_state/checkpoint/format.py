@@ -299,7 +299,7 @@ def restore_step(
     """
     header = read_header(manager, step)
     problem = first_mismatch(_expected_trees(like), header.trees)
-    model_key_impl = str(jax.random.key_impl(like.rng))
+    model_key_impl = replication.key_impl_name(like.rng)
     if problem is None and header.key_impl != model_key_impl:
         problem = f"rng: checkpoint keys are {header.key_impl} vs model {model_key_impl}"
     if problem is not None:

@@ -1,0 +1,257 @@
+"""A Haiku network's initial params and state, without compiling the network.
+
+`forward.init` runs the network once and draws every parameter with a random
+kernel of its own. Compiled, each draw is a separate XLA kernel holding a
+threefry hash and, for Haiku's default truncated normal, an erf_inv
+polynomial: XLA:TPU spends about a second on each, so ResNet-50's 54 weight
+tensors cost ~53 s on a TPU v5e, and the forward pass (which only BatchNorm's
+first moving averages need) ~15 s more, before the first step has compiled.
+
+`initial_params_and_state` draws the same distributions in one small program:
+
+* a parameter whose initialiser is one of Haiku's standard random ones
+  (`TruncatedNormal`, the default of `hk.Linear` and `hk.Conv2D`,
+  `RandomNormal`, `RandomUniform`) is a slice of one flat draw per
+  distribution, scaled and shifted as its initialiser says;
+* every other parameter and state entry is `forward.init`'s own value, computed
+  in the same program, where the forward pass is dead code;
+* state the network computes from its input starts at zero. In Haiku that is
+  BatchNorm's moving averages, which `init` sets from the batch it sees and the
+  first training step overwrites whatever they were (their debiased average
+  after one step is that step's statistic), so training does not depend on it.
+  A parameter computed from the input instead makes the whole initialisation
+  `forward.init` as it is, forward pass included, on one device's shard.
+
+The program runs on the host's CPU (where the platform has one) under the
+partitionable threefry, and its results come back as numpy arrays: the initial
+values are the same on every platform, backend, device count and process
+count, and no accelerator holds a second copy of the model while they are made.
+The draws differ from those `forward.init` would make with the same key (one
+flat draw, not one per parameter); the distributions are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jax_core
+
+Params = Any
+State = Any
+
+
+class _Draw(NamedTuple):
+    """One parameter's share of a flat draw: which distribution, and how it is scaled."""
+
+    module: str
+    name: str
+    shape: tuple[int, ...]
+    distribution: tuple  # ("truncated_normal", lower, upper), ("normal",) or ("uniform",)
+    scale: float  # value = offset + scale * draw
+    offset: float
+
+
+def _as_draw(init: Any, shape, dtype, full_name: str) -> _Draw | None:
+    """The flat-draw equivalent of a Haiku initialiser, or None if it has none."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    numbers = lambda *values: all(np.ndim(v) == 0 for v in values)  # noqa: E731
+    if isinstance(init, hk.initializers.TruncatedNormal):
+        if not numbers(init.stddev, init.mean, init.lower, init.upper):
+            return None
+        distribution = ("truncated_normal", float(init.lower), float(init.upper))
+        scale, offset = init.stddev, init.mean
+    elif isinstance(init, hk.initializers.RandomNormal):
+        if not numbers(init.stddev, init.mean):
+            return None
+        distribution, scale, offset = ("normal",), init.stddev, init.mean
+    elif isinstance(init, hk.initializers.RandomUniform):
+        if not numbers(init.minval, init.maxval):
+            return None
+        distribution = ("uniform",)
+        scale, offset = init.maxval - init.minval, init.minval
+    else:
+        return None
+    module, name = full_name.rsplit("/", 1)
+    shape = tuple(int(d) for d in shape)
+    return _Draw(module, name, shape, distribution, float(scale), float(offset))
+
+
+def _standard_draw(key: jax.Array, distribution: tuple, size: int) -> jax.Array:
+    """`size` float32 values of the unscaled distribution."""
+    if distribution[0] == "truncated_normal":
+        return jax.random.truncated_normal(key, distribution[1], distribution[2], (size,))
+    if distribution[0] == "normal":
+        return jax.random.normal(key, (size,))
+    return jax.random.uniform(key, (size,))
+
+
+def _depends_on(closed_jaxpr: jax_core.ClosedJaxpr, inputs: list[bool]) -> list[bool]:
+    """For each output of `closed_jaxpr`, whether it depends on an input marked in `inputs`.
+
+    Conservative: an equation any of whose inputs depends makes all its outputs
+    depend (a nested jaxpr counts as one equation).
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    dependent = {var for var, marked in zip(jaxpr.invars, inputs, strict=True) if marked}
+    for equation in jaxpr.eqns:
+        if any(not isinstance(v, jax_core.Literal) and v in dependent for v in equation.invars):
+            dependent.update(equation.outvars)
+    return [not isinstance(v, jax_core.Literal) and v in dependent for v in jaxpr.outvars]
+
+
+def _host_device() -> jax.Device:
+    """The CPU device, where the platform has one (JAX_PLATFORMS may leave it out)."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
+def initial_params_and_state(
+    forward: hk.TransformedWithState,
+    key: jax.Array,
+    batch: Mapping[str, Any],
+    *,
+    axis_name: str | None = None,
+) -> tuple[Params, State]:
+    """The params and state to start training from, as numpy arrays (see the module docstring).
+
+    Args:
+      forward: `hk.transform_with_state` of `f(batch, is_training)`.
+      key: a typed PRNG key; the same key gives the same values everywhere.
+      batch: one device's shard of a batch, `[per_device_batch, ...]` (arrays or
+        `jax.ShapeDtypeStruct`s: its values are read only when a parameter is
+        computed from the input).
+      axis_name: the collective axis the network's BatchNorm reduces over
+        (`cross_replica_axis`), bound here over this one shard; None binds none.
+
+    Raises:
+      NameError: the network uses a collective axis and `axis_name` binds none.
+    """
+    draws: dict[str, _Draw] = {}  # In creation order: the order of the flat draws.
+
+    def drawn_later(next_creator, shape, dtype, init, context):
+        draw = _as_draw(init, shape, dtype, context.full_name)
+        if draw is None:
+            return next_creator(shape, dtype, init)
+        draws[context.full_name] = draw
+        return next_creator(shape, dtype, jnp.zeros)  # A stand-in: its value is drawn below.
+
+    with jax.threefry_partitionable(True):
+        closed, shapes = _trace_init(forward, key, batch, axis_name, drawn_later)
+        num_params = len(jax.tree.leaves(shapes[0]))
+        from_input = _depends_on(closed, [False] + [True] * len(jax.tree.leaves(batch)))
+        if any(from_input[:num_params]):  # forward.init as it is, forward pass and all.
+            draws.clear()
+            closed, shapes = _trace_init(forward, key, batch, axis_name, creator=None)
+            values = _run_on_host(closed, key, jax.tree.leaves(batch), draws)[0]
+        else:
+            values, flat_draws = _run_on_host(closed, key, None, draws, skip=from_input)
+    leaves, tree = jax.tree.flatten(shapes)
+    values = [
+        np.zeros(leaf.shape, leaf.dtype) if value is None else np.asarray(value)
+        for leaf, value in zip(leaves, values, strict=True)
+    ]
+    params, state = jax.tree.unflatten(tree, values)
+    if draws:
+        params = _with_draws(params, draws, flat_draws)
+    return params, state
+
+
+def initial_shapes(
+    forward: hk.TransformedWithState,
+    key: jax.Array,
+    batch: Mapping[str, Any],
+    *,
+    axis_name: str | None = None,
+) -> tuple[Params, State]:
+    """The shapes and dtypes `initial_params_and_state` gives (`jax.ShapeDtypeStruct`s).
+
+    A trace, nothing compiled or run: what a restore needs to read a checkpoint into.
+    """
+    return _trace_init(forward, key, batch, axis_name, creator=None)[1]
+
+
+def _trace_init(forward, key, batch, axis_name, creator):
+    """`forward.init(key, batch, is_training=True)` as a jaxpr of `(key, *batch leaves)`."""
+
+    def init(key, batch):
+        if creator is None:
+            return forward.init(key, batch, is_training=True)
+        # hk.custom_creator is entered inside a transformed function; init runs inside one.
+        with hk.custom_creator(creator):
+            return forward.init(key, batch, is_training=True)
+
+    transformed = hk.transform_with_state(init)
+
+    def run(key, batch):
+        (params, state), _ = transformed.apply({}, {}, None, key, batch)
+        return params, state
+
+    if axis_name is not None:  # The network reduces over the axis: bind it over this shard.
+        over_axis = jax.vmap(run, in_axes=(None, 0), axis_name=axis_name)
+
+        def run(key, batch):  # noqa: F811
+            with_axis = jax.tree.map(lambda x: x[None], batch)
+            return jax.tree.map(lambda x: x[0], over_axis(key, with_axis))
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    leaves, batch_tree = jax.tree.flatten(abstract)
+    flat_run = lambda key, *leaves: run(key, jax.tree.unflatten(batch_tree, leaves))  # noqa: E731
+    return jax.make_jaxpr(flat_run, return_shape=True)(key, *leaves)
+
+
+def _run_on_host(closed, key, batch_leaves, draws, skip=None):
+    """Runs the traced init on the host device: its outputs (None where `skip`), and the draws.
+
+    Without `batch_leaves` the input is zeros made inside the program, where they
+    are dead code: only outputs that do not read the input are kept (`skip` marks
+    the others).
+    """
+    skip = skip or [False] * len(closed.jaxpr.outvars)
+    sizes: dict[tuple, int] = {}  # Of each distribution's flat draw, in order of first use.
+    for draw in draws.values():
+        sizes[draw.distribution] = sizes.get(draw.distribution, 0) + int(np.prod(draw.shape))
+    batch_avals = closed.in_avals[1:]
+
+    def program(key, batch_leaves):
+        init_key, draw_key = jax.random.split(key)
+        if batch_leaves is None:
+            batch_leaves = [jnp.zeros(aval.shape, aval.dtype) for aval in batch_avals]
+        outputs = jax_core.jaxpr_as_fun(closed)(init_key, *batch_leaves)
+        kept = [output for output, skipped in zip(outputs, skip, strict=True) if not skipped]
+        draw_keys = jax.random.split(draw_key, max(len(sizes), 1))
+        flat = [
+            _standard_draw(k, distribution, size)
+            for k, (distribution, size) in zip(draw_keys, sizes.items(), strict=False)
+        ]
+        return kept, flat
+
+    device = _host_device()
+    if batch_leaves is not None:
+        batch_leaves = [jax.device_put(np.asarray(jax.device_get(x)), device) for x in batch_leaves]
+    kept, flat = jax.device_get(jax.jit(program)(jax.device_put(key, device), batch_leaves))
+    kept = iter(kept)
+    values = [None if skipped else next(kept) for skipped in skip]
+    return values, dict(zip(sizes, flat, strict=True))
+
+
+def _with_draws(params: Params, draws: dict[str, _Draw], flat_draws: dict[tuple, np.ndarray]):
+    """`params` with every drawn parameter cut from its distribution's flat draw."""
+    params = {module: dict(entries) for module, entries in params.items()}
+    offsets = dict.fromkeys(flat_draws, 0)
+    for draw in draws.values():
+        size = int(np.prod(draw.shape))
+        start = offsets[draw.distribution]
+        offsets[draw.distribution] = start + size
+        unscaled = flat_draws[draw.distribution][start : start + size].reshape(draw.shape)
+        value = np.float32(draw.offset) + np.float32(draw.scale) * unscaled
+        # The stored dtype, which a mixed-precision policy may make other than the asked one.
+        params[draw.module][draw.name] = value.astype(params[draw.module][draw.name].dtype)
+    return params
