@@ -77,7 +77,7 @@ TO ?=
 TEST_WORKERS ?= 2
 
 .PHONY: install test train train-multiprocess eval prepare bench bench-quick bench-plot \
-	gpu-check lint format lock stacks which-python clean
+	accelerator-check gpu-check tpu-check lint format lock stacks which-python clean
 
 install: $(call installed,test+bench+plots)
 
@@ -125,11 +125,18 @@ bench-quick: $(call installed,bench+plots)
 bench-plot: $(call installed,bench+plots)
 	$(PY) -m benchmarks.plot $(ARGS)
 
-# One check of a GPU host in 8 minutes (benchmarks/gpu_check.py): steps at three batch
-# sizes, decoders, the loop, MFU, start-up with and without the compilation cache. On a
-# host that has JAX and its CUDA plugin: `make gpu-check VENV= RECORD=benchmarks/results/gpu.json`.
-gpu-check: $(call installed,bench+plots)
-	$(PY) -m benchmarks.gpu_check $(if $(RECORD),--out=$(RECORD)) $(ARGS)
+# One check of an accelerator host in 8 minutes (benchmarks/accelerator_check.py): the
+# ImageNet recipe's start-up cold and with the compilation cache, steps at the plan's
+# batch sizes, MFU, decoders, the loop. On a host that has JAX and its plugin:
+# `make tpu-check VENV= RECORD=benchmarks/results/tpu.json` (gpu-check: a GPU's plan).
+accelerator-check: $(call installed,bench+plots)
+	$(PY) -m benchmarks.accelerator_check $(if $(RECORD),--out=$(RECORD)) $(ARGS)
+
+gpu-check: ARGS += --plan=gpu
+gpu-check: accelerator-check
+
+tpu-check: ARGS += --plan=tpu
+tpu-check: accelerator-check
 
 lint: $(call installed,test)
 	$(PY) -m ruff check haiku_state experiments tests benchmarks

@@ -230,9 +230,10 @@ def _step_figures(
     say(f"costs analysed; {steps_per_window} steps per window")
     timing.time_interleaved(timed, settings.windows, steps_per_window)
     throughput = {v.name: timing.throughput(v, steps_per_window, batch_size) for v in timed}
-    for name, seconds in side_by_side_compile_s.items():
-        throughput[name]["compile_s"] = seconds  # The first call loaded it from the cache.
-        throughput[name]["compiled_side_by_side"] = True
+    for variant_name, seconds in side_by_side_compile_s.items():
+        # The first call loaded the program from the cache: its compile is this.
+        throughput[variant_name]["compile_s"] = seconds
+        throughput[variant_name]["compiled_side_by_side"] = True
     ratios = timing.paired_ratios(timed)
     say(_throughput_line(throughput, ratios))
     step_flops = costs.flops_figures(

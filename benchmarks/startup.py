@@ -66,29 +66,42 @@ def _env() -> dict[str, str]:
 
 
 def train_command(
-    experiment: str, workdir: str, cache_dir: str, batch_size: int, steps: int = 10_000
+    experiment: str,
+    workdir: str,
+    cache_dir: str,
+    batch_size: int,
+    steps: int = 10_000,
+    overrides: dict[str, Any] | None = None,
 ) -> list[str]:
-    """`python -m haiku_state.train` of `experiment` on synthetic data, logging every step."""
-    overrides = {
-        "steps": steps,
-        "log_every": 1,
-        "check_every": steps,
-        "eval_every": steps,
-        "checkpoint_every": steps,
-        "checkpoint_every_secs": 0,
-        "batch_size": batch_size,
-        "eval_batch_size": batch_size,
-        **data_overrides(experiment, batch_size),
-        "compilation_cache_dir": cache_dir,
-    }
+    """`python -m haiku_state.train` of `experiment` on synthetic data, logging every step.
+
+    An experiment's variant (`resnet50:imagenet`, a recipe) keeps its own length and
+    cadences, and reads the data `overrides` name (`data.dir`, `log_every`, ...).
+    """
+    name, _, variant = experiment.partition(":")
+    if variant:
+        settings = {"batch_size": batch_size, "eval_batch_size": batch_size}
+    else:
+        settings = {
+            "steps": steps,
+            "log_every": 1,
+            "check_every": steps,
+            "eval_every": steps,
+            "checkpoint_every": steps,
+            "batch_size": batch_size,
+            "eval_batch_size": batch_size,
+            **data_overrides(name, batch_size),
+        }
+    settings.update(checkpoint_every_secs=0, compilation_cache_dir=cache_dir, **(overrides or {}))
+    config = os.path.join(REPO, "experiments", f"{name}.py") + (f":{variant}" if variant else "")
     return [
         sys.executable,
         "-m",
         "haiku_state.train",
-        f"--config={os.path.join(REPO, 'experiments', experiment + '.py')}",
+        f"--config={config}",
         f"--workdir={workdir}",
         "--cpu_devices=1",
-        *(f"--config.{key}={value}" for key, value in overrides.items()),
+        *(f"--config.{key}={value}" for key, value in settings.items()),
     ]
 
 
@@ -156,8 +169,10 @@ def measure_runs(
     scratch: str,
     timeout_s: float,
     runs: tuple[str, ...] = RUNS,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `runs` (of `RUNS`, in that order; `cold` first), each's time to its first step."""
+    """The `runs` (of `RUNS`, in that order; `cold` first), each's time to its first logged
+    step (`train_command`'s, with `overrides`)."""
     cache, empty_cache = os.path.join(scratch, "cache"), os.path.join(scratch, "cache_resumed")
     workdirs = {name: os.path.join(scratch, name) for name in ("cold", "cached", "resumed_cold")}
     results: dict[str, Any] = {}
@@ -166,7 +181,7 @@ def measure_runs(
             shutil.copytree(workdirs["cold"], workdirs[name])
         workdir = workdirs["cold"] if name == "resumed_cached" else workdirs[name]
         cache_dir = empty_cache if name == "resumed_cold" else cache
-        command = train_command(experiment, workdir, cache_dir, batch_size)
+        command = train_command(experiment, workdir, cache_dir, batch_size, overrides=overrides)
         results[name] = time_to_first_step(command, workdir, timeout_s)
         if name == "cold":
             results["cache_entries_after_cold"] = (

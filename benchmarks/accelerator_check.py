@@ -1,29 +1,35 @@
-r"""One check of a GPU host that fits a short lease: the figures issue 20 asks for, one record.
+r"""One check of an accelerator host (a GPU or a TPU) that fits a short lease: one record.
 
-    make gpu-check VENV= RECORD=benchmarks/results/gpu.json    # on the GPU host
-    python -m benchmarks.gpu_check [--out=PATH] [--budget_s=480] [--quick]
+    make accelerator-check VENV= RECORD=benchmarks/results/gpu.json              # a GPU host
+    make accelerator-check VENV= ARGS=--plan=tpu RECORD=benchmarks/results/tpu.json  # a TPU
+    python -m benchmarks.accelerator_check [--plan=gpu|tpu] [--out=PATH] [--budget_s=480]
 
-In this order, each phase timed against what is left of `--budget_s` and
-skipped (with the reason recorded) when its estimate does not fit:
+(`make gpu-check` and `make tpu-check` are the same target with their plan.) In
+this order, each phase timed against what is left of `--budget_s` and skipped
+(with the reason recorded) when its estimate does not fit:
 
-1. `startup`: `python -m haiku_state.train` of ResNet-50 reaching its first step,
-   cold, as a rerun with the compilation cache and resumed with it
-   (`benchmarks.startup`). First, while this process holds no GPU memory.
-2. `peak_matmul`: float32 (TF32) and bfloat16 matmuls, the MFU denominators.
-3. `steps`: the Updater's bfloat16 step at global batch 256, 512 and 1024 on
+1. `data`: ImageNet-like JPEGs in a temporary ImageFolder (`input_pipeline.write_tree`).
+2. `startup`: `python -m haiku_state.train` of the ImageNet recipe
+   (`resnet50:imagenet`) on those JPEGs, from the command to its first logged
+   step, cold, as a rerun with the compilation cache and resumed with it
+   (`benchmarks.startup`). Before this process opens the accelerator: a TPU is
+   held by one process at a time.
+3. `peak_matmul`: float32 (TF32 on a GPU) and bfloat16 matmuls, the MFU denominators.
+4. `steps`: the Updater's bfloat16 step at the plan's global batch sizes on
    synthetic data (`benchmarks.experiment`, the Updater alone): examples/s,
    FLOPs counted from the jaxpr beside XLA's and the analytic figure, MFU
    against the bfloat16 peak, memory.
-4. `decoders`: decode + crop + resize to 224 on one core, per decoder
+5. `decoders`: decode + crop + resize to 224 on one core, per decoder
    (`benchmarks.input_pipeline.decoder_rates`), on ImageNet-like JPEGs.
-5. `pipeline`: the input pipeline alone with 1 worker and with `cores - 1`, per
+6. `pipeline`: the input pipeline alone with 1 worker and with `cores - 1`, per
    decoder (`input_pipeline.measure_pipeline`).
-6. `loop`: the training loop of `resnet50:imagenet` fed by `cores - 1` workers
-   against the bare update at batch 1024, per decoder
+7. `loop`: the training loop of `resnet50:imagenet` fed by `cores - 1` workers
+   against the bare update at the plan's batch, per decoder
    (`input_pipeline.measure_loop`), each bounded in time.
 
 A decoder this checkout does not have (`config.data.decoder`, or a `decoder`
-argument of the pipeline's functions) is recorded as skipped, with the reason.
+argument of the pipeline's functions) is recorded as skipped, with the reason;
+the TPU plan records the GPU decoder as not applicable.
 The record is rewritten after every phase, so a run cut short leaves what it
 measured. `--quick` is a smoke run for a CPU: the mlp at tiny batches, a few
 images, the `resnet`'s start-up; every phase runs, no figure means anything.
@@ -47,6 +53,7 @@ from benchmarks import record as record_lib
 from benchmarks import startup
 
 DECODERS = ("cpu", "gpu")
+NOT_APPLICABLE = "not applicable: the plan's host has no such decoder (a TPU host: no nvJPEG)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +64,11 @@ class Plan:
     step_batch_sizes: tuple[int, ...] = (256, 512, 1024)
     step_overrides: tuple[tuple[str, Any], ...] = ()
     step_window_s: float = 1.0
-    startup_experiment: str = "resnet50"
+    startup_experiment: str = "resnet50:imagenet"
     startup_batch_size: int = 256
+    startup_log_every: int = 20
     startup_runs: tuple[str, ...] = ("cold", "cached", "resumed_cached")
+    decoders: tuple[str, ...] = ("cpu", "gpu")
     images: int = 2048
     distinct: int = 256
     image_size: int = 224
@@ -83,12 +92,23 @@ class Plan:
     loop_s: float = 90.0
 
 
+# One TPU v5e chip (TPU-NOTES.md): its best batch is 128 to 256 (512 runs slower), a
+# ResNet-50 step compiles in about 50 s, and there is no GPU decoder.
+TPU = Plan(
+    step_batch_sizes=(128, 256),
+    loop_batch_size=256,
+    decoders=("cpu",),
+    startup_s=170.0,
+    step_s=75.0,
+    loop_s=90.0,
+)
 QUICK = Plan(
     step_experiment="mlp",
     step_batch_sizes=(32, 64, 128),
     step_window_s=0.05,
     startup_experiment="mlp",
     startup_batch_size=32,
+    startup_log_every=1,
     startup_runs=("cold", "resumed_cached"),
     images=64,
     distinct=8,
@@ -119,9 +139,9 @@ class Check:
         self._start = time.perf_counter()
         self._deadline = self._start + budget_s
         self.record: dict[str, Any] = {
-            "kind": "gpu_check",
+            "kind": "accelerator_check",
             "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": [sys.executable, "-m", "benchmarks.gpu_check", *argv],
+            "command": [sys.executable, "-m", "benchmarks.accelerator_check", *argv],
             "budget_s": budget_s,
             "plan": dataclasses.asdict(plan),
             "machine": record_lib.machine_info(),
@@ -161,21 +181,27 @@ class Check:
 
 
 def say(line: str) -> None:
-    print(f"[gpu_check] {line}", file=sys.stderr, flush=True)
+    print(f"[accelerator_check] {line}", file=sys.stderr, flush=True)
 
 
-def measure_startup(check: Check) -> dict[str, Any]:
+def measure_startup(check: Check, root: str, workers: int) -> dict[str, Any]:
     plan = check.plan
-    with tempfile.TemporaryDirectory(prefix="gpu_check_startup_") as scratch:
+    overrides: dict[str, Any] = {"log_every": plan.startup_log_every}
+    if ":" in plan.startup_experiment:  # The recipe: on the JPEGs, with the loop's workers,
+        # and a warmup the few JPEGs' epochs hold (the recipe's is 5 of ImageNet's).
+        overrides.update({"data.dir": root, "data.workers": workers, "optimizer.warmup_steps": 10})
+    with tempfile.TemporaryDirectory(prefix="accelerator_check_startup_") as scratch:
         runs = startup.measure_runs(
             plan.startup_experiment,
             plan.startup_batch_size,
             scratch,
             timeout_s=max(check.left_s() / 3, 30.0),
             runs=plan.startup_runs,
+            overrides=overrides,
         )
     return {
         "experiment": plan.startup_experiment,
+        "overrides": {key: str(value) for key, value in overrides.items()},
         "batch_size": plan.startup_batch_size,
         "runs": runs,
         "speedup": startup.speedups(runs),
@@ -208,6 +234,7 @@ def measure_steps(check: Check, peak: dict[str, Any] | None, workdir: str) -> li
             hand_written=False,
             flax=False,
             updater_shard_map=False,
+            updater_jit=False,
             norms=False,
             precision="bfloat16",
             model_overrides=plan.step_overrides,
@@ -261,6 +288,9 @@ def measure_pipeline(check: Check, root: str, workers: int) -> dict[str, Any]:
     split = data.load_dataset("imagefolder", data_dir=root, image_size=plan.image_size).train
     by_decoder = {}
     for decoder in DECODERS:
+        if decoder not in plan.decoders:
+            by_decoder[decoder] = {"skipped": NOT_APPLICABLE}
+            continue
         try:
             counts = sorted({1, workers})
             runs = {
@@ -294,6 +324,9 @@ def measure_loops(check: Check, root: str, workers: int) -> dict[str, Any]:
     loops: dict[str, Any] = {}
     check.record["loop"] = loops
     for decoder in DECODERS:
+        if decoder not in plan.decoders:
+            loops[decoder] = {"skipped": NOT_APPLICABLE}
+            continue
         if check.left_s() < plan.loop_s:
             check.skip(f"loop with the {decoder} decoder", f"{check.left_s():.0f} s left")
             continue
@@ -311,23 +344,27 @@ def measure_loops(check: Check, root: str, workers: int) -> dict[str, Any]:
 def run_check(check: Check) -> None:
     """Every phase, in order; the record is complete unless a phase was skipped."""
     plan = check.plan
-    # Before this process takes GPU memory: the runs it starts need theirs.
-    check.phase("startup", plan.startup_s, lambda: measure_startup(check))
-
-    import jax
-
-    from benchmarks import costs, input_pipeline
-    from haiku_state import compilation_cache
     from haiku_state.data import imagefolder
 
-    check.record["device"] = costs.device_info()
-    peak = check.phase("peak_matmul", 5.0, lambda: costs.measure_peak_matmul(plan.matmul_size))
-    cores = len(os.sched_getaffinity(0))
-    workers = max(cores - 1, 1)
+    workers = max(len(os.sched_getaffinity(0)) - 1, 1)
     with (
-        tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch,
+        tempfile.TemporaryDirectory(prefix="accelerator_check_") as scratch,
         mock.patch.dict(os.environ, {imagefolder.CACHE_ENV: scratch}),  # Not the user's cache.
     ):
+        root = os.path.join(scratch, "jpegs")
+        if check.phase("data", 10.0, lambda: _jpeg_tree(check, root)) is None:
+            return
+        # Before this process opens the accelerator: the runs it starts need it (a TPU is
+        # held by one process at a time, a GPU's memory by the first that takes it).
+        check.phase("startup", plan.startup_s, lambda: measure_startup(check, root, workers))
+
+        import jax
+
+        from benchmarks import costs, input_pipeline
+        from haiku_state import compilation_cache
+
+        check.record["device"] = costs.device_info()
+        peak = check.phase("peak_matmul", 5.0, lambda: costs.measure_peak_matmul(plan.matmul_size))
         # One private cache: a program compiled twice (the step and its cost analysis, the
         # bare update and the loop) compiles once.
         compilation_cache.enable(os.path.join(scratch, "jax_compilation_cache"))
@@ -336,9 +373,6 @@ def run_check(check: Check) -> None:
         measure_steps(
             check, peak if isinstance(peak, dict) and "error" not in peak else None, scratch
         )
-        root = os.path.join(scratch, "jpegs")
-        if check.phase("data", 10.0, lambda: _jpeg_tree(check, root)) is None:
-            return
         check.phase(
             "decoders",
             plan.decoders_s,
@@ -351,15 +385,20 @@ def run_check(check: Check) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.accelerator_check", description=__doc__
+    )
     parser.add_argument("--out", default="", help="the record (default: a timestamped file "
                         "in benchmarks/results)")  # fmt: skip
     parser.add_argument("--budget_s", type=float, default=480.0, help="the whole check's")
     parser.add_argument("--quick", action="store_true", help="a CPU smoke run at toy sizes")
+    parser.add_argument("--plan", choices=("gpu", "tpu"), default="gpu",
+                        help="the host's plan: batch sizes, decoders, estimates")  # fmt: skip
     args = parser.parse_args(argv)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = args.out or str(record_lib.DEFAULT_OUTPUT_DIR / f"{stamp}_gpu_check.json")
-    check = Check(path, args.budget_s, QUICK if args.quick else Plan(), argv)
+    path = args.out or str(record_lib.DEFAULT_OUTPUT_DIR / f"{stamp}_accelerator_check.json")
+    plan = QUICK if args.quick else TPU if args.plan == "tpu" else Plan()
+    check = Check(path, args.budget_s, plan, argv)
     try:
         run_check(check)
     finally:

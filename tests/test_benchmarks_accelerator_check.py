@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # `benchmarks` is a top-level package of the repository, not installed.
     sys.path.insert(0, REPO)
 
-from benchmarks import gpu_check, startup  # noqa: E402
+from benchmarks import accelerator_check, startup  # noqa: E402
 
 # A stand-in for a training run: logs step `argv[2] + 1` after `argv[3]` seconds, then
 # waits for SIGTERM as a run would, or exits with 3 when asked to fail.
@@ -84,9 +84,22 @@ def test_the_runs_log_every_step_in_their_cache_on_small_synthetic_data(tmp_path
     assert not any("data." in arg for arg in startup.train_command("mlp", "w", "c", 8))
 
 
+def test_a_recipe_keeps_its_cadences_and_reads_the_data_it_is_given():
+    command = startup.train_command(
+        "resnet50:imagenet", "w", "c", 256, overrides={"data.dir": "/j", "log_every": 20}
+    )
+    assert command[3].endswith("experiments/resnet50.py:imagenet")
+    assert {"--config.data.dir=/j", "--config.log_every=20", "--config.batch_size=256"} <= set(
+        command
+    )
+    assert not any(arg.startswith(("--config.steps=", "--config.eval_every=")) for arg in command)
+
+
 def test_a_phase_runs_if_its_estimate_fits_and_its_error_is_recorded(tmp_path):
     path = tmp_path / "gpu.json"
-    check = gpu_check.Check(str(path), budget_s=100.0, plan=gpu_check.QUICK, argv=["--quick"])
+    check = accelerator_check.Check(
+        str(path), budget_s=100.0, plan=accelerator_check.QUICK, argv=["--quick"]
+    )
     assert json.loads(path.read_text())["status"] == "running"  # Written from the start.
     assert check.phase("first", 10.0, lambda: {"images_per_s": 5.0}) == {"images_per_s": 5.0}
     assert json.loads(path.read_text())["first"] == {"images_per_s": 5.0}  # At once.
@@ -103,30 +116,38 @@ def test_a_phase_runs_if_its_estimate_fits_and_its_error_is_recorded(tmp_path):
     assert saved["plan"]["step_batch_sizes"] == [32, 64, 128]
 
 
-def test_the_plan_on_a_gpu_is_the_issues():
-    plan = gpu_check.Plan()
-    assert plan.step_batch_sizes == (256, 512, 1024)
-    assert plan.loop_experiment == "resnet50:imagenet" and plan.loop_batch_size == 1024
-    assert gpu_check.DECODERS == ("cpu", "gpu")
-    # Every estimate together fits the eight minutes of the check.
+@pytest.mark.parametrize("plan", [accelerator_check.Plan(), accelerator_check.TPU])
+def test_a_plan_fits_the_eight_minutes_and_starts_the_imagenet_recipe(plan):
+    assert plan.loop_experiment == plan.startup_experiment == "resnet50:imagenet"
     estimates = (
         plan.startup_s
         + len(plan.step_batch_sizes) * plan.step_s
         + plan.decoders_s
         + plan.pipeline_s
-        + len(gpu_check.DECODERS) * plan.loop_s
+        + len(plan.decoders) * plan.loop_s
         + 15.0  # The peak matmul and the JPEGs.
     )
     assert estimates <= 480.0
 
 
-def test_make_gpu_check_runs_the_hosts_python_as_it_is_and_writes_the_record():
+def test_the_tpu_plan_has_no_gpu_decoder_and_records_it_as_not_applicable(tmp_path):
+    assert accelerator_check.TPU.decoders == ("cpu",)
+    check = accelerator_check.Check(
+        str(tmp_path / "tpu.json"), budget_s=0.0, plan=accelerator_check.TPU, argv=[]
+    )
+    loops = accelerator_check.measure_loops(check, str(tmp_path), workers=1)
+    assert loops["gpu"] == {"skipped": accelerator_check.NOT_APPLICABLE}
+
+
+@pytest.mark.parametrize("target, plan", [("gpu-check", "gpu"), ("tpu-check", "tpu")])
+def test_make_check_runs_the_hosts_python_as_it_is_and_writes_the_record(target, plan):
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
     commands = subprocess.run(
-        ["make", "-n", "--no-print-directory", "gpu-check", "VENV=", f"PYTHON={sys.executable}",
-         "RECORD=benchmarks/results/gpu.json"],
+        ["make", "-n", "--no-print-directory", target, "VENV=", f"PYTHON={sys.executable}",
+         f"RECORD=benchmarks/results/{plan}.json"],
         cwd=REPO, env=environment, capture_output=True, text=True, check=True,
     ).stdout.splitlines()  # fmt: skip
     assert [command.strip() for command in commands] == [
-        f"{sys.executable} -m benchmarks.gpu_check --out=benchmarks/results/gpu.json"
+        f"{sys.executable} -m benchmarks.accelerator_check --out=benchmarks/results/{plan}.json"
+        f" --plan={plan}"
     ]
