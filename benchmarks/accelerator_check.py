@@ -98,6 +98,7 @@ TPU = Plan(
     step_batch_sizes=(128, 256),
     loop_batch_size=256,
     decoders=("cpu",),
+    startup_runs=("cold", "resumed_cached"),
     startup_s=170.0,
     step_s=75.0,
     loop_s=90.0,
