@@ -11,11 +11,18 @@ collective).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def report(name: str, verdict: str) -> None:
+    """Prints `RESULT <name> <verdict>` in one write: the C++ collectives (Gloo) log
+    to this process's stdout from their own threads, between the parts of a print."""
+    os.write(1, f"RESULT {name} {verdict}\n".encode())
 
 
 def outcome(check) -> str:
@@ -32,26 +39,26 @@ def main(port: int, num_processes: int, process_id: int) -> None:
     import haiku_state as hs
 
     tree = hs.replicate({"w": jnp.arange(6.0).reshape(2, 3), "count": jnp.int32(7)})
-    print("RESULT identical", outcome(lambda: hs.assert_replicas_identical(tree)), flush=True)
+    report("identical", outcome(lambda: hs.assert_replicas_identical(tree)))
 
     # The last device of the last process holds a copy that differs in one element.
     local = np.array(jax.device_get(tree["w"]))
     if process_id == num_processes - 1:
         local[-1, 0, 0] += 1e-6
     perturbed = {"w": hs.shard(local.reshape(-1, 3)), "count": tree["count"]}
-    print("RESULT perturbed", outcome(lambda: hs.assert_replicas_identical(perturbed)), flush=True)
+    report("perturbed", outcome(lambda: hs.assert_replicas_identical(perturbed)))
 
     # Keys distinct on each process but equal across processes (every process folds
     # in local indices 0 and 1): only the cross-process comparison can catch it.
     local_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         jax.random.key(0), jnp.arange(jax.local_device_count())
     )
-    print("RESULT keys_local", outcome(lambda: hs.assert_keys_distinct(local_keys)), flush=True)
+    report("keys_local", outcome(lambda: hs.assert_keys_distinct(local_keys)))
     global_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         jax.random.key(0),
         jnp.arange(jax.local_device_count()) + process_id * jax.local_device_count(),
     )
-    print("RESULT keys_global", outcome(lambda: hs.assert_keys_distinct(global_keys)), flush=True)
+    report("keys_global", outcome(lambda: hs.assert_keys_distinct(global_keys)))
 
     # The config of the last process differs in one nested key.
     from ml_collections import ConfigDict
@@ -61,11 +68,11 @@ def main(port: int, num_processes: int, process_id: int) -> None:
     config = ConfigDict({"seed": 0, "optimizer": {"name": "sgd", "learning_rate": 0.1}})
     config.data = {"dir": f"/mnt/host{process_id}/data"}  # Where each host mounts it may differ.
     same = outcome(lambda: driver.check_same_config_on_every_process(config))
-    print("RESULT same_config", same, flush=True)
+    report("same_config", same)
     if process_id == num_processes - 1:
         config.optimizer.learning_rate = 0.2
     other = outcome(lambda: driver.check_same_config_on_every_process(config))
-    print("RESULT other_config", other, flush=True)
+    report("other_config", other)
     jax.distributed.shutdown()
 
 

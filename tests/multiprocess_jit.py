@@ -21,6 +21,7 @@ import sys
 import jax
 import numpy as np
 from absl import flags
+from multiprocess_checks import report
 
 
 def main(
@@ -55,9 +56,9 @@ def main(
     }
     try:
         asserts.assert_train_state_invariants(train_state._replace(state=state))
-        print("RESULT perturbed passed", flush=True)
+        report("perturbed", "passed")
     except AssertionError as e:
-        print("RESULT perturbed raised:", str(e).replace("\n", " "), flush=True)
+        report("perturbed", "raised: " + str(e).replace("\n", " "))
     resave_checkpoint(from_dir, to_dir)
     jax.distributed.shutdown()
 
@@ -80,7 +81,7 @@ def resave_checkpoint(from_dir: str, to_dir: str) -> None:
         for root, _, names in os.walk(mine)
         for name in names
     )
-    print(f"RESULT wrote {written} bytes", flush=True)
+    report("wrote", f"{written} bytes")
 
 
 if __name__ == "__main__":

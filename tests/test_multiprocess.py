@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -52,6 +53,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _reported(stdout: str) -> list[tuple[str, str]]:
+    """The (name, verdict) pairs a process reported, wherever a collective's log put them."""
+    return re.findall(r"RESULT (\S+) ([^\n]*)", stdout)
 
 
 def _launch(
@@ -199,10 +205,7 @@ def test_replica_and_key_checks_compare_across_processes():
     port = _free_port()
     script = os.path.join(REPO, "tests", "multiprocess_checks.py")
     results = _launch(lambda process_id: (script, str(port), "2", str(process_id)), 2, "checks")
-    verdicts = []
-    for result in results:
-        lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-        verdicts.append(dict(line[len("RESULT ") :].split(" ", 1) for line in lines))
+    verdicts = [dict(_reported(result.stdout)) for result in results]
     assert verdicts[0] == verdicts[1], "the processes disagree"
     verdict = verdicts[0]
     assert verdict["identical"] == "passed"
@@ -368,13 +371,14 @@ def test_jit_fsdp_on_two_processes_equals_one_process_of_four_devices(tmp_path):
         np.testing.assert_allclose(two_processes[key], want, rtol=RTOL, atol=ATOL, err_msg=key)
     written = []
     for result in results:
-        verdict = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+        verdict = _reported(result.stdout)
         assert verdict[0] == (
-            "RESULT perturbed raised: Replicas differ at leaf "
+            "perturbed",
+            "raised: Replicas differ at leaf "
             ".state['mlp/batch_norm/~/mean_ema']['average']: global devices [3] differ from "
-            "global device 0 (process 0) across the 2 processes."
+            "global device 0 (process 0) across the 2 processes.",
         )
-        written.append(int(verdict[1].split()[2]))
+        written.append(int(verdict[1][1].split()[0]))
     # Process 0 also writes the replicated leaves (the second layer: 240 KiB with its moments).
     assert 0.35 < min(written) / sum(written) and max(written) / sum(written) < 0.65, written
     with Checkpointer(tmp_path / "two") as checkpointer:
