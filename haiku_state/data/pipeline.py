@@ -29,11 +29,8 @@ bytes with the crop box and flip the host drew, for the device to decode
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -42,6 +39,7 @@ import grain
 import numpy as np
 from absl import flags, logging
 
+from haiku_state import orphans
 from haiku_state.data import gpu_decode, preprocess
 from haiku_state.data import order as order_lib
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
@@ -61,8 +59,6 @@ LOGGED_IN_FULL = 5
 LOG_CORRUPT_EVERY = 1000
 # Slots of an iterator with no last step: far more than any run takes.
 _ENDLESS_STEPS = 2**40
-# How often a worker checks that the process that started it is still there.
-ORPHAN_CHECK_S = 1.0
 
 
 class Decoder(NamedTuple):
@@ -334,14 +330,12 @@ def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iter
 
 
 def exit_with_parent(worker_index: int, worker_count: int) -> None:
-    """Makes this worker exit when the process that started it is gone (e.g. `kill -9`).
+    """grain's `worker_init_fn`: the worker exits when the training process is gone.
 
-    grain's workers are daemons of the training process, but a process killed
-    outright cannot stop them; they would block forever on a queue nobody reads,
-    holding their memory, their shared memory and the parent's pipes. A daemon
-    thread watches the parent instead: through the pipe `multiprocessing` gives
-    every child it starts (its `parent_process()`), which also tells of a parent
-    that died while this worker was still starting, before this runs.
+    `orphans.exit_with_parent` watches the parent through the pipe
+    `multiprocessing` gives every child it starts (its `parent_process()`), which
+    also tells of a parent that died while this worker was still starting,
+    before this runs (`kill -9`: nothing else would stop the worker).
 
     Ctrl-C reaches every process of the terminal's group: a worker ignores it
     and leaves the stop to the training process, which closes the pipeline.
@@ -352,18 +346,7 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
     del worker_index, worker_count  # The same for every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)
-    parent = multiprocessing.parent_process()
-    parent_pid = os.getppid()
-
-    def alive() -> bool:
-        return parent.is_alive() if parent is not None else os.getppid() == parent_pid
-
-    def watch() -> None:
-        while alive():
-            time.sleep(ORPHAN_CHECK_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit_with_parent", daemon=True).start()
+    orphans.exit_with_parent()
 
 
 def _check_workers(workers: int | None, where: str) -> int:
