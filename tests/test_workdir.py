@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import ml_collections
+import numpy as np
 import pytest
-from image_trees import CLASSES, write_imagefolder
+from image_trees import CLASSES, image_bytes, write_imagefolder
 
 from haiku_state import config as config_lib
 from haiku_state import data
@@ -271,3 +272,35 @@ def test_eval_takes_the_recorded_keys_but_its_own(tmp_path):
     assert config.steps == 400 and config.model.hidden_sizes == (8, 8)
     assert config.data.workers == 3 and given.steps == 100
     assert changed == ["model.hidden_sizes: [32] -> [8, 8]", "steps: 100 -> 400"]
+
+
+def _imagefolder(tree):
+    """The config and data record of a run on the ImageFolder `tree`."""
+    config = _config(**{"data.name": "imagefolder"})
+    config.data.dir = str(tree)
+    return config, data.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
+
+
+def test_an_image_overwritten_under_its_name_is_other_data(tmp_path):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    config, before = _imagefolder(tree)
+    workdir_lib.record_config(workdir, config, allow_change=False, data=before)
+    # Another picture of the same size (padded, as JPEG decoders allow) under the same name.
+    victim = os.path.join(
+        tree, "train", CLASSES[1], sorted(os.listdir(os.path.join(tree, "train", CLASSES[1])))[-1]
+    )
+    size = os.path.getsize(victim)
+    other = image_bytes(np.random.default_rng(9), 16, 16, "JPEG")
+    assert len(other) < size
+    with open(victim, "wb") as f:
+        f.write(other + bytes(size - len(other)))
+    config, after = _imagefolder(tree)
+    assert after["train_digest"] == before["train_digest"]  # The same names: the index passes.
+    with pytest.raises(
+        workdir_lib.WorkdirError,
+        match="dataset.train_content: the content of the train examples differs",
+    ):
+        workdir_lib.record_config(workdir, config, allow_change=False, data=after)
+
