@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -304,3 +305,44 @@ def test_an_image_overwritten_under_its_name_is_other_data(tmp_path):
     ):
         workdir_lib.record_config(workdir, config, allow_change=False, data=after)
 
+
+def test_the_same_data_moved_resumes_and_other_data_is_still_refused(tmp_path, caplog):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    config, recorded = _imagefolder(tree)
+    workdir_lib.record_config(workdir, config, allow_change=False, data=recorded)
+    moved = str(tmp_path / "elsewhere")
+    os.rename(tree, moved)
+    with caplog.at_level(logging.INFO):
+        config, identity = _imagefolder(moved)
+        workdir_lib.record_config(workdir, config, allow_change=False, data=identity)
+    assert f"The data moved: data.dir was {tree!r}, now {moved!r}" in caplog.text
+    assert (
+        json.loads((tmp_path / "run" / "config.json").read_text())["config"]["data"]["dir"] == moved
+    )
+    # Other data in another folder: the folder's change is refused with the data's.
+    other = write_imagefolder(tmp_path / "other", per_class=(2, 1), seed=1)
+    config, identity = _imagefolder(other)
+    with pytest.raises(workdir_lib.WorkdirError) as refused:
+        workdir_lib.record_config(workdir, config, allow_change=False, data=identity)
+    assert f"data.dir: {moved!r} -> {other!r}" in str(refused.value)
+    assert "dataset.train_content" in str(refused.value)
+
+
+def test_a_record_without_the_newer_keys_says_what_it_does_not_check(tmp_path, caplog):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    config, current = _imagefolder(tree)
+    older = {
+        k: v
+        for k, v in current.items()
+        if k not in ("mean", "std", "train_content", "test_content")
+    }
+    workdir = str(tmp_path)
+    workdir_lib.record_config(workdir, config, allow_change=False, data=older)
+    with caplog.at_level(logging.WARNING):
+        workdir_lib.record_config(workdir, config, allow_change=False, data=current)
+    assert (
+        "records no dataset.mean, dataset.std, dataset.test_content, dataset.train_content of "
+        "the data" in caplog.text
+    )
