@@ -346,3 +346,13 @@ def test_a_record_without_the_newer_keys_says_what_it_does_not_check(tmp_path, c
         "records no dataset.mean, dataset.std, dataset.test_content, dataset.train_content of "
         "the data" in caplog.text
     )
+
+
+def test_keys_unknown_on_both_sides_are_not_named_as_unchecked():
+    recorded = {"train_examples": 10, "train_content": None}
+    current = {"train_examples": 10, "train_content": None, "test_content": None, "mean": [1.0]}
+    assert data.unchecked_keys(recorded, current) == ["mean"]
+    assert data.unchecked_keys({**recorded, "train_content": "a"}, current) == [
+        "mean",
+        "train_content",
+    ]

@@ -81,15 +81,20 @@ def _floats(values: Any) -> list[float] | None:
 
 
 def unchecked_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """The keys of `current` that `identity_changes` cannot compare with `recorded`.
+    """The keys known in `current` or `recorded` that `identity_changes` cannot compare.
 
-    Those an older record lacks, and those either record does not know (None).
+    Those an older record lacks (where `current` knows them), and the content
+    digests only one of the two knows.
     """
     return sorted(
         key
-        for key in current
-        if key not in recorded
-        or (key in _MAY_BE_UNKNOWN and (recorded[key] is None) != (current[key] is None))
+        for key, value in current.items()
+        if (key not in recorded and value is not None)
+        or (
+            key in _MAY_BE_UNKNOWN
+            and key in recorded
+            and (recorded[key] is None) != (value is None)
+        )
     )
 
 
