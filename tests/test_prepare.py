@@ -17,10 +17,11 @@ from PIL import Image
 from haiku_state import data, driver, prepare
 from haiku_state import workdir as workdir_lib
 from haiku_state.data import arrayrecord, preprocess
-from haiku_state.data.splits import IMAGENET_MEAN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_SIZE = 16
+# The usual ImageNet constants, which prepare recorded for any ImageFolder until it measured.
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
 
 
 @pytest.fixture(scope="module")
