@@ -1,8 +1,15 @@
 """haiku_state: a reference for parameter and state handling in Haiku + JAX."""
 
-from haiku_state.asserts import assert_keys_distinct, assert_replicas_identical
-from haiku_state.replication import replicate, shard, unreplicate
-from haiku_state.updater import TrainState, Updater
+from haiku_state import orphans
+
+# First: a process that `multiprocessing` spawns from a run (a decoding worker) imports
+# this package with the run's main module, and exits with the run from here on, not
+# only once the imports below (seconds) are done.
+orphans.guard_spawned_child()
+
+from haiku_state.asserts import assert_keys_distinct, assert_replicas_identical  # noqa: E402
+from haiku_state.replication import replicate, shard, unreplicate  # noqa: E402
+from haiku_state.updater import TrainState, Updater  # noqa: E402
 
 __all__ = [
     "TrainState",

@@ -179,7 +179,8 @@ SCHEMA = (
         help="synthetic: the test examples"),
     Key("data.workers", None, int, bounds=NON_NEGATIVE, allow_none=True, free=True,
         help="decoding processes; None: the cores this process may use, less one, at most 16; "
-        "0: decode in the training process"),
+        "0: decode in the training process (as an evaluation of at most 512 images per "
+        "process always is: starting workers would take longer)"),
     Key("data.prefetch", 2, int, bounds=POSITIVE_INT, free=True,
         help="batches kept ready on the devices"),
     Key("data.decoder", "cpu", str, choices=data.DECODER_NAMES, free=True,

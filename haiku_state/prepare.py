@@ -5,42 +5,57 @@
     python -m haiku_state.prepare --from=digits --to=/tmp/digits-ar
     python -m haiku_state.prepare --from=imagefolder:/data/imagenet --to=/data/256 --short_side=256
 
+The sources (--from):
+  imagefolder:DIR  DIR/train/<class>/* and DIR/val/<class>/* (JPEG or PNG files; class i
+                   is the i-th class folder in sorted order), as ILSVRC-2012 is extracted
+  cifar10:DIR      the cifar-10-batches-py folder of CIFAR-10's python release
+  digits           scikit-learn's 8x8 handwritten digits, embedded in the package
+
 Train on the result with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
 same examples in the same order as the source (so an ImageFolder tree and its
 shards give identical batches), in a few large files, which is what a network
 filesystem reads fast. Images are stored as the source encodes them (the JPEG
 bytes of an ImageFolder; CIFAR-10 and the digits as lossless PNG), or, with
-`--short_side=N`, re-encoded with their short side at most N pixels (JPEG at
-quality `SHORT_SIDE_QUALITY`, PNG stays PNG): decoding costs follow the pixel
-count, so every epoch decodes faster, for crops drawn from fewer pixels. Images
-already that small, and files that cannot be decoded, are stored as they are
-(training then treats them as it would have). `dataset.json` records N, and a
-training run started on the shards of one `short_side` refuses to resume on
-another's.
+--short_side=N, re-encoded with their short side at most N pixels (JPEG at
+quality 95, PNG stays PNG): decoding costs follow the pixel count, so every
+epoch decodes faster, for crops drawn from fewer pixels. Images already that
+small, and files that cannot be decoded, are stored as they are (training then
+treats them as it would have). A training run started on the shards of one
+short_side refuses to resume on another's.
+
+OUT/dataset.json, written last, marks the conversion complete. It records the
+classes, each shard's record count, size, modification time and SHA-256 (a
+shard replaced later is refused when the folder is loaded), and the mean and
+std the network standardises the images with: the data's own, per RGB channel,
+measured over the centre crops of at most 1,000 training images spread evenly
+over the split (of the re-encoded images with --short_side; the digits and
+CIFAR-10 keep the exact statistics of their whole training split). An
+ImageFolder tree trained on directly is standardised with the same numbers.
 
 The conversion is resumable: each shard is written to a temporary name and
-renamed when complete, a rerun skips the shards already there, and
-`dataset.json`, written last, marks the folder complete. `OUT/prepare.json`
-records what the conversion is of, so a rerun with another source is refused
-instead of mixing the two.
+renamed when complete, a rerun skips the shards already there (it reads them
+once, for their SHA-256), and OUT/prepare.json records what the conversion is
+of, so a rerun with another source or layout is refused instead of mixing the
+two.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
+import functools
 import io
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+from absl import app, flags, logging
 from PIL import Image
 
 from haiku_state.data import arrayrecord, imagefolder, in_memory, preprocess
-from haiku_state.data.splits import IMAGENET_MEAN, IMAGENET_STD, DataError, Split
+from haiku_state.data.splits import DataError, Split
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer")
 CIFAR10_CLASSES += ("dog", "frog", "horse", "ship", "truck")
@@ -56,7 +71,10 @@ class SourceSplit(NamedTuple):
 
 
 class Source(NamedTuple):
-    """What a conversion reads: the splits (`train`, `val`) and what `dataset.json` records."""
+    """What a conversion reads: the splits (`train`, `val`) and what `dataset.json` records.
+
+    `mean` and `std` are the statistics of the images as the source stores them.
+    """
 
     splits: dict[str, SourceSplit]
     classes: list[str]
@@ -68,12 +86,12 @@ def open_source(spec: str) -> Source:
     """`imagefolder:DIR`, `cifar10:DIR` or `digits` as a `Source`."""
     kind, _, path = spec.partition(":")
     if kind == "imagefolder":
-        classes, records = imagefolder.index_tree(path)
+        tree = imagefolder.index_tree(path)
         splits = {
             split: SourceSplit(len(r), lambda i, r=r: (*r[i], r.name(i)))
-            for split, r in records.items()
+            for split, r in tree.records.items()
         }
-        return Source(splits, classes, IMAGENET_MEAN, IMAGENET_STD)
+        return Source(splits, tree.classes, tree.mean, tree.std)
     if kind in ("cifar10", "digits"):
         if kind == "cifar10":
             dataset, classes = in_memory.load_cifar10(path), list(CIFAR10_CLASSES)
@@ -132,6 +150,25 @@ def _shortened(split: SourceSplit, short_side: int | None) -> SourceSplit:
     return SourceSplit(split.num_examples, read)
 
 
+def statistics(
+    source: Source, short_side: int | None, pool: concurrent.futures.Executor
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std `dataset.json` records: the source's, or with `short_side` those of
+    a sample of the re-encoded training images (`preprocess.pixel_statistics`).
+
+    Raises:
+      DataError: when none of the sampled images decodes.
+    """
+    if short_side is None:
+        return source.mean, source.std
+    train = _shortened(source.splits["train"], short_side)
+    sample = preprocess.statistics_sample(train.num_examples)
+    try:
+        return preprocess.pixel_statistics(image for image, _, _ in pool.map(train.read, sample))
+    except ValueError as e:
+        raise DataError(f"--short_side={short_side}: {e}.") from None
+
+
 def _plan(
     spec: str, source: Source, examples_per_shard: int, short_side: int | None
 ) -> dict[str, Any]:
@@ -177,7 +214,11 @@ def _read_ahead(read: Callable[[int], Any], indices: range, pool, window: int) -
 def convert_split(
     out_dir: str, split: str, source: SourceSplit, examples_per_shard: int, threads: int
 ) -> list[dict[str, Any]]:
-    """Writes the shards of one split that are not there yet; returns every shard's entry."""
+    """Writes the shards of one split that are not there yet; returns every shard's entry.
+
+    An entry (`arrayrecord.shard_entry`) holds the shard's SHA-256: a shard
+    written now is read back once for it, as is one an earlier run wrote.
+    """
     from tqdm import tqdm
 
     num_shards = max(1, -(-source.num_examples // examples_per_shard))
@@ -203,7 +244,7 @@ def convert_split(
                     yield arrayrecord.encode_example(image, label, example_name)
 
             arrayrecord.write_shard(os.path.join(out_dir, name), records())
-    return [{"file": n, "num_examples": len(b)} for b, n in zip(bounds, names, strict=True)]
+    return [arrayrecord.shard_entry(out_dir, n, len(b)) for b, n in zip(bounds, names, strict=True)]
 
 
 def _exists(out_dir: str, name: str) -> bool:
@@ -235,6 +276,9 @@ def convert(
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"--to={out_dir} is a file; expected a folder (made if missing).")
     source = open_source(spec)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        mean, std = statistics(source, short_side, pool)
+    logging.info("Pixel mean %s, std %s (RGB, 0..255).", mean, std)
     _check_plan(out_dir, _plan(spec, source, examples_per_shard, short_side))
     splits = {}
     for split in arrayrecord.SPLITS:
@@ -246,8 +290,8 @@ def convert(
         "source": spec,
         "classes": source.classes,
         "num_classes": len(source.classes),
-        "mean": list(source.mean),
-        "std": list(source.std),
+        "mean": list(mean),
+        "std": list(std),
         "short_side": short_side,
         "splits": splits,
     }
@@ -258,37 +302,101 @@ def convert(
     return metadata
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m haiku_state.prepare", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--from", dest="source", required=True, help="imagefolder:DIR, ...")
-    parser.add_argument("--to", dest="out_dir", required=True, help="the output folder")
-    parser.add_argument("--examples_per_shard", type=int, default=10_000)
-    parser.add_argument("--threads", type=int, default=16, help="files read at once")
-    parser.add_argument(
-        "--short_side", type=int, default=None, help="re-encode images to this short side"
-    )
-    args = parser.parse_args(argv)
+def run(
+    source: str,
+    out_dir: str,
+    *,
+    examples_per_shard: int = 10_000,
+    threads: int = 16,
+    short_side: int | None = None,
+) -> None:
+    """`convert` as the command line runs it: a one-line error, or exit 130 on Ctrl-C."""
     try:
         metadata = convert(
-            args.source,
-            args.out_dir,
-            examples_per_shard=args.examples_per_shard,
-            threads=args.threads,
-            short_side=args.short_side,
+            source,
+            out_dir,
+            examples_per_shard=examples_per_shard,
+            threads=threads,
+            short_side=short_side,
         )
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # The shard being written is dropped whole (`write_shard`).
         print(
-            f"\nInterrupted: the complete shards in {args.out_dir} are kept; run the same "
+            f"\nInterrupted: the complete shards in {out_dir} are kept; run the same "
             "command again to write the rest.",
             file=sys.stderr,
         )
         sys.exit(128 + signal.SIGINT)
     sizes = {split: s["num_examples"] for split, s in metadata["splits"].items()}
-    print(f"Wrote {args.out_dir}: {sizes} examples, {metadata['num_classes']} classes.")
+    print(f"Wrote {out_dir}: {sizes} examples, {metadata['num_classes']} classes.")
+
+
+class _Flags(NamedTuple):
+    """The command line's flags, defined by `_define_flags`."""
+
+    source: flags.FlagHolder
+    out_dir: flags.FlagHolder
+    examples_per_shard: flags.FlagHolder
+    threads: flags.FlagHolder
+    short_side: flags.FlagHolder
+
+
+def _define_flags() -> _Flags:
+    defined = _Flags(
+        source=flags.DEFINE_string(
+            "from",
+            None,
+            "What to convert: imagefolder:DIR (DIR/train/<class>/* and DIR/val/<class>/*), "
+            "cifar10:DIR (the cifar-10-batches-py folder of the python release) or digits "
+            "(scikit-learn's 8x8 digits, embedded).",
+        ),
+        out_dir=flags.DEFINE_string(
+            "to",
+            None,
+            "The output folder, made if missing. Run the same command again to complete an "
+            "interrupted conversion; another source or layout there is refused.",
+        ),
+        examples_per_shard=flags.DEFINE_integer(
+            "examples_per_shard",
+            10_000,
+            "Examples per shard file (10,000 makes ImageNet's 1.28 M training images 129 "
+            "shards of about 1.1 GB).",
+        ),
+        threads=flags.DEFINE_integer(
+            "threads",
+            16,
+            "Files read (and re-encoded, with --short_side) at once; more than the cores "
+            "helps on a network filesystem.",
+        ),
+        short_side=flags.DEFINE_integer(
+            "short_side",
+            None,
+            "Re-encode every image whose short side is longer than this many pixels at that "
+            "short side (JPEG quality 95; a PNG stays a PNG; smaller and unreadable images are "
+            "stored as they are). Unset: every image is stored as the source has it.",
+        ),
+    )
+    flags.mark_flags_as_required(["from", "to"])
+    return defined
+
+
+def _main(command_line: _Flags, argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments {argv[1:]}: everything is given in flags.")
+    run(
+        command_line.source.value,
+        command_line.out_dir.value,
+        examples_per_shard=command_line.examples_per_shard.value,
+        threads=command_line.threads.value,
+        short_side=command_line.short_side.value,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Defines the flags, parses `argv` (default: `sys.argv`) and converts, under absl."""
+    command_line = _define_flags()
+    app.run(functools.partial(_main, command_line), argv=argv)
 
 
 if __name__ == "__main__":

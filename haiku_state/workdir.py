@@ -191,16 +191,41 @@ def _as_json(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config))
 
 
-def trajectory_changes(recorded: Mapping[str, Any], config: Any) -> list[str]:
+def trajectory_changes(
+    recorded: Mapping[str, Any], config: Any, also_free: Collection[str] = ()
+) -> list[str]:
     """The keys whose change would alter what a resumed run computes, `key: old -> new`.
 
     The keys that may change are the schema's (`config.free_keys`: those marked
-    `free`, and `steps` where the schedule does not depend on it). Keys in only
-    one of the two (a key this version of the code added or removed) are not
-    compared: their absence says nothing about the value the run used.
+    `free`, and `steps` where the schedule does not depend on it), and
+    `also_free`. Keys in only one of the two (a key this version of the code
+    added or removed) are not compared: their absence says nothing about the
+    value the run used.
     """
     old, new = flatten(recorded), flatten(_as_json(config))
-    return _changes(old, new, config_lib.free_keys(old, new))
+    return _changes(old, new, config_lib.free_keys(old, new) | set(also_free))
+
+
+def moved_data(
+    recorded: Mapping[str, Any],
+    config: Any,
+    recorded_data: Mapping[str, Any],
+    data: Mapping[str, Any],
+) -> tuple[str, str] | None:
+    """`(old data.dir, new data.dir)` if the data moved and is the data the record describes.
+
+    The data is recognised when its identity (`data.identity`: sizes, class
+    names, statistics, the digests of both splits' examples and content, none of
+    which depends on where the data lies) is the recorded one, with the digests
+    of both splits known. None if `data.dir` did not change, or the data did.
+    """
+    old_dir, new_dir = flatten(recorded).get("data.dir"), flatten(_as_json(config)).get("data.dir")
+    if old_dir == new_dir or data_lib.identity_changes(recorded_data, data):
+        return None
+    digests = ("train_digest", "test_digest")
+    if not all(recorded_data.get(key) and recorded_data[key] == data.get(key) for key in digests):
+        return None
+    return old_dir, new_dir
 
 
 def _changes(
@@ -286,7 +311,8 @@ def check_config(
       allow_change: record a change that alters the trajectory instead of refusing it.
       data: the data as read (`data.identity`): a folder whose files or class
         names changed between a stop and a resume changes the batches as surely
-        as a changed config does.
+        as a changed config does. The same data moved to another `data.dir` is
+        recognised by it (`moved_data`), and resumes.
       has_checkpoint: whether the workdir holds a complete checkpoint.
       checkpoint_metadata: the run metadata of its latest checkpoint
         (`{"config": ..., "data": ...}`), checked against when `config.json` is
@@ -321,9 +347,26 @@ def check_config(
     if previous is None:
         logging.warning("%s: no record of the config to check against.", workdir)
         return ConfigRecord(path, record, set_aside=set_aside)
-    changes = trajectory_changes(previous["config"], config)
+    recorded_data, data = previous.get("data") or {}, dict(data or {})
+    moved = moved_data(previous["config"], config, recorded_data, data)
+    if moved:
+        logging.info(
+            "The data moved: data.dir was %r, now %r, and is the data %s records (the same "
+            "classes, files and content); resuming on it.",
+            *moved,
+            source,
+        )
+    changes = trajectory_changes(previous["config"], config, ("data.dir",) if moved else ())
     # The batch order depends on the data as read: compared like trajectory keys.
-    changes += data_lib.identity_changes(previous.get("data") or {}, dict(data or {}))
+    changes += data_lib.identity_changes(recorded_data, data)
+    unchecked = data_lib.unchecked_keys(recorded_data, data)
+    if unchecked:
+        logging.warning(
+            "%s records no %s of the data (written by an older version, or not known then): "
+            "not checked on this resume; the record written now holds what is known.",
+            source,
+            ", ".join(f"dataset.{key}" for key in unchecked),
+        )
     if changes and not allow_change:
         raise WorkdirError(
             f"The config or data differs from what {workdir} was trained with (as {source} "

@@ -2,7 +2,9 @@
 
 import io
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -18,6 +20,8 @@ from haiku_state.data import arrayrecord, preprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_SIZE = 16
+# The usual ImageNet constants, which prepare recorded for any ImageFolder until it measured.
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +108,20 @@ def test_an_interrupted_conversion_resumes_writing_only_the_missing_shards(
     prepare.convert(f"imagefolder:{tree}", out, examples_per_shard=8)
     assert written == [os.path.join(out, last)]
     for name, content in complete.items():
-        assert _read(os.path.join(out, name)) == content, name
+        if name != arrayrecord.DATASET_FILE:
+            assert _read(os.path.join(out, name)) == content, name
+    # The same record, but for the time the last shard was written.
+    with open(os.path.join(out, arrayrecord.DATASET_FILE)) as f:
+        assert _without_times(json.load(f)) == _without_times(
+            json.loads(complete[arrayrecord.DATASET_FILE])
+        )
+
+
+def _without_times(metadata):
+    for split in metadata["splits"].values():
+        for shard in split["shards"]:
+            del shard["mtime_ns"]
+    return metadata
 
 
 def test_resuming_a_conversion_of_another_source_is_refused(tree, tmp_path):
@@ -207,19 +224,20 @@ def test_the_command_line_names_a_bad_source_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag, message",
+    "threads, to_a_file, message",
     [
-        ("--threads=0", "error: --threads=0 must be positive: the files read at once."),
-        ("--to={file}", "error: --to={file} is a file; expected a folder (made if missing)."),
+        (0, False, "error: --threads=0 must be positive: the files read at once."),
+        (16, True, "error: --to={file} is a file; expected a folder (made if missing)."),
     ],
 )
-def test_a_bad_argument_is_one_line_before_anything_is_written(tree, tmp_path, flag, message):
+def test_a_bad_argument_is_one_line_before_anything_is_written(
+    tree, tmp_path, threads, to_a_file, message
+):
     a_file = tmp_path / "a_file"
     a_file.write_bytes(b"mine")
     out = tmp_path / "out"
-    argv = [f"--from=imagefolder:{tree}", f"--to={out}", flag.format(file=a_file)]
     with pytest.raises(SystemExit) as exit_:
-        prepare.main(argv)
+        prepare.run(f"imagefolder:{tree}", str(a_file if to_a_file else out), threads=threads)
     assert exit_.value.code == message.format(file=a_file)
     assert not out.exists() and a_file.read_bytes() == b"mine"
 
@@ -301,6 +319,105 @@ def test_ctrl_c_leaves_no_partial_shard_and_exits_130_in_one_line(
 
     monkeypatch.setattr(prepare, "convert", convert)
     with pytest.raises(SystemExit) as exit_:
-        prepare.main([f"--from=imagefolder:{tree}", f"--to={tmp_path}/out"])
+        prepare.run(f"imagefolder:{tree}", f"{tmp_path}/out")
     assert exit_.value.code == 130
     assert capsys.readouterr().err.strip().startswith("Interrupted: the complete shards in")
+
+
+def test_help_lists_the_sources_and_says_what_every_flag_means():
+    result = subprocess.run(
+        [sys.executable, "-m", "haiku_state.prepare", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Try --helpfull" in result.stdout, result.stderr[-2000:]  # absl's help exits 1.
+    for source in ("imagefolder:DIR", "cifar10:DIR", "digits"):
+        assert source in result.stdout
+    for flag, meaning in [
+        ("--from", "What to convert"),
+        ("--to", "The output folder"),
+        ("--examples_per_shard", "Examples per shard file"),
+        ("--threads", "Files read"),
+        ("--short_side", "Re-encode every image"),
+    ]:
+        assert f"{flag}: {meaning}" in result.stdout, flag
+    assert "mean and\nstd" in result.stdout and "1,000 training images" in result.stdout
+
+
+def _copy(prepared, to, *, keep_times=True):
+    shutil.copytree(prepared, to, copy_function=shutil.copy2 if keep_times else shutil.copy)
+    return str(to)
+
+
+def test_dataset_json_records_the_datas_own_statistics_which_training_uses(
+    tree, prepared, tmp_path
+):
+    with open(os.path.join(prepared, arrayrecord.DATASET_FILE)) as f:
+        metadata = json.load(f)
+    train = data.load_dataset("imagefolder", data_dir=tree, image_size=IMAGE_SIZE).train.records
+    sample = preprocess.statistics_sample(len(train))
+    mean, std = preprocess.pixel_statistics(train[i][0] for i in sample)
+    assert (metadata["mean"], metadata["std"]) == (list(mean), list(std))
+    assert not np.allclose(mean, IMAGENET_MEAN, atol=5)  # Not ImageNet's: these images'.
+    # Training standardises with what dataset.json records, whatever it records.
+    copy = _copy(prepared, tmp_path / "copy")
+    metadata["mean"], metadata["std"] = [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]
+    with open(os.path.join(copy, arrayrecord.DATASET_FILE), "w") as f:
+        json.dump(metadata, f)
+    shards = data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE)
+    assert (shards.mean, shards.std) == ((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))
+
+
+@pytest.mark.parametrize("replacement", ["a byte changed", "another conversion"])
+def test_a_replaced_shard_is_refused_naming_it(tree, prepared, tmp_path, replacement):
+    copy = _copy(prepared, tmp_path / "copy")
+    shard = os.path.join(copy, arrayrecord.shard_name("train", 1, 3))
+    if replacement == "a byte changed":
+        content = bytearray(_read(shard))
+        content[len(content) // 2] ^= 0xFF
+    else:
+        other_tree = write_imagefolder(tmp_path / "other", per_class=(7, 3), seed=1)
+        other = str(tmp_path / "other shards")
+        prepare.convert(f"imagefolder:{other_tree}", other, examples_per_shard=8)
+        content = _read(os.path.join(other, os.path.basename(shard)))
+    assert len(content) == os.path.getsize(shard)  # Names, counts and sizes all match.
+    with open(shard, "wb") as f:
+        f.write(content)
+    with pytest.raises(data.DataError, match=rf"{shard} is not the shard .* its SHA-256 differs"):
+        data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE)
+
+
+def test_a_copy_without_its_times_is_read_once_and_then_recognised(prepared, tmp_path, monkeypatch):
+    copy = _copy(prepared, tmp_path / "copy", keep_times=False)
+    read = []
+    file_sha256 = arrayrecord.file_sha256
+    monkeypatch.setattr(arrayrecord, "file_sha256", lambda p: read.append(p) or file_sha256(p))
+    first = data.identity(data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE))
+    assert len(read) == 5  # Every shard: 3 train, 2 val.
+    second = data.identity(data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE))
+    original = data.identity(
+        data.load_dataset("arrayrecord", data_dir=prepared, image_size=IMAGE_SIZE)
+    )
+    assert len(read) == 5 and first == second == original
+
+
+def test_shards_of_an_older_prepare_load_with_a_warning_naming_what_is_not_checked(
+    prepared, tmp_path, caplog
+):
+    copy = _copy(prepared, tmp_path / "copy")
+    path = os.path.join(copy, arrayrecord.DATASET_FILE)
+    with open(path) as f:
+        metadata = json.load(f)
+    for split in metadata["splits"].values():
+        split["shards"] = [
+            {"file": s["file"], "num_examples": s["num_examples"]} for s in split["shards"]
+        ]
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    with caplog.at_level(logging.WARNING):
+        shards = data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE)
+    assert f"{path} records no SHA-256 of 5 shard(s)" in caplog.text
+    assert "checked by name, record count and size only" in caplog.text
+    assert data.identity(shards)["train_content"] is None

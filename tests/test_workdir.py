@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
 
 import ml_collections
+import numpy as np
 import pytest
-from image_trees import CLASSES, write_imagefolder
+from image_trees import CLASSES, image_bytes, write_imagefolder
 
 from haiku_state import config as config_lib
 from haiku_state import data
@@ -271,3 +273,86 @@ def test_eval_takes_the_recorded_keys_but_its_own(tmp_path):
     assert config.steps == 400 and config.model.hidden_sizes == (8, 8)
     assert config.data.workers == 3 and given.steps == 100
     assert changed == ["model.hidden_sizes: [32] -> [8, 8]", "steps: 100 -> 400"]
+
+
+def _imagefolder(tree):
+    """The config and data record of a run on the ImageFolder `tree`."""
+    config = _config(**{"data.name": "imagefolder"})
+    config.data.dir = str(tree)
+    return config, data.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
+
+
+def test_an_image_overwritten_under_its_name_is_other_data(tmp_path):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    config, before = _imagefolder(tree)
+    workdir_lib.record_config(workdir, config, allow_change=False, data=before)
+    # Another picture of the same size (padded, as JPEG decoders allow) under the same name.
+    victim = os.path.join(
+        tree, "train", CLASSES[1], sorted(os.listdir(os.path.join(tree, "train", CLASSES[1])))[-1]
+    )
+    size = os.path.getsize(victim)
+    other = image_bytes(np.random.default_rng(9), 16, 16, "JPEG")
+    assert len(other) < size
+    with open(victim, "wb") as f:
+        f.write(other + bytes(size - len(other)))
+    config, after = _imagefolder(tree)
+    assert after["train_digest"] == before["train_digest"]  # The same names: the index passes.
+    with pytest.raises(
+        workdir_lib.WorkdirError,
+        match="dataset.train_content: the content of the train examples differs",
+    ):
+        workdir_lib.record_config(workdir, config, allow_change=False, data=after)
+
+
+def test_the_same_data_moved_resumes_and_other_data_is_still_refused(tmp_path, caplog):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    config, recorded = _imagefolder(tree)
+    workdir_lib.record_config(workdir, config, allow_change=False, data=recorded)
+    moved = str(tmp_path / "elsewhere")
+    os.rename(tree, moved)
+    with caplog.at_level(logging.INFO):
+        config, identity = _imagefolder(moved)
+        workdir_lib.record_config(workdir, config, allow_change=False, data=identity)
+    assert f"The data moved: data.dir was {tree!r}, now {moved!r}" in caplog.text
+    assert (
+        json.loads((tmp_path / "run" / "config.json").read_text())["config"]["data"]["dir"] == moved
+    )
+    # Other data in another folder: the folder's change is refused with the data's.
+    other = write_imagefolder(tmp_path / "other", per_class=(2, 1), seed=1)
+    config, identity = _imagefolder(other)
+    with pytest.raises(workdir_lib.WorkdirError) as refused:
+        workdir_lib.record_config(workdir, config, allow_change=False, data=identity)
+    assert f"data.dir: {moved!r} -> {other!r}" in str(refused.value)
+    assert "dataset.train_content" in str(refused.value)
+
+
+def test_a_record_without_the_newer_keys_says_what_it_does_not_check(tmp_path, caplog):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    config, current = _imagefolder(tree)
+    older = {
+        k: v
+        for k, v in current.items()
+        if k not in ("mean", "std", "train_content", "test_content")
+    }
+    workdir = str(tmp_path)
+    workdir_lib.record_config(workdir, config, allow_change=False, data=older)
+    with caplog.at_level(logging.WARNING):
+        workdir_lib.record_config(workdir, config, allow_change=False, data=current)
+    assert (
+        "records no dataset.mean, dataset.std, dataset.test_content, dataset.train_content of "
+        "the data" in caplog.text
+    )
+
+
+def test_keys_unknown_on_both_sides_are_not_named_as_unchecked():
+    recorded = {"train_examples": 10, "train_content": None}
+    current = {"train_examples": 10, "train_content": None, "test_content": None, "mean": [1.0]}
+    assert data.unchecked_keys(recorded, current) == ["mean"]
+    assert data.unchecked_keys({**recorded, "train_content": "a"}, current) == [
+        "mean",
+        "train_content",
+    ]

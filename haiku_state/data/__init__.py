@@ -27,8 +27,10 @@ The modules, in the order data flows:
   - `gpu_decode`: the optional GPU decoder: the workers' bytes, boxes and
     flips decoded on the device (`config.data.decoder="gpu"`).
 - `augment`: on-device random shifts and flips inside the step.
-- `identity`: what identifies the data a run read (sizes, class names, digests of
-  the file index or shards), recorded so that a resume on other data is refused.
+- `identity`: what identifies the data a run read (sizes, class names, statistics,
+  digests of the file index or shards and of their content), recorded so that a
+  resume on other data is refused.
+- `host_cache`: where this host keeps what it learnt about a data folder.
 
 Images travel as stored: uint8 pixels (float32 for synthetic data), never
 standardised on the host. The network standardises them on the device with
@@ -48,7 +50,12 @@ from haiku_state.data.device import (
     prefetch_to_device,
 )
 from haiku_state.data.gpu_decode import unavailable_reason as gpu_decoder_unavailable
-from haiku_state.data.identity import identity, identity_changes, split_digest
+from haiku_state.data.identity import (
+    identity,
+    identity_changes,
+    split_digest,
+    unchecked_keys,
+)
 from haiku_state.data.in_memory import CIFAR10_MEAN, CIFAR10_STD, DIGITS_NUM_TEST
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice, steps_per_epoch
 from haiku_state.data.pipeline import (
@@ -122,4 +129,5 @@ __all__ = [
     "split_digest",
     "steps_per_epoch",
     "train_batches",
+    "unchecked_keys",
 ]

@@ -10,20 +10,27 @@ is decoded by its content.
 
 **The file index** (every file's path and label, a few bytes per file plus the
 names; never pixels) is built by listing the tree once and cached in
-`$HAIKU_STATE_CACHE/imagefolder/<key>/` (default `~/.cache/haiku_state`), where
-`<key>` is a hash of the tree's absolute real path, so a read-only data folder
-needs no write access. A later start checks the cache with one `stat` per
-folder (`train/`, `val/` and every class folder): adding, removing or renaming
-an image changes its folder's modification time, and any such change rebuilds
-the index. Processes that start together on one host may each build it; every
-build is written apart and committed by renaming its manifest, so a reader
-sees one complete index or none (the files of replaced builds are removed
-once they are a day old). The index arrays are memory-mapped, so the
+`$HAIKU_STATE_CACHE/imagefolder/<key>/` (`host_cache`), so a read-only data folder
+needs no write access. With it are the tree's pixel statistics, the mean and
+std the network standardises with (`preprocess.pixel_statistics` of a sample of
+the training images), measured when the index is built. A later start checks
+the cache with one `stat` per folder (`train/`, `val/` and every class folder):
+adding, removing or renaming an image changes its folder's modification time,
+and any such change rebuilds the index. Processes that start together on one
+host may each build it; every build is written apart and committed by renaming
+its manifest, so a reader sees one complete index or none (the files of
+replaced builds are removed once they are a day old). The index arrays are memory-mapped, so the
 decoding workers share one copy.
+
+An image overwritten under its name changes no folder: what identifies the
+files' content is each file's size and modification time
+(`FileRecords.content_digest`, one `stat` per file), read at every start of a
+training run and recorded with the run (`identity`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -34,20 +41,18 @@ from typing import Any, NamedTuple
 import numpy as np
 from absl import logging
 
-from haiku_state.data.splits import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    DataError,
-    Dataset,
-    EncodedSplit,
-    MissingDataError,
-)
+from haiku_state.data import host_cache, preprocess
+from haiku_state.data.splits import DataError, Dataset, EncodedSplit, MissingDataError
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 SPLITS = ("train", "val")
-CACHE_ENV = "HAIKU_STATE_CACHE"
-_CACHE_VERSION = 1
+CACHE_ENV = host_cache.CACHE_ENV
+_CACHE_VERSION = 2  # 2: with the pixel statistics.
 _ARRAYS = ("names", "offsets", "labels")
+# `content_digest` stats the files in blocks of this many, this many blocks at once: a
+# network filesystem answers many requests at once faster than one after the other.
+STAT_BLOCK = 4096
+STAT_THREADS = 16
 
 
 class FileIndex(NamedTuple):
@@ -107,6 +112,35 @@ class FileRecords:
             hasher.update(np.ascontiguousarray(array))
         return hasher.hexdigest()
 
+    def content_digest(self) -> str:
+        """A digest of every file's size and modification time, in order.
+
+        An image overwritten under its name (or touched) changes it; its pixels are
+        not read, so a start costs one `stat` per file (1.28 M for ImageNet),
+        `STAT_THREADS` at a time.
+
+        Raises:
+          MissingDataError: naming a file of the index that is gone.
+        """
+        blocks = [range(s, min(s + STAT_BLOCK, len(self))) for s in range(0, len(self), STAT_BLOCK)]
+        hasher = hashlib.blake2b(digest_size=16)
+        with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
+            for sizes_and_times in pool.map(self._sizes_and_times, blocks):
+                hasher.update(sizes_and_times)
+        return hasher.hexdigest()
+
+    def _sizes_and_times(self, indices: range) -> np.ndarray:
+        """int64 `[len(indices), 2]`: each file's size and modification time (ns)."""
+        stats = np.empty((len(indices), 2), np.int64)
+        for row, index in enumerate(indices):
+            path = self.path(index)
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                raise MissingDataError(f"{path} is gone (listed in the file index).") from None
+            stats[row] = stat.st_size, stat.st_mtime_ns
+        return stats
+
     def name(self, index: int) -> str:
         """The path of example `index` relative to the tree: `train/<class>/<file>`."""
         return os.path.relpath(self.path(index), os.path.dirname(self._folder))
@@ -121,6 +155,22 @@ class FileRecords:
         self._index = state["index"] if self._cache_files is None else _map_index(self._cache_files)
 
 
+class ImageTree(NamedTuple):
+    """An indexed ImageFolder tree.
+
+    Attributes:
+      classes: the class names, in label order.
+      records: the examples of each split (`train`, `val`).
+      mean: the per-channel pixel mean of the training images (`tree_statistics`).
+      std: the matching standard deviations.
+    """
+
+    classes: list[str]
+    records: dict[str, FileRecords]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
 def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
     """An ImageFolder tree as a `Dataset` of encoded splits, checked before anything is read.
 
@@ -133,16 +183,16 @@ def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
       DataError: for a class folder without images, or class folders that differ
         between `train/` and `val/`.
     """
-    classes, records = index_tree(data_dir)
+    tree = index_tree(data_dir)
     return Dataset(
-        train=EncodedSplit(records["train"], image_size, len(classes)),
-        test=EncodedSplit(records["val"], image_size, len(classes)),
-        num_classes=len(classes),
+        train=EncodedSplit(tree.records["train"], image_size, len(tree.classes)),
+        test=EncodedSplit(tree.records["val"], image_size, len(tree.classes)),
+        num_classes=len(tree.classes),
         image_shape=(image_size, image_size, 3),
         name="imagefolder",
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        class_names=tuple(classes),
+        mean=tree.mean,
+        std=tree.std,
+        class_names=tuple(tree.classes),
     )
 
 
@@ -217,11 +267,22 @@ def build_index(split_dir: str, classes: list[str]) -> FileIndex:
 
 def cache_dir(root: str) -> str:
     """Where the index of the tree at `root` (a real absolute path) is cached."""
-    base = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "haiku_state"
-    )
-    key = hashlib.sha256(root.encode()).hexdigest()[:24]
-    return os.path.join(base, "imagefolder", key)
+    return host_cache.cache_dir("imagefolder", root)
+
+
+def tree_statistics(train: FileRecords) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The per-channel mean and std of a sample of the training images (`pixel_statistics`).
+
+    Raises:
+      DataError: when none of the sampled images decodes.
+    """
+    sample = preprocess.statistics_sample(len(train))
+    try:
+        return preprocess.pixel_statistics(train[i][0] for i in sample)
+    except ValueError as e:
+        raise DataError(
+            f"ImageFolder {os.path.dirname(os.path.dirname(train.path(0)))}: {e}."
+        ) from None
 
 
 def _folder_mtimes(root: str, classes: list[str]) -> dict[str, int]:
@@ -234,8 +295,8 @@ def _map_index(files: dict[str, str]) -> FileIndex:
     return FileIndex(*(np.load(files[name], mmap_mode="r") for name in _ARRAYS))
 
 
-def _read_cache(root: str) -> tuple[list[str], dict[str, dict[str, str]]] | None:
-    """The classes and cached array files of `root`, if the cache is complete and current."""
+def _read_cache(root: str) -> dict[str, Any] | None:
+    """The manifest of the cached index of `root`, if the cache is complete and current."""
     try:
         with open(os.path.join(cache_dir(root), "manifest.json")) as f:
             manifest = json.load(f)
@@ -246,12 +307,12 @@ def _read_cache(root: str) -> tuple[list[str], dict[str, dict[str, str]]] | None
         files = manifest["files"]
         if not all(os.path.isfile(path) for split in SPLITS for path in files[split].values()):
             return None
-        return manifest["classes"], files
+        return manifest
     except (OSError, ValueError, KeyError):
         return None
 
 
-def _write_cache(root: str, classes: list[str], indexes: dict[str, FileIndex], mtimes) -> dict:
+def _write_cache(root: str, tree: ImageTree, indexes: dict[str, FileIndex], mtimes) -> dict:
     """Writes one build of the index; the manifest's rename commits it. Returns its files."""
     directory = cache_dir(root)
     os.makedirs(directory, exist_ok=True)
@@ -266,9 +327,11 @@ def _write_cache(root: str, classes: list[str], indexes: dict[str, FileIndex], m
     manifest = {
         "version": _CACHE_VERSION,
         "root": root,
-        "classes": classes,
+        "classes": tree.classes,
         "mtimes": mtimes,
         "files": files,
+        "mean": tree.mean,
+        "std": tree.std,
     }
     temporary = os.path.join(directory, f"manifest.{build}.tmp")
     with open(temporary, "w") as f:
@@ -296,32 +359,38 @@ def _remove_other_builds(directory: str, build: str) -> None:
             pass  # Another process removed it first.
 
 
-def index_tree(data_dir: str) -> tuple[list[str], dict[str, FileRecords]]:
-    """The class names and the records of every split, from the cache or by listing the tree.
+def index_tree(data_dir: str) -> ImageTree:
+    """The tree's classes, records and statistics, from the cache or by listing the tree.
 
     Raises:
       MissingDataError: for a missing `data_dir`, `train/` or `val/`.
-      DataError: for a class folder without images, or class folders that differ
-        between `train/` and `val/`.
+      DataError: for a class folder without images, class folders that differ
+        between `train/` and `val/`, or training images none of which decodes.
     """
     root = _checked_root(data_dir)
-    cached = _read_cache(root)
-    if cached is not None:
-        classes, files = cached
+    manifest = _read_cache(root)
+    if manifest is not None:
         logging.info("ImageFolder %s: file index from the cache %s.", root, cache_dir(root))
-    else:
-        classes = check_classes(root, {s: class_folders(os.path.join(root, s)) for s in SPLITS})
-        mtimes = _folder_mtimes(root, classes)  # Before listing: a change meanwhile rebuilds.
-        indexes = {split: build_index(os.path.join(root, split), classes) for split in SPLITS}
-        try:
-            files = _write_cache(root, classes, indexes, mtimes)
-        except OSError as e:
-            logging.warning("Cannot cache the file index of %s (%s); it stays in memory.", root, e)
-            return classes, {
-                split: FileRecords(os.path.join(root, split), index)
-                for split, index in indexes.items()
-            }
-    return classes, {
+        files = manifest["files"]
+        records = {
+            split: FileRecords(os.path.join(root, split), _map_index(files[split]), files[split])
+            for split in SPLITS
+        }
+        return ImageTree(
+            manifest["classes"], records, tuple(manifest["mean"]), tuple(manifest["std"])
+        )
+    classes = check_classes(root, {s: class_folders(os.path.join(root, s)) for s in SPLITS})
+    mtimes = _folder_mtimes(root, classes)  # Before listing: a change meanwhile rebuilds.
+    indexes = {split: build_index(os.path.join(root, split), classes) for split in SPLITS}
+    records = {split: FileRecords(os.path.join(root, split), indexes[split]) for split in SPLITS}
+    tree = ImageTree(classes, records, *tree_statistics(records["train"]))
+    try:
+        files = _write_cache(root, tree, indexes, mtimes)
+    except OSError as e:
+        logging.warning("Cannot cache the file index of %s (%s); it stays in memory.", root, e)
+        return tree
+    records = {
         split: FileRecords(os.path.join(root, split), _map_index(files[split]), files[split])
         for split in SPLITS
     }
+    return tree._replace(records=records)

@@ -14,12 +14,6 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-# The per-channel (RGB) mean and std of the ImageNet training images, in pixel units
-# (0..255): the usual constants, used for any ImageFolder or ArrayRecord tree of photos.
-IMAGENET_MEAN = (123.675, 116.28, 103.53)
-IMAGENET_STD = (58.395, 57.12, 57.375)
-
-
 # A batch of examples: `{"image": [B, ...], "label": [B], ...}`, numpy on the host or
 # device arrays laid out per device.
 Batch = dict[str, Any]
