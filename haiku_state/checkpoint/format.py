@@ -345,6 +345,9 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
     """
     item = _read_step_item(manager, step)
     version = item.get("format_version", 1)
+    mismatch = _fields_mismatch(item, version)
+    if mismatch is not None:
+        raise DamagedCheckpointError(mismatch)
     try:
         with _orbax_read(manager, step):
             tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
@@ -388,6 +391,37 @@ def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]
             "earlier step."
         )
     return item
+
+
+# The fields of the `step` item that each readable version writes, besides `format_version`.
+_STEP_ITEM_FIELDS = {
+    1: ("step", "key_impl", "checksums"),
+    2: ("step", "key_impl", "key_layout", "fingerprints"),
+}
+
+
+def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
+    """Why the `step` item's fields are not those of the version it states, or None.
+
+    Names the version the item says (or that it records none), the fields of that
+    version it lacks, and the version whose fields it holds instead, if any: a step
+    whose version was rewritten by hand, or written by a tool that got it wrong.
+    """
+    missing = [field for field in _STEP_ITEM_FIELDS[version] if field not in item]
+    if not missing:
+        return None
+    said = f"format_version {version}" if "format_version" in item else "no format_version (1)"
+    lacks = (
+        f"its step item says {said} but lacks {', '.join(missing)}, which version {version} writes"
+    )
+    for other, fields in _STEP_ITEM_FIELDS.items():
+        if other != version and all(field in item for field in fields):
+            its_own = [field for field in fields if field not in _STEP_ITEM_FIELDS[version]]
+            return (
+                f"{lacks}; it holds version {other}'s {', '.join(its_own)} instead: the "
+                "version and the items do not match"
+            )
+    return f"{lacks} (its fields: {', '.join(sorted(item))})"
 
 
 def _read_verified(
