@@ -164,12 +164,18 @@ def train_and_evaluate(
                 f"stopped at step {end.step}, the last, before its final evaluation; "
                 f"saved step {checkpointer.latest_step()}. Run again to evaluate."
             )
+        saved = checkpointer.latest_step()
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(
             f"Final eval at step {end.step}: accuracy {final['accuracy']:.2%}, "
             f"loss {final['loss']:.4f}",
             flush=True,
+        )
+    if stop.should_stop_now():  # A signal during the final save, or since: said, not a success.
+        raise stop.stopped(
+            f"stopped at step {end.step}, the last, after its final evaluation; saved step "
+            f"{saved}. Run again to end the run (it evaluates step {saved} again)."
         )
     monitor.check_recovered(end.step, final)  # A loss that exploded and stayed so fails the run.
     monitor.check_outcome(end.step, final)  # So does a run that ended far worse than its best.
