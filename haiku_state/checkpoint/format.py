@@ -450,7 +450,9 @@ def _read_verified(
 # Event loop is closed`, through `sys.unraisablehook`, with no "Exception ignored" line),
 # the coroutines left suspended fail the same way when collected, and tasks that failed
 # too are logged by asyncio as "Task exception was never retrieved". The damage is
-# reported once, by the caller; these would add hundreds of lines of tracebacks.
+# reported once, by the caller; these would add hundreds of lines of tracebacks. A
+# failed write (a full disk) leaves the same late callbacks behind: a writer drops them
+# too (`drop_late_loop_callbacks`), and the `Checkpointer` reports the failure once.
 
 _reading_or_failed: set[str] = set()  # Step directories, "<directory>/<step>/".
 _next_unraisablehook: Any = None
@@ -460,7 +462,7 @@ def _drop_late_loop_callback(unraisable: Any) -> None:
     """`sys.unraisablehook`: drops a callback or coroutine that outlived its event loop."""
     error = unraisable.exc_value
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-        logging.debug("A late callback of a failed checkpoint read: %s", error)
+        logging.debug("A late callback of a failed checkpoint read or write: %s", error)
         return
     _next_unraisablehook(unraisable)
 
@@ -472,16 +474,22 @@ def _is_not_a_failed_read_task(record: std_logging.LogRecord) -> bool:
     return not any(step_dir in text for step_dir in _reading_or_failed)
 
 
-def _drop_leftovers_of_failed_reads() -> None:
-    """Keeps the leftovers of failed reads (see above) off the terminal; idempotent.
+def drop_late_loop_callbacks() -> None:
+    """Keeps the callbacks that outlive the event loop of a failed read or write (see
+    above) off the terminal; idempotent.
 
     Process-wide, as they come from other threads at any later time; installed by
-    the first read, so every user of the checkpoints has it, not only the CLI.
+    the first read or save, so every user of the checkpoints has it, not only the CLI.
     """
     global _next_unraisablehook
     if sys.unraisablehook is not _drop_late_loop_callback:
         _next_unraisablehook = sys.unraisablehook
         sys.unraisablehook = _drop_late_loop_callback
+
+
+def _drop_leftovers_of_failed_reads() -> None:
+    """Keeps the leftovers of failed reads (see above) off the terminal; idempotent."""
+    drop_late_loop_callbacks()
     asyncio_logger = std_logging.getLogger("asyncio")
     if _is_not_a_failed_read_task not in asyncio_logger.filters:
         asyncio_logger.addFilter(_is_not_a_failed_read_task)
