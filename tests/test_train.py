@@ -13,7 +13,6 @@ import logging as std_logging
 import os
 import pathlib
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -188,17 +187,19 @@ def test_a_checkpoint_write_that_fails_is_one_line_without_the_tracebacks_of_its
 ):
     # A real failed write, without root: files over 100 kB cannot be written (the default
     # MLP's arrays are 1.4 MB), as a full disk fails it, in TensorStore's threads.
-    def limit_file_size():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # Writes fail instead of killing it.
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-
+    # The limit is set by a Python that then becomes the command (no fork of this process).
+    limited = (
+        "import os, resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # Writes fail instead of killing it.\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'haiku_state.train', *sys.argv[1:]])"
+    )
     result = subprocess.run(
-        [sys.executable, "-m", "haiku_state.train", "--config=experiments/mlp.py",
+        [sys.executable, "-c", limited, "--config=experiments/mlp.py",
          f"--workdir={tmp_path}", "--cpu_devices=2", "--config.steps=10",
          "--config.log_every=10", "--config.eval_every=10", "--config.checkpoint_every=10",
          "--config.optimizer.warmup_steps=2", "--config.compilation_cache_dir="],
         cwd=REPO, env=_environment(), capture_output=True, text=True, timeout=180,
-        preexec_fn=limit_file_size,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
     shown = [line for line in result.stderr.splitlines() if not line.startswith("I")]
