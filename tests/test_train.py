@@ -211,7 +211,7 @@ def test_a_checkpoint_write_that_fails_is_one_line_without_the_tracebacks_of_its
 
 
 def test_a_cpu_run_and_its_evaluation_print_nothing_that_reads_like_an_error(tmp_path):
-    outputs = [run_cli(tmp_path, steps=20), run_cli(tmp_path, "--mode=eval", steps=20)]
+    outputs = [run_cli(tmp_path, steps=10), run_cli(tmp_path, "--mode=eval", steps=10)]
     for code, output in outputs:
         assert code == 0, output[-3000:]
         alarming = [
