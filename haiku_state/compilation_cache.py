@@ -6,12 +6,15 @@ XLA's executables are written to `config.compilation_cache_dir` (by default
 program, the devices, the compile options and the JAX version, so an entry is
 only ever loaded by the run that would have compiled the very same program. An
 empty `compilation_cache_dir` turns it off. Only process 0 of a multi-process run
-writes entries; every process reads them.
+writes entries; every process reads them. A directory this process cannot use
+(read-only for process 0, or under a file) turns it off too, with one warning
+that says why: the run goes on, compiling every program.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import jax
 from absl import logging
@@ -37,6 +40,16 @@ def enable(directory: str) -> None:
     Call it before the first compile that should be cached.
     """
     path = os.path.abspath(os.path.expanduser(directory)) if directory else None
+    problem = path and _why_unusable(path)
+    if problem:
+        logging.warning(
+            "Compilation cache off: config.compilation_cache_dir=%s cannot be used (%s); "
+            "every program is compiled afresh. Point it to a writable directory, or set it "
+            "to '' to turn the cache off.",
+            path,
+            problem,
+        )
+        path = None
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     if jax.config.jax_compilation_cache_dir == path:
@@ -44,3 +57,21 @@ def enable(directory: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax_cache.reset_cache()  # JAX opens its cache once; the next compile opens this one.
     logging.info("Compilation cache: %s (config.compilation_cache_dir).", path or "off")
+
+
+def _why_unusable(path: str) -> str | None:
+    """Why this process cannot use the cache directory `path` (created if missing), or None.
+
+    Process 0 writes the entries, so it must be able to create a file there; the
+    other processes only read them.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        if jax.process_index() == 0:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        elif not os.access(path, os.R_OK | os.X_OK):
+            return "it cannot be read"
+    except OSError as e:
+        return e.strerror or str(e)  # "Read-only file system", "Not a directory", ...
+    return None

@@ -16,14 +16,27 @@ resumes from a good one instead of diverging again. A loss that explodes and
 stays finite trains to the end; if it is still exploding at the last fetched
 step, `Monitor.check_recovered` ends the run with `LossExplodedError` (after the
 final save and evaluation), naming where it began and the last good checkpoint.
+
+A run can also end badly without its loss exploding: its accuracy collapses
+to chance while the loss stays finite and modest. `Outcome` judges the end of
+a run on what it logged, its train windows and its evaluations, by two rules:
+its last logged train loss is over `LOSS_RISE_FACTOR` x its first (the loss
+ended above where it began), or its last logged train accuracy, or its final
+eval accuracy, is under `COLLAPSE_FRACTION` of the best of that split in the
+run and at least `COLLAPSE_MIN_DROP` below it (it ended far worse than its
+best). `Monitor.check_outcome` then ends the run with `EndedWorseError`, after
+the final save and evaluation. The outcome so far is saved with every
+checkpoint, so a resumed run, or a rerun of a finished one, is judged as the
+uninterrupted run would be.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import logging
 
@@ -33,8 +46,130 @@ from haiku_state import asserts, checkpoint
 EXPLOSION_FACTOR = 100.0
 
 
+# A run ends badly when its last logged train loss is over this many times its first...
+LOSS_RISE_FACTOR = 1.25
+# ... or when its last logged train accuracy (or final eval accuracy) is under this fraction
+# of the best of the run in that split, and at least COLLAPSE_MIN_DROP below it.
+COLLAPSE_FRACTION = 0.5
+COLLAPSE_MIN_DROP = 0.1
+# The key of the outcome so far in a checkpoint's metadata.
+OUTCOME_KEY = "outcome"
+
+
 class LossExplodedError(RuntimeError):
     """The run ended with its loss exploded (finite, but over `EXPLOSION_FACTOR` x the first)."""
+
+
+class EndedWorseError(RuntimeError):
+    """The run ended far worse than it began or than its best (`Outcome.problems`)."""
+
+
+class Figure(NamedTuple):
+    """A logged value of a metric, and its step."""
+
+    step: int
+    value: float
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What the end of a run is judged by: its logged train windows and its evaluations.
+
+    Attributes:
+      first_train_loss: the loss of the run's first logged train window.
+      last_train_loss: the loss of its latest logged train window.
+      last_train_accuracy: the accuracy of its latest logged train window.
+      best_train_accuracy: the highest accuracy of a logged train window.
+      best_eval_accuracy: the highest accuracy of an evaluation during the run.
+    """
+
+    first_train_loss: Figure | None = None
+    last_train_loss: Figure | None = None
+    last_train_accuracy: Figure | None = None
+    best_train_accuracy: Figure | None = None
+    best_eval_accuracy: Figure | None = None
+
+    def log_train(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Takes in the means of a logged train window that ended at `step`."""
+        if "loss" in metrics:
+            self.last_train_loss = Figure(step, float(metrics["loss"]))
+            self.first_train_loss = self.first_train_loss or self.last_train_loss
+        if "accuracy" in metrics:
+            self.last_train_accuracy = Figure(step, float(metrics["accuracy"]))
+            self.best_train_accuracy = _higher(self.best_train_accuracy, self.last_train_accuracy)
+
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Takes in the evaluation of `step`."""
+        if "accuracy" in metrics:
+            evaluated = Figure(step, float(metrics["accuracy"]))
+            self.best_eval_accuracy = _higher(self.best_eval_accuracy, evaluated)
+
+    def problems(self, last_step: int, final_eval: Mapping[str, float]) -> list[str]:
+        """How the run ended far worse than it began or than its best, with the figures.
+
+        Args:
+          last_step: the run's last step.
+          final_eval: the evaluation of the last step.
+
+        Returns:
+          One phrase per rule broken (see the module docstring); [] for a run that ended well.
+        """
+        found = _rose(self.first_train_loss, self.last_train_loss)
+        found += _collapsed("train", self.last_train_accuracy, self.best_train_accuracy)
+        if "accuracy" in final_eval:
+            final = Figure(last_step, float(final_eval["accuracy"]))
+            found += _collapsed("eval", final, _higher(self.best_eval_accuracy, final))
+        return found
+
+    def to_json(self) -> dict[str, list]:
+        """The figures as JSON, for a checkpoint's metadata."""
+        return {
+            field.name: list(figure)
+            for field in dataclasses.fields(self)
+            if (figure := getattr(self, field.name)) is not None
+        }
+
+    @classmethod
+    def from_json(cls, record: Any) -> Outcome:
+        """The outcome `to_json` saved; a fresh one for a checkpoint that saved none."""
+        if not isinstance(record, dict):
+            return cls()
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(
+            **{
+                name: Figure(int(step), float(value))
+                for name, (step, value) in record.items()
+                if name in names
+            }
+        )
+
+
+def _higher(best: Figure | None, candidate: Figure) -> Figure:
+    return candidate if best is None or candidate.value > best.value else best
+
+
+def _rose(first: Figure | None, last: Figure | None) -> list[str]:
+    """`["its train loss ended at ..."]` if the `last` logged loss is far over the `first`."""
+    if first is None or last is None or last.step <= first.step:
+        return []
+    if last.value <= LOSS_RISE_FACTOR * first.value:
+        return []
+    return [
+        f"its train loss ended at {last.value:.4g} (step {last.step}), over "
+        f"{LOSS_RISE_FACTOR:g}x its first logged, {first.value:.4g} (step {first.step})"
+    ]
+
+
+def _collapsed(split: str, last: Figure | None, best: Figure | None) -> list[str]:
+    """`["its <split> accuracy fell to ..."]` if `last` is far under `best`, else []."""
+    if last is None or best is None:
+        return []
+    if last.value >= COLLAPSE_FRACTION * best.value or best.value - last.value < COLLAPSE_MIN_DROP:
+        return []
+    return [
+        f"its {split} accuracy fell to {last.value:.4f} (step {last.step}), under "
+        f"{COLLAPSE_FRACTION:g}x its best, {best.value:.4f} (step {best.step})"
+    ]
 
 
 def is_exploding(loss: float, first_loss: float | None) -> bool:
@@ -65,10 +200,13 @@ class Monitor:
     Args:
       resumed_step: the step the run started from. Its checkpoint (if any) was
         on disk before the run: a candidate to keep, never one to set aside.
+      outcome: the run's outcome up to `resumed_step`, from its checkpoint's
+        metadata; None: a fresh start.
     """
 
-    def __init__(self, resumed_step: int):
+    def __init__(self, resumed_step: int, outcome: Outcome | None = None):
         self._resumed_step = resumed_step
+        self.outcome = outcome or Outcome()  # As the checkpoint resumed from recorded it.
         self._first_loss: float | None = None
         self.first_exploding_step: int | None = None
         self.last_exploding: bool = False  # Whether the latest fetched loss explodes.
@@ -120,6 +258,28 @@ class Monitor:
             f"{exploded} and had not recovered at the last step {last_step} (final eval: "
             f"{metrics}); {kept}. To train again from a good step, move the later step "
             "folders of the checkpoints aside and lower the learning rate (with "
+            "--allow_config_change)."
+        )
+
+    def check_outcome(self, last_step: int, final: Mapping[str, float]) -> None:
+        """At the end of a run: raises if it ended far worse than it began or than its best.
+
+        Args:
+          last_step: the run's last step (saved and evaluated already).
+          final: the final evaluation's metrics.
+
+        Raises:
+          EndedWorseError: naming each rule the run broke, with its figures.
+        """
+        problems = self.outcome.problems(last_step, final)
+        if not problems:
+            return
+        metrics = ", ".join(f"{name} {value:.4g}" for name, value in final.items())
+        raise EndedWorseError(
+            f"The run ended far worse than it had been: {'; '.join(problems)} (final eval at "
+            f"step {last_step}: {metrics}). Its checkpoints and metrics are kept; lower the "
+            "learning rate and train again, in a new workdir or from an earlier checkpoint "
+            "(move the later step folders of the checkpoints aside, and pass "
             "--allow_config_change)."
         )
 

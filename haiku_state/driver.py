@@ -111,9 +111,9 @@ def train_and_evaluate(
                 config.profile_steps, os.path.join(workdir, "profile"), start_step
             ) as profiler,
         ):
-            monitor = divergence.Monitor(start_step)
+            monitor = divergence.Monitor(start_step, _outcome_so_far(checkpointer, start_step))
             window = loop.MetricWindow(start_step, monitor)
-            evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop)
+            evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
             saver = Saver(
                 checkpointer,
                 every_steps=config.checkpoint_every,
@@ -164,6 +164,7 @@ def train_and_evaluate(
                 f"stopped at step {end.step}, the last, before its final evaluation; "
                 f"saved step {checkpointer.latest_step()}. Run again to evaluate."
             )
+        saved = checkpointer.latest_step()
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(
@@ -171,7 +172,13 @@ def train_and_evaluate(
             f"loss {final['loss']:.4f}",
             flush=True,
         )
+    if stop.should_stop_now():  # A signal during the final save, or since: said, not a success.
+        raise stop.stopped(
+            f"stopped at step {end.step}, the last, after its final evaluation; saved step "
+            f"{saved}. Run again to end the run (it evaluates step {saved} again)."
+        )
     monitor.check_recovered(end.step, final)  # A loss that exploded and stayed so fails the run.
+    monitor.check_outcome(end.step, final)  # So does a run that ended far worse than its best.
     return final
 
 
@@ -371,6 +378,15 @@ def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any
     return None
 
 
+def _outcome_so_far(checkpointer: checkpoint.Checkpointer, step: int) -> divergence.Outcome:
+    """The run's outcome up to `step`, as the checkpoint of `step` recorded it (a fresh one
+    for a run that starts anew, or a checkpoint that recorded none)."""
+    if step not in checkpointer.all_steps():
+        return divergence.Outcome()
+    metadata = checkpointer.metadata(step) or {}
+    return divergence.Outcome.from_json(metadata.get(divergence.OUTCOME_KEY))
+
+
 def _epochs_note(config: Any, experiment: Experiment) -> str:
     """` (90 epochs of 1251 steps)`: the run's length in epochs of the training split.
 
@@ -449,7 +465,8 @@ def check_invariants(step: int, train_state: TrainState) -> None:
 
 
 class Evaluator:
-    """Evaluates on the test split and writes the result; remembers the latest."""
+    """Evaluates on the test split, writes the result and shows it to the divergence monitor;
+    remembers the latest."""
 
     def __init__(
         self,
@@ -457,9 +474,10 @@ class Evaluator:
         batch_size: int,
         writer: summaries.MetricWriter,
         stop: loop.StopRequest,
+        monitor: divergence.Monitor,
     ):
         self._experiment, self._batch_size = experiment, batch_size
-        self._writer, self._stop = writer, stop
+        self._writer, self._stop, self._monitor = writer, stop, monitor
         self.latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
 
     def __call__(self, step: int, train_state: TrainState) -> None:
@@ -467,6 +485,7 @@ class Evaluator:
         if metrics is not None:  # None: a signal interrupted it.
             self.latest = (step, metrics)
             self._writer.write(step, "eval", metrics)
+            self._monitor.outcome.log_eval(step, metrics)
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
         return self.latest[1] if self.latest and self.latest[0] == step else None
@@ -497,7 +516,7 @@ class Saver:
     Before saving, the losses not yet logged, the replicas and the params are
     checked: a checkpoint is only ever written of a state that is whole. The
     divergence monitor is told of every save, and keeps the last good one while
-    the loss explodes.
+    the loss explodes; every save records the run's outcome so far.
     """
 
     def __init__(
@@ -532,6 +551,7 @@ class Saver:
         asserts.assert_train_state_invariants(train_state)
         check_params_finite(train_state, step)
         metrics = self._evaluator.metrics_at(step)
-        if self._checkpointer.save(train_state, metadata=self._metadata, metrics=metrics):
+        metadata = {**self._metadata, divergence.OUTCOME_KEY: self._monitor.outcome.to_json()}
+        if self._checkpointer.save(train_state, metadata=metadata, metrics=metrics):
             self._monitor.record_save(step)
         self._last_save_time = time.monotonic()

@@ -236,13 +236,19 @@ def follow_checkpoints(
     """Evaluates every new complete checkpoint until the one of the run's last step.
 
     A checkpoint that is gone (retention deleted it) or damaged by the time it
-    is read is skipped with a warning. Returns the metrics by step.
+    is read is skipped with a warning, unless it is the last step's. Returns the
+    metrics by step.
 
     Raises:
       loop.Stopped: when `stop` asked to stop before the last step's evaluation.
+      checkpoint.UnsupportedFormatError: at a step of a format version this code
+        does not read, naming it and its version (the steps after it would be of
+        that version too).
+      ValueError: if the last step's checkpoint is damaged, naming it and why.
     """
     config, experiment, like, directory = _prepare(config, workdir, wait=stop)
     results: dict[int, dict[str, float]] = {}
+    skipped: dict[int, str] = {}  # Why each step without metrics was skipped.
     with _reading(config, workdir, directory) as (checkpointer, writer):
         done = False
         while not done and not stop.should_stop_now():
@@ -253,22 +259,38 @@ def follow_checkpoints(
             for step in new_steps:
                 try:
                     train_state = checkpointer.restore(like, step)
+                except checkpoint.UnsupportedFormatError as e:
+                    raise checkpoint.UnsupportedFormatError(
+                        f"eval_follow cannot evaluate step {step} (evaluated steps "
+                        f"{_evaluated(results) or 'none'}): {e}"
+                    ) from None
                 except (FileNotFoundError, ValueError) as e:
                     logging.warning("Skipping checkpoint step %d: %s", step, e)
-                    results[step] = {}
+                    results[step], skipped[step] = {}, str(e)
                     continue
                 metrics = _evaluate_and_record(experiment, train_state, config, writer, stop)
                 if metrics is None:
                     break
                 results[step] = metrics
             done = max(results, default=-1) >= experiment.total_steps
-    evaluated = sorted(step for step, metrics in results.items() if metrics)
+    evaluated = _evaluated(results)
     if not done:
         raise stop.stopped(
             f"stopped following {directory} before its step {experiment.total_steps}; "
             f"evaluated steps {evaluated or 'none'}."
         )
+    last = max(results)
+    if last in skipped:
+        raise ValueError(
+            f"eval_follow could not evaluate the run's last step {last} (evaluated steps "
+            f"{evaluated or 'none'}): {skipped[last]}"
+        )
     return {step: results[step] for step in evaluated}
+
+
+def _evaluated(results: dict[int, dict[str, float]]) -> list[int]:
+    """The steps of `results` that were evaluated (not skipped), ascending."""
+    return sorted(step for step, metrics in results.items() if metrics)
 
 
 @contextlib.contextmanager

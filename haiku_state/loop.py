@@ -79,7 +79,8 @@ class MetricWindow:
     """The per-step device metrics the loop has not fetched yet.
 
     Every fetched loss is shown to a `divergence.Monitor`: the first non-finite
-    one raises, and the monitor remembers where the loss first exploded.
+    one raises, and the monitor remembers where the loss first exploded. The
+    means of each fetched window go to the monitor's `outcome`.
 
     Args:
       start_step: the step the window's clock starts at.
@@ -119,6 +120,7 @@ class MetricWindow:
         start_step, start_time = self._start
         self._pending, self._start = [], (step, now)
         means = {name: total / counts[name] for name, total in sums.items()}
+        self._monitor.outcome.log_train(step, means)
         return WindowSummary(means, step - start_step, now - start_time)
 
 

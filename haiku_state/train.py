@@ -139,19 +139,31 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"{e}\nPass --helpfull to see the flags.")
 
 
-def _quiet_library_info_logs() -> None:
-    """Orbax logs every file it renames at INFO; keep its warnings, drop the chatter.
+# This package's modules: their INFO lines are the run's log; the libraries' are chatter.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-    Its background threads also log the traceback of a failed write (a full
-    disk) before the error reaches the Checkpointer, which reports it in one
-    line: their records keep their message and lose the traceback.
+
+def _quiet_library_logs() -> None:
+    """Keeps the log to this package's lines and the libraries' warnings and errors.
+
+    At INFO, JAX logs each backend it could not start ("Unable to initialize
+    backend 'tpu'"), which on a CPU-only machine reads like an error, and Orbax
+    every file it renames. Of the libraries' warnings and errors, two of Orbax's
+    go too: that a directory is read only (evaluation opens the checkpoints read
+    only on purpose), and the error of a failed write (a full disk), logged with
+    its traceback by its threads before the error reaches the Checkpointer,
+    which reports it in one line.
     """
 
     def keep(record) -> bool:
-        if "/orbax/" not in record.pathname:
+        if os.path.abspath(record.pathname).startswith(_PACKAGE_DIR):
             return True
-        record.exc_info, record.exc_text = None, None
-        return record.levelno >= std_logging.WARNING
+        if record.levelno < std_logging.WARNING:
+            return False
+        if "/orbax/" in record.pathname:
+            read_only = str(record.msg).startswith("Given directory is read only")
+            return not record.exc_info and not read_only
+        return True
 
     logging.get_absl_handler().addFilter(keep)
 
@@ -326,7 +338,7 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
     del argv  # Unused: everything comes in flags.
     # First thing: from here to the exit a signal asks for a clean stop.
     stop = loop.StopRequest().install()
-    _quiet_library_info_logs()
+    _quiet_library_logs()
     if command_line.cpu_devices.value:
         jax.config.update("jax_num_cpu_devices", command_line.cpu_devices.value)
     try:
@@ -356,8 +368,7 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
             others = [k for k in range(jax.process_count()) if k != jax.process_index()]
             lost = f"process {others[0]}" if len(others) == 1 else "another process"
             _exit_lost(lost, f"a collective failed ({str(e).splitlines()[0][:200]})")
-        logging.error("%s", e)
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}")  # The one line, on stderr beside the log.
     finally:
         stop.ignore_until_exit()
 

@@ -227,6 +227,36 @@ def test_eval_mode_refuses_a_step_of_an_unknown_format_version_in_one_line(setup
     assert listing(tmp_path / "checkpoints") == before
 
 
+@pytest.mark.parametrize(
+    "says, holds, lacks, instead",
+    [
+        (1, 2, "checksums", "key_layout, fingerprints"),
+        (2, 1, "key_layout, fingerprints", "checksums"),
+    ],
+)
+def test_a_step_whose_version_and_items_do_not_match_names_the_mismatch(
+    setup, tmp_path, caplog, says, holds, lacks, instead
+):
+    train_state = setup.init()
+    save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
+    if holds == 1:
+        as_version_1(tmp_path / "2")
+    set_format_version(tmp_path / "2", says)
+    mismatch = (
+        f"its step item says format_version {says} but lacks {lacks}, which version {says} "
+        f"writes; it holds version {holds}'s {instead} instead: the version and the items do "
+        "not match"
+    )
+    for read_only in (True, False):  # --mode=eval skips it; a training run sets it aside.
+        caplog.clear()
+        with Checkpointer(tmp_path, read_only=read_only) as checkpointer:
+            with caplog.at_level(logging.WARNING):
+                assert int(checkpointer.restore(train_state).step[0]) == 1
+        [warning] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+        assert f"{tmp_path / '2'} is damaged ({mismatch})" in warning, warning
+    assert set_aside_dirs(tmp_path, 2)
+
+
 # Damage found by the fingerprints (checksums in version 1) and the finiteness check.
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,39 @@ def test_enable_writes_every_program_logs_once_and_empty_turns_it_off(
     _compile_new_program(4.0)
     assert _entries(tmp_path / "other") == written_other
     assert _entries(tmp_path / "cache") == written
+
+
+def _read_only_directory(path) -> str:
+    """A directory this process cannot write to; skips where it can (root writes anywhere)."""
+    os.makedirs(path)
+    os.chmod(path, 0o555)
+    try:
+        open(os.path.join(path, "probe"), "w").close()
+    except PermissionError:
+        return str(path)
+    pytest.skip("this user writes into read-only directories (root)")
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "read_only"])
+def test_an_unusable_directory_turns_the_cache_off_in_one_line_and_compiles_on(
+    tmp_path, caplog, cache_off_afterwards, where
+):
+    (tmp_path / "afile").write_text("")
+    if where == "under_a_file":
+        directory, why = str(tmp_path / "afile" / "cache"), "Not a directory"
+    else:
+        directory, why = _read_only_directory(tmp_path / "read_only"), "Permission denied"
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        compilation_cache.enable(directory)
+        _compile_new_program(5.0)
+    assert jax.config.jax_compilation_cache_dir is None
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(
+        f"Compilation cache off: config.compilation_cache_dir={directory} cannot be used ("
+    )
+    assert why in line and line.endswith("or set it to '' to turn the cache off.")
+    assert [str(w.message) for w in raw if "compilation cache" in str(w.message)] == []
 
 
 def test_a_second_process_loads_what_the_first_compiled(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -207,3 +208,81 @@ def test_a_run_whose_loss_stays_exploded_ends_with_an_error_and_keeps_the_last_g
     assert steps_on_disk(tmp_path) == [good, 30]  # Kept past max_to_keep=1.
     evals = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["split"] == "eval"]
     assert evals[-1]["step"] == 30  # Saved and evaluated before it failed.
+
+
+# -- A run that ends far worse than it began or than its best -------------------------------------
+
+
+def _outcome(train_windows, evals=()):
+    """An Outcome of logged `(step, loss, accuracy)` train windows and `(step, accuracy)` evals."""
+    outcome = divergence.Outcome()
+    for step, loss, accuracy in train_windows:
+        outcome.log_train(step, {"loss": loss, "accuracy": accuracy, "l2_grads": 1.0})
+    for step, accuracy in evals:
+        outcome.log_eval(step, {"loss": 0.5, "accuracy": accuracy})
+    return outcome
+
+
+@pytest.mark.parametrize(
+    "windows, evals, final_accuracy",
+    [
+        # make train EXP=mlp: the loss falls, the accuracies rise.
+        ([(50, 1.12, 0.63), (300, 0.09, 0.97), (600, 0.045, 0.987)], [(200, 0.975)], 0.9917),
+        # Overfitting: the eval accuracy slips from its best, far from halving.
+        ([(10, 2.0, 0.3), (20, 0.5, 0.9)], [(10, 0.9)], 0.8),
+        # Too short to learn: at chance, noisy, under half of its best but not 0.1 below it.
+        ([(1, 2.40, 0.14), (2, 2.45, 0.06)], [], 0.06),
+        # A flat loss, noise within 1.25x its first.
+        ([(10, 0.040, 0.99), (20, 0.050, 0.99)], [], 0.99),
+        # One window: nothing to compare its loss with.
+        ([(30, 9.0, 0.5)], [], 0.5),
+    ],
+)
+def test_a_run_that_ended_as_well_as_it_went_passes(windows, evals, final_accuracy):
+    outcome = _outcome(windows, evals)
+    assert outcome.problems(windows[-1][0], {"accuracy": final_accuracy, "loss": 1.0}) == []
+
+
+def test_a_run_that_ended_far_worse_names_each_rule_it_broke_with_its_figures():
+    # make train EXP=mlp with learning_rate=4 and momentum 0.99, as it logged.
+    windows = [(50, 3.3337, 0.4637), (100, 4.6264, 0.1528), (600, 2.3240, 0.1014)]
+    outcome = _outcome(windows, [(200, 0.1278), (400, 0.1083)])
+    assert outcome.problems(600, {"accuracy": 0.1083}) == [
+        "its train accuracy fell to 0.1014 (step 600), under 0.5x its best, 0.4637 (step 50)"
+    ]
+    # A loss that ends over 1.25x its first, and an evaluation under half of its best.
+    outcome = _outcome([(10, 2.0, 0.3), (20, 0.8, 0.7), (30, 2.6, 0.5)], [(20, 0.8)])
+    assert outcome.problems(30, {"accuracy": 0.3}) == [
+        "its train loss ended at 2.6 (step 30), over 1.25x its first logged, 2 (step 10)",
+        "its eval accuracy fell to 0.3000 (step 30), under 0.5x its best, 0.8000 (step 20)",
+    ]
+    assert divergence.Outcome.from_json(outcome.to_json()) == outcome  # As checkpoints keep it.
+    assert divergence.Outcome.from_json(None) == divergence.Outcome()  # Checkpoints before it.
+    with pytest.raises(divergence.EndedWorseError) as error:
+        divergence.Monitor(30, outcome).check_outcome(30, {"accuracy": 0.3, "loss": 3.25})
+    assert isinstance(error.value, RuntimeError)  # The command line's one-line exit 1.
+    assert str(error.value).startswith(
+        "The run ended far worse than it had been: its train loss ended at 2.6 (step 30), over "
+    )
+    assert "(final eval at step 30: accuracy 0.3, loss 3.25). Its checkpoints" in str(error.value)
+
+
+def test_a_run_that_collapses_after_a_resume_is_judged_on_the_whole_run_and_so_is_a_rerun(
+    tmp_path,
+):
+    driver.train_and_evaluate(mlp_config(), str(tmp_path))  # Learns: 0.51 train accuracy.
+    # Resumed at a learning rate that drives it back to chance, its loss never over 100x.
+    collapsing = mlp_config(
+        steps=60,
+        **{"optimizer.learning_rate": 2.0, "optimizer.momentum": 0.99,
+           "optimizer.schedule": "constant"},
+    )  # fmt: skip
+    for _ in range(2):  # The resume trains to the end; the rerun only evaluates.
+        with pytest.raises(divergence.EndedWorseError) as error:
+            driver.train_and_evaluate(collapsing, str(tmp_path), allow_config_change=True)
+        message = str(error.value)
+        assert re.search(r"its train accuracy fell to 0\.\d+ \(step 60\), under 0\.5x its best, "
+                         r"0\.\d+ \(step 30\)", message), message  # fmt: skip
+        assert re.search(r"its eval accuracy fell to 0\.\d+ \(step 60\), under 0\.5x its best, "
+                         r"0\.\d+ \(step 30\)", message), message  # fmt: skip
+        assert steps_on_disk(tmp_path) == [30, 45, 60]  # Saved, and kept as retention says.

@@ -254,6 +254,27 @@ def test_the_evaluation_of_an_already_trained_run_stops_on_a_signal(tmp_path):
         driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path), stop=stop)
 
 
+def test_a_signal_during_the_final_save_is_reported_after_it_with_exit_143(tmp_path, monkeypatch):
+    stop = loop.StopRequest()
+    save = Checkpointer.save
+
+    def save_then_signalled(checkpointer, train_state, **kwargs):
+        started = save(checkpointer, train_state, **kwargs)
+        if int(np.asarray(train_state.step).reshape(-1)[0]) == 30:  # The final save, in flight.
+            stop.signal_name, stop.signum = "SIGTERM", 15  # As its handler records one.
+        return started
+
+    monkeypatch.setattr(Checkpointer, "save", save_then_signalled)
+    with pytest.raises(loop.Stopped) as stopped:
+        driver.train_and_evaluate(mlp_config(), str(tmp_path), stop=stop)
+    assert str(stopped.value) == (
+        "SIGTERM received: stopped at step 30, the last, after its final evaluation; saved "
+        "step 30. Run again to end the run (it evaluates step 30 again)."
+    )
+    assert stopped.value.exit_code == 143
+    assert (tmp_path / "checkpoints" / "30" / "commit_success.txt").exists()
+
+
 # -- Image folders and shards ----------------------------------------------------------------------
 
 

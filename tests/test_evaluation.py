@@ -13,6 +13,7 @@ import os
 import shutil
 
 import pytest
+from checkpoint_helpers import read_step_item, set_format_version, write_step_item
 from configs import StopAfterChecks, mlp_config
 
 from haiku_state import checkpoint, driver, evaluation, loop
@@ -94,3 +95,39 @@ def test_a_stopped_eval_mode_raises_stopped_with_the_signal_and_records_nothing(
         evaluation.evaluate_checkpoint(_config(), workdir, stop=stop)
     assert e.value.exit_code == 130
     assert open(metrics_file).read() == before
+
+
+def test_eval_follow_stops_at_a_step_of_an_unknown_format_version_naming_it(trained, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(trained[0], workdir)
+    set_format_version(tmp_path / "run" / "checkpoints" / "30", 99)
+    stop = StopAfterChecks(2000)
+    with pytest.raises(checkpoint.UnsupportedFormatError) as error:
+        evaluation.follow_checkpoints(_config(), workdir, stop=stop, poll_secs=0.001)
+    message = str(error.value)
+    assert message.startswith("eval_follow cannot evaluate step 30 (evaluated steps [10, 20]): ")
+    assert "30 has format version 99; this haiku_state reads format versions [1, 2]" in message
+    assert isinstance(error.value, ValueError)  # One line and exit status 1 on the command line.
+
+
+def test_eval_follow_fails_when_the_last_step_is_damaged_and_skips_an_earlier_one(
+    trained, tmp_path, caplog
+):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained[0], workdir)
+    for step in (20, 30):
+        step_item = read_step_item(workdir / "checkpoints" / str(step))
+        name = next(iter(step_item["fingerprints"]))
+        step_item["fingerprints"][name] ^= 1
+        write_step_item(workdir / "checkpoints" / str(step), step_item)
+    stop = StopAfterChecks(2000)
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as error:
+        evaluation.follow_checkpoints(_config(), str(workdir), stop=stop, poll_secs=0.001)
+    assert "Skipping checkpoint step 20: Checkpoint step 20 is damaged" in caplog.text
+    message = str(error.value)
+    assert message.startswith(
+        "eval_follow could not evaluate the run's last step 30 (evaluated steps [10]): "
+        "Checkpoint step 30 is damaged: "
+    )
+    assert "values do not match the fingerprint saved with it" in message
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "20", "30"]  # Nothing moved.

@@ -3,6 +3,7 @@ run, skipped leaves initialised afresh, every other difference and unreadable fo
 
 `test_run_controls.py` runs it end to end, through `config.init_from`."""
 
+import logging
 import os
 import re
 
@@ -65,6 +66,32 @@ def test_params_and_state_are_taken_except_the_skipped_leaves(setup, tmp_path):
     # The optimizer state, the step and the keys stay the fresh run's own.
     for field in ("opt_state", "step", "rng"):
         assert_bit_identical(getattr(warm, field), getattr(expected_fresh, field))
+
+
+def test_the_log_says_how_many_leaves_were_loaded_and_warns_when_none_were(setup, tmp_path, caplog):
+    save_steps(tmp_path, [setup.init()])
+    fresh = setup.init(seed=1)
+    leaves = len(jax.tree.leaves((fresh.params, fresh.state)))
+    with caplog.at_level(logging.INFO):
+        checkpoint.warm_start(fresh, str(tmp_path), "linear_1", "i")
+    [loaded] = [r for r in caplog.records if "Warm start" in r.getMessage()]
+    assert loaded.levelno == logging.INFO
+    assert re.fullmatch(
+        rf"Warm start: {leaves - 2} of {leaves} leaves of params and state from {tmp_path} "
+        r"step 0; 2 freshly initialised \(config.init_skip='linear_1'\): "
+        r"params/mlp/linear_1/b, params/mlp/linear_1/w\.",
+        loaded.getMessage(),
+    ), loaded.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        warm = checkpoint.warm_start(fresh, str(tmp_path), ".*", "i")
+    assert_bit_identical(warm, fresh)
+    [nothing] = [r for r in caplog.records if "Warm start" in r.getMessage()]
+    assert nothing.levelno == logging.WARNING
+    assert nothing.getMessage() == (
+        f"Warm start from {tmp_path} step 0 loaded nothing: config.init_skip='.*' matches all "
+        f"{leaves} leaves of params and state, which keep their fresh initialisation."
+    )
 
 
 def test_a_jit_train_state_is_warm_started_in_its_own_shardings(setup, tmp_path):

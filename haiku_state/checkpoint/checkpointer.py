@@ -172,6 +172,7 @@ class Checkpointer:
         if not self._steps.claim(encoded.step):
             return False
         self.retention.record(encoded.step, metadata_item["metrics"])
+        format.drop_late_loop_callbacks()  # A failed write is reported once, by `_write`.
         logging.info("Saving checkpoint step %d to %s.", encoded.step, self._step_dir(encoded.step))
         if self._thread is None:
             self._write(encoded, metadata_item)

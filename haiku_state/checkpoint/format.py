@@ -345,6 +345,9 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
     """
     item = _read_step_item(manager, step)
     version = item.get("format_version", 1)
+    mismatch = _fields_mismatch(item, version)
+    if mismatch is not None:
+        raise DamagedCheckpointError(mismatch)
     try:
         with _orbax_read(manager, step):
             tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
@@ -390,6 +393,37 @@ def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]
     return item
 
 
+# The fields of the `step` item that each readable version writes, besides `format_version`.
+_STEP_ITEM_FIELDS = {
+    1: ("step", "key_impl", "checksums"),
+    2: ("step", "key_impl", "key_layout", "fingerprints"),
+}
+
+
+def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
+    """Why the `step` item's fields are not those of the version it states, or None.
+
+    Names the version the item says (or that it records none), the fields of that
+    version it lacks, and the version whose fields it holds instead, if any: a step
+    whose version was rewritten by hand, or written by a tool that got it wrong.
+    """
+    missing = [field for field in _STEP_ITEM_FIELDS[version] if field not in item]
+    if not missing:
+        return None
+    said = f"format_version {version}" if "format_version" in item else "no format_version (1)"
+    lacks = (
+        f"its step item says {said} but lacks {', '.join(missing)}, which version {version} writes"
+    )
+    for other, fields in _STEP_ITEM_FIELDS.items():
+        if other != version and all(field in item for field in fields):
+            its_own = [field for field in fields if field not in _STEP_ITEM_FIELDS[version]]
+            return (
+                f"{lacks}; it holds version {other}'s {', '.join(its_own)} instead: the "
+                "version and the items do not match"
+            )
+    return f"{lacks} (its fields: {', '.join(sorted(item))})"
+
+
 def _read_verified(
     manager: ocp.CheckpointManager, step: int, targets: Any, header: StepHeader
 ) -> dict[str, Any]:
@@ -416,7 +450,9 @@ def _read_verified(
 # Event loop is closed`, through `sys.unraisablehook`, with no "Exception ignored" line),
 # the coroutines left suspended fail the same way when collected, and tasks that failed
 # too are logged by asyncio as "Task exception was never retrieved". The damage is
-# reported once, by the caller; these would add hundreds of lines of tracebacks.
+# reported once, by the caller; these would add hundreds of lines of tracebacks. A
+# failed write (a full disk) leaves the same late callbacks behind: a writer drops them
+# too (`drop_late_loop_callbacks`), and the `Checkpointer` reports the failure once.
 
 _reading_or_failed: set[str] = set()  # Step directories, "<directory>/<step>/".
 _next_unraisablehook: Any = None
@@ -426,7 +462,7 @@ def _drop_late_loop_callback(unraisable: Any) -> None:
     """`sys.unraisablehook`: drops a callback or coroutine that outlived its event loop."""
     error = unraisable.exc_value
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-        logging.debug("A late callback of a failed checkpoint read: %s", error)
+        logging.debug("A late callback of a failed checkpoint read or write: %s", error)
         return
     _next_unraisablehook(unraisable)
 
@@ -438,16 +474,22 @@ def _is_not_a_failed_read_task(record: std_logging.LogRecord) -> bool:
     return not any(step_dir in text for step_dir in _reading_or_failed)
 
 
-def _drop_leftovers_of_failed_reads() -> None:
-    """Keeps the leftovers of failed reads (see above) off the terminal; idempotent.
+def drop_late_loop_callbacks() -> None:
+    """Keeps the callbacks that outlive the event loop of a failed read or write (see
+    above) off the terminal; idempotent.
 
     Process-wide, as they come from other threads at any later time; installed by
-    the first read, so every user of the checkpoints has it, not only the CLI.
+    the first read or save, so every user of the checkpoints has it, not only the CLI.
     """
     global _next_unraisablehook
     if sys.unraisablehook is not _drop_late_loop_callback:
         _next_unraisablehook = sys.unraisablehook
         sys.unraisablehook = _drop_late_loop_callback
+
+
+def _drop_leftovers_of_failed_reads() -> None:
+    """Keeps the leftovers of failed reads (see above) off the terminal; idempotent."""
+    drop_late_loop_callbacks()
     asyncio_logger = std_logging.getLogger("asyncio")
     if _is_not_a_failed_read_task not in asyncio_logger.filters:
         asyncio_logger.addFilter(_is_not_a_failed_read_task)

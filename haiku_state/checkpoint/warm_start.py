@@ -42,8 +42,11 @@ def locate(path: str) -> tuple[str, int | None]:
     return path, None
 
 
-def _merge(fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems: list) -> Any:
-    """`fresh` with every leaf taken from `saved`, except skipped ones; notes mismatches."""
+def _merge(
+    fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems: list, skipped: list
+) -> Any:
+    """`fresh` with every leaf taken from `saved`, except skipped ones; notes mismatches and
+    the names of the leaves skipped."""
     saved_leaves = {
         leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(saved)
     }
@@ -53,6 +56,7 @@ def _merge(fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems:
         name = f"{tree}/{leaf_name(path)}"
         fresh_names.add(name)
         if skip is not None and skip.search(name):
+            skipped.append(name)
             return leaf
         if leaf_name(path) not in saved_leaves:
             problems.append(f"{name}: not in the checkpoint")
@@ -113,13 +117,14 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
         saved = checkpointer.read_trees(step)
     pattern = re.compile(skip) if skip else None
     problems: list[str] = []
+    skipped: list[str] = []
     global_layout = sharding.is_global(train_state)
     trees = {}
     for tree in WARM_STARTED_TREES:
         current = getattr(train_state, tree)
         # Only the shapes and dtypes of a jit train state's global arrays are compared.
         fresh = current if global_layout else jax.device_get(replication.unreplicate(current))
-        trees[tree] = _merge(fresh, saved[tree], tree, pattern, problems)
+        trees[tree] = _merge(fresh, saved[tree], tree, pattern, problems, skipped)
     if pattern is not None:
         _check_skip_matches(pattern, train_state, saved, path)
     if problems:
@@ -129,9 +134,7 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
             + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             + ". Set config.init_skip to a regex of the leaves to initialise afresh."
         )
-    logging.info(
-        "Warm start: params and state from %s step %d (skipping %r).", directory, step, skip
-    )
+    _log_loaded(directory, step, skip, len(jax.tree.leaves(trees)), skipped)
     if global_layout:
         placed = {
             tree: jax.tree.map(_place_like, trees[tree], getattr(train_state, tree))
@@ -140,6 +143,32 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
         return train_state._replace(**placed)
     replicated = {tree: replication.replicate(trees[tree], axis_name) for tree in trees}
     return train_state._replace(**replicated)
+
+
+def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list[str]) -> None:
+    """Says how many leaves of params and state were loaded and skipped; warns if none loaded."""
+    if len(skipped) == leaves:
+        logging.warning(
+            "Warm start from %s step %d loaded nothing: config.init_skip=%r matches all %d "
+            "leaves of params and state, which keep their fresh initialisation.",
+            directory,
+            step,
+            skip,
+            leaves,
+        )
+        return
+    logging.info(
+        "Warm start: %d of %d leaves of params and state from %s step %d%s.",
+        leaves - len(skipped),
+        leaves,
+        directory,
+        step,
+        f"; {len(skipped)} freshly initialised (config.init_skip={skip!r}): "
+        + ", ".join(skipped[:6])
+        + (f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
+        if skipped
+        else "",
+    )
 
 
 def _place_like(value: Any, fresh: jax.Array) -> jax.Array:
