@@ -296,3 +296,14 @@ def test_help_needs_no_python_and_the_other_targets_say_which_is_missing(fake_ma
     with pytest.raises(subprocess.CalledProcessError) as refused:
         _make("--dry-run", "train", "STACKS=3.99 3.98", env=env)
     assert "No Python of the stacks 3.99 3.98 runs here" in refused.value.stderr
+
+
+def test_the_tensorboard_viewer_the_readme_names_comes_with_make_train():
+    assert "tensorboard --logdir runs" in (REPO / "README.md").read_text()
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    extras = setup["options.extras_require"]
+    train_installs = set().union(
+        *(_requirement_names(extras[extra]) for extra in _TARGET_EXTRAS["train"].split(","))
+    )
+    assert "tensorboard" in train_installs

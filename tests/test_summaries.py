@@ -1,6 +1,13 @@
 """Tests of haiku_state.summaries: metrics.jsonl with a training run and an evaluator beside it."""
 
 import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
 
 from haiku_state import summaries
 
@@ -88,3 +95,32 @@ def test_the_outputs_are_named_with_how_to_view_them():
         "In runs/mlp: curves.png, metrics.jsonl, tensorboard/, checkpoints/ "
         "(view with: tensorboard --logdir runs/mlp)."
     )
+
+
+def test_tensorboard_serves_the_scalars_a_run_writes(tmp_path):
+    """The README's `tensorboard --logdir runs`: the viewer of the plots extra, on 127.0.0.1."""
+    pytest.importorskip("tensorboard", reason="the plots extra (make train, make test) has it")
+    with summaries.MetricWriter(str(tmp_path), 10) as writer:
+        writer.write(10, "train", {"loss": 0.5})
+        writer.write(10, "eval", {"accuracy": 0.9})
+    viewer = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", f"--logdir={tmp_path}", "--host=127.0.0.1",
+         "--port=0", "--reload_interval=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        address = None
+        while address is None:
+            line = viewer.stdout.readline()
+            assert line, "TensorBoard exited before it served"
+            address = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
+        tags = {}
+        deadline = time.monotonic() + 60
+        while "eval/accuracy" not in tags.get("tensorboard", {}) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            with urllib.request.urlopen(f"{address[1]}data/plugin/scalars/tags") as response:
+                tags = json.load(response)
+        assert {"train/loss", "eval/accuracy"} <= set(tags["tensorboard"]), tags
+    finally:
+        viewer.terminate()
+        viewer.communicate(timeout=30)
