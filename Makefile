@@ -1,4 +1,5 @@
-# haiku_state: `make train EXP=resnet` and `make test` are all a fresh machine needs.
+# haiku_state: `make train EXP=resnet` and `make test` are all a fresh machine needs;
+# `make` alone (`make help`) lists the targets and the variables.
 #
 # A stack is a Python version with a lock file, requirements/py<X.Y>.txt, that pins
 # everything `make` installs (jax and jaxlib included). PYTHON is the newest stack's
@@ -9,6 +10,8 @@
 # it is, installs nothing and runs this checkout (PYTHONPATH): for an environment that
 # already has JAX and its plugin.
 comma := ,
+# `make` alone and `make help` only print: they run without a Python of any stack.
+HELP_ONLY := $(if $(filter-out help,$(or $(MAKECMDGOALS),help)),,yes)
 STACKS := $(shell ls requirements/py*.txt 2>/dev/null | sed 's|^requirements/py||; s|\.txt$$||' | sort -rV)
 # The first interpreter that runs, for the stacks $(1) in order: pythonX.Y, then pyenv's
 # versions/X.Y.*/bin/pythonX.Y, newest first.
@@ -31,11 +34,11 @@ endif
 ifndef PYTHON
 PYTHON := $(shell $(call find_python,$(or $(VENV_STACK),$(STACKS))))
 endif
-ifeq ($(PYTHON),)
+ifeq ($(PYTHON)$(HELP_ONLY),)
 $(error No Python of the stacks $(STACKS) runs here (PATH, pyenv); set PYTHON=)
 endif
-STACK := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-ifeq ($(STACK),)
+STACK := $(if $(PYTHON),$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'))
+ifeq ($(STACK)$(HELP_ONLY),)
 $(error PYTHON=$(PYTHON) does not run)
 endif
 LOCK := requirements/py$(STACK).txt
@@ -59,6 +62,7 @@ JAX_PLUGIN = $(if $(filter cpu,$(ACCELERATOR)),,'jax[$(ACCELERATOR)]==$(JAX_VERS
 STAMP_PREFIX := $(VENV)/.installed-py$(STACK)-$(ACCELERATOR)-
 installed = $(if $(VENV),$(STAMP_PREFIX)$(1))
 EXP ?= resnet
+EXPERIMENTS := $(notdir $(basename $(filter-out experiments/_%,$(wildcard experiments/*.py))))
 # EXP may name a variant of an experiment's config: EXP=resnet50:imagenet.
 CONFIG := experiments/$(subst :,.py:,$(EXP))$(if $(findstring :,$(EXP)),,.py)
 WORKDIR ?= runs/$(subst :,-,$(EXP))
@@ -76,10 +80,28 @@ TO ?=
 # a module's fixtures are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: install test train train-multiprocess eval prepare bench bench-quick bench-plot \
+.PHONY: help install test train train-multiprocess eval prepare bench bench-quick bench-plot \
 	accelerator-check gpu-check tpu-check lint format lock stacks which-python clean
 
-install: $(call installed,test+bench+plots)
+# The first target, so `make` alone lists the targets (their `## ` comments) and variables.
+help: ## this list (what `make` alone prints)
+	@echo "haiku_state: make <target> [VARIABLE=value ...], e.g. make train EXP=mlp"
+	@echo
+	@echo "Targets:"
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  %-19s%s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
+	@echo
+	@echo "Variables:"
+	@printf '  %-9s%s\n' \
+		EXP "an experiment of experiments/: $(EXPERIMENTS), or resnet50:imagenet (now $(EXP))" \
+		WORKDIR "the run's directory, runs/<EXP> by default; train resumes the run there (now $(WORKDIR))" \
+		DEVICES "CPU devices to simulate; a GPU or TPU host uses all its own (now $(DEVICES))" \
+		ARGS "more flags, e.g. ARGS=\"--config.steps=800\"; --helpconfig lists the config keys" \
+		PYTHON "the interpreter, which picks the stack: $(STACKS) (now $(or $(PYTHON),none found: set PYTHON=))" \
+		VENV "the virtualenv it installs into; VENV= runs PYTHON as it is (now $(VENV))"
+	@echo "  Others: PROCESSES, PORT (train-multiprocess), FROM, TO (prepare), RECORD (bench,"
+	@echo "  the checks), ACCELERATOR (cuda12, cuda13, tpu), TEST_WORKERS; see the Makefile."
+
+install: $(call installed,test+bench+plots) ## create VENV and install everything at the lock's versions
 
 ifneq ($(VENV),)
 $(STAMP_PREFIX)%: setup.cfg pyproject.toml $(wildcard $(LOCK))
@@ -91,14 +113,14 @@ $(STAMP_PREFIX)%: setup.cfg pyproject.toml $(wildcard $(LOCK))
 	touch $@
 endif
 
-test: $(call installed,test+bench+plots)
+test: $(call installed,test+bench+plots) ## the test suite, on 4 simulated CPU devices
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
-train: $(call installed,plots)
+train: $(call installed,plots) ## train EXP in WORKDIR on DEVICES devices (resumes the run there)
 	$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) $(ARGS)
 
-train-multiprocess: $(call installed,plots)
+train-multiprocess: $(call installed,plots) ## train EXP with PROCESSES local processes of DEVICES devices each
 	@status=0; pids=""; \
 	for k in $$(seq 0 $$(($(PROCESSES) - 1))); do \
 		$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
@@ -107,48 +129,48 @@ train-multiprocess: $(call installed,plots)
 	done; \
 	for pid in $$pids; do wait $$pid || status=1; done; exit $$status
 
-eval: $(call installed,plots)
+eval: $(call installed,plots) ## evaluate WORKDIR's latest checkpoint (ARGS="--step=N" or "--step=best")
 	$(PY) -m haiku_state.train --config=$(CONFIG) --workdir=$(WORKDIR) \
 		--cpu_devices=$(DEVICES) --mode=eval $(ARGS)
 
-prepare: $(call installed,plots)
+prepare: $(call installed,plots) ## convert FROM (imagefolder:DIR, cifar10:DIR, digits) to ArrayRecord shards in TO
 	$(PY) -m haiku_state.prepare --from="$(FROM)" --to="$(TO)" $(ARGS)
 
 # RECORD=benchmarks/results/<platform>.json also keeps the run as the platform's curated
 # record and writes its table into benchmarks/README.md.
-bench: $(call installed,bench+plots)
+bench: $(call installed,bench+plots) ## throughput benchmarks (benchmarks/README.md); RECORD= keeps the record
 	$(PY) -m benchmarks.run $(if $(RECORD),--record=$(RECORD) --update_readme) $(ARGS)
 
-bench-quick: $(call installed,bench+plots)
+bench-quick: $(call installed,bench+plots) ## the benchmarks, cut short (a smoke run)
 	$(PY) -m benchmarks.run --quick $(ARGS)
 
-bench-plot: $(call installed,bench+plots)
+bench-plot: $(call installed,bench+plots) ## charts of the benchmark records in benchmarks/results
 	$(PY) -m benchmarks.plot $(ARGS)
 
 # One check of an accelerator host in 8 minutes (benchmarks/accelerator_check.py): the
 # ImageNet recipe's start-up cold and with the compilation cache, steps at the plan's
 # batch sizes, MFU, decoders, the loop. On a host that has JAX and its plugin:
 # `make tpu-check VENV= RECORD=benchmarks/results/tpu.json` (gpu-check: a GPU's plan).
-accelerator-check: $(call installed,bench+plots)
+accelerator-check: $(call installed,bench+plots) ## one 8-minute check of an accelerator host (benchmarks/accelerator_check.py)
 	$(PY) -m benchmarks.accelerator_check $(if $(RECORD),--out=$(RECORD)) $(ARGS)
 
 gpu-check: ARGS += --plan=gpu
-gpu-check: accelerator-check
+gpu-check: accelerator-check ## the check with the GPU plan
 
 tpu-check: ARGS += --plan=tpu
-tpu-check: accelerator-check
+tpu-check: accelerator-check ## the check with the TPU plan
 
-lint: $(call installed,test)
+lint: $(call installed,test) ## ruff check and format check
 	$(PY) -m ruff check haiku_state experiments tests benchmarks
 	$(PY) -m ruff format --check haiku_state experiments tests benchmarks
 
-format: $(call installed,test)
+format: $(call installed,test) ## ruff format and fix
 	$(PY) -m ruff format haiku_state experiments tests benchmarks
 	$(PY) -m ruff check --fix haiku_state experiments tests benchmarks
 
 # Every stack's lock file, resolved afresh from setup.cfg in throwaway virtualenvs;
 # pins already there are kept unless UPGRADE=1 (requirements/lock.sh).
-lock:
+lock: ## the lock files requirements/py*.txt from setup.cfg (UPGRADE=1: afresh)
 	@for v in $(STACKS); do \
 		p=$$($(call find_python,$$v)) || { echo "make lock: no Python $$v runs here" >&2; exit 1; }; \
 		requirements/lock.sh "$$p" requirements/py$$v.txt || exit 1; \
@@ -156,12 +178,12 @@ lock:
 
 # The stacks, newest first, and the Python make picks (`make -s which-python STACKS=3.11`:
 # that stack's, or an error when it is not here).
-stacks:
+stacks: ## the Python versions with a lock file, newest first
 	@echo $(STACKS)
 
-which-python:
+which-python: ## the Python make picks
 	@echo $(PYTHON)
 
-clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+clean: ## delete VENV and the caches (runs/ and its checkpoints are kept)
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -5,8 +5,13 @@ its default, type, allowed values, whether a run may change it on resume, and
 a line of help. Everything else derives from it: `default_config()` (what
 `experiments/_base.py` returns and every experiment overrides),
 `validate_config()` (plus the rules that relate several keys, named functions
-below), the keys `workdir` lets change on resume (`free_keys`), and the data
-options `experiment.load_data` reads. Adding a key is one entry in `SCHEMA`.
+below), the keys `workdir` lets change on resume (`free_keys`), the data
+options `experiment.load_data` reads, and `--helpconfig` (`describe_keys`).
+Adding a key is one entry in `SCHEMA`.
+
+A few keys left at their defaults follow the data (`FOLLOW_THE_DATA`): once the
+training split's size is known, `fit_to_data` lowers them to what it allows, so
+an experiment runs on a folder of a hundred photos as it does on ImageNet.
 
 The network's own options (`model.*` beside `model.name`) differ per model:
 their entries name the models that take them (`Key.for_models`), and a config
@@ -21,14 +26,17 @@ its directory is importable while it loads.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import difflib
+import functools
 import importlib.util
 import math
 import numbers
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import ml_collections
@@ -106,7 +114,8 @@ SCHEMA = (
     Key("num_epochs", None, int, bounds=POSITIVE_INT, allow_none=True,
         help="instead of steps when set: this many epochs of the training split"),
     Key("batch_size", 128, int, bounds=POSITIVE_INT,
-        help="the global batch, split over every device of every process"),
+        help="the global batch, split over every device of every process; left at 128, at "
+        "most the training examples (a multiple of the devices)"),
     Key("eval_batch_size", 256, int, bounds=POSITIVE_INT, free=True,
         help="the global evaluation batch"),
     Key("log_every", 50, int, bounds=POSITIVE_INT, free=True,
@@ -154,7 +163,8 @@ SCHEMA = (
     Key("optimizer.schedule", "warmup_cosine", str, choices=optim.SCHEDULES,
         help="the learning rate's schedule"),
     Key("optimizer.warmup_steps", 50, int, bounds=NON_NEGATIVE,
-        help="warmup_cosine's linear warmup, fewer than the run's steps"),
+        help="warmup_cosine's linear warmup, fewer than the run's steps; left at 50, a tenth "
+        "of a run of 50 steps or fewer"),
     Key("optimizer.weight_decay", 1e-4, float, bounds=Range(0.0),
         help="L2 decay of the weights of convolutions and linear layers"),
     Key("optimizer.momentum", 0.9, float, bounds=FRACTION,
@@ -215,6 +225,11 @@ SCHEMA = (
 # Schedules whose value at a step does not depend on the run's length: with one of
 # them `steps` may change on resume too.
 STEP_INDEPENDENT_SCHEDULES = ("constant",)
+# Keys that, left at their schema defaults, follow the data and the run's length
+# (`fit_to_data`); a value set away from the default is taken as it is, or refused.
+FOLLOW_THE_DATA = ("batch_size", "optimizer.warmup_steps")
+# A warmup that follows a run shorter than its default is this fraction of the run.
+FITTED_WARMUP_FRACTION = 0.1
 
 
 def schema_key(name: str) -> Key:
@@ -332,10 +347,13 @@ def _get(config: Any, dotted_key: str) -> Any:
 
 
 def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
-    """Rejects a config that cannot run, naming the bad value, before anything runs.
+    """Rejects a config that cannot run, naming every bad value at once, before anything runs.
 
     Every key is checked against its `SCHEMA` entry (there, with the right type,
-    finite, in its range or choices), then the rules that relate several keys.
+    finite, in its range or choices), and every value that fails is named in
+    one error. With every value right, the rules that relate several keys are
+    checked, and every rule broken is named in one error. (The problems that need
+    the data, a batch larger than the training split, are `fit_to_data`'s.)
 
     Args:
       config: the experiment config.
@@ -344,23 +362,49 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
       num_processes: the processes of the run (`jax.process_count()`).
 
     Raises:
-      ValueError: for a missing or unknown key or a value it may not take.
+      ValueError: for a missing or unknown key or a value it may not take; with
+        several problems, one error that lists them all.
     """
     values = {key: _get(config, key) for key in config_keys(config)}
-    for key in _check_keys(values):
-        _check_value(key, values[key.name])
-    _check_batch_sizes(config, num_devices, num_processes)
-    _check_warmup(config)
-    _check_profile_steps(config)
-    _check_init_skip(config)
-    _check_compilation_cache_dir(config)
-    _check_decoder(config)
-    _check_param_sharding(config)
-    _check_retention(config)
-    _check_host_memory(config, num_processes)
+    keys = _check_keys(values)  # Without the schema's keys no other check can read the config.
+    problems = _problems(functools.partial(_check_value, key, values[key.name]) for key in keys)
+    rules = (
+        functools.partial(_check_batch_sizes, config, num_devices, num_processes),
+        functools.partial(_check_warmup, config),
+        functools.partial(_check_profile_steps, config),
+        functools.partial(_check_init_skip, config),
+        functools.partial(_check_compilation_cache_dir, config),
+        functools.partial(_check_decoder, config),
+        functools.partial(_check_param_sharding, config),
+        functools.partial(_check_retention, config),
+        functools.partial(_check_host_memory, config, num_processes),
+    )
+    if not problems:  # A rule reads values of the right type and range.
+        problems = _problems(rules)
+    if problems:
+        raise config_error(problems)
     _warn_workers(config)
     for line in ignored_settings(config):
         logging.warning("%s", line)
+
+
+def _problems(checks: Iterable[Callable[[], None]]) -> list[str]:
+    """The messages of the `checks` that raise ValueError, in order."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def config_error(problems: list[str]) -> ValueError:
+    """One error for every problem of a config: the message itself if there is one."""
+    if len(problems) == 1:
+        return ValueError(problems[0])
+    listed = " ".join(f"({number}) {problem}" for number, problem in enumerate(problems, 1))
+    return ValueError(f"The config has {len(problems)} problems: {listed}")
 
 
 def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
@@ -387,10 +431,70 @@ def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
         raise ValueError(f"Model {model!r} does not take {options}; its options are {own}.")
     if unknown:
         raise ValueError(
-            f"Config has the keys {unknown}, which haiku_state.config.SCHEMA does not know; "
-            "a new key needs an entry there."
+            f"Config has the keys {unknown}, which haiku_state.config.SCHEMA does not know"
+            f"{_did_you_mean(unknown[0], [key.name for key in keys])}; a new key needs an "
+            "entry there."
         )
     return keys
+
+
+def unknown_key_error(name: str, config: Any) -> str:
+    """Why the dotted `name` is no key of `config`, and the nearest that is: one line.
+
+    For an option of another model (`model.width` of an MLP config) it names the
+    models that take it; for an unknown option, the config's model's own.
+    """
+    model = config.get("model", {}).get("name")
+    own = ", ".join(key.name for key in keys_of(model) if key.for_models)
+    entry = next((key for key in SCHEMA if key.name == name), None)
+    if entry is not None and entry.for_models and model not in entry.for_models:
+        takers = " and ".join(entry.for_models)
+        return (
+            f"config.{name} is an option of the {takers} model, not of {model!r}, whose "
+            f"options are {own}."
+        )
+    hint = _did_you_mean(name, config_keys(config))
+    if not hint and name.startswith("model."):
+        hint = f" (the {model!r} model's options are {own})"
+    return f"Unknown config key {name!r}{hint}; --helpconfig lists every key and what it sets."
+
+
+def _did_you_mean(name: str, keys: list[str]) -> str:
+    """` (did you mean 'steps'?)` for the key nearest to the dotted `name`, or "" if none is.
+
+    Its last part is looked for as it is under another parent (`data.batch_size`),
+    then near its siblings' (`optimizer.lerning_rate`), then near any key's
+    (`optimiser.learning_rate`).
+    """
+    parent, _, leaf = name.rpartition(".")
+    anywhere = {key.rpartition(".")[2]: key for key in keys}
+    siblings = {key.rpartition(".")[2]: key for key in keys if key.rpartition(".")[0] == parent}
+    for candidates, cutoff in ((anywhere, 1.0), (siblings, 0.6), (anywhere, 0.6)):
+        nearest = difflib.get_close_matches(leaf, candidates, n=1, cutoff=cutoff)
+        if nearest:
+            return f" (did you mean {candidates[nearest[0]]!r}?)"
+    return ""
+
+
+def describe_keys(config: Any = None) -> str:
+    """Every key of `config` (default: the schema's, of every model) with its value, what it
+    may be and what it sets: the text of `--helpconfig`."""
+    model = None if config is None else config.model.name
+    keys = SCHEMA if config is None else keys_of(model)
+    lines = []
+    for key in keys:
+        value = key.default if config is None else _get(config, key.name)
+        value = tuple(value) if isinstance(value, list) else value
+        facts = [_requirement(key)]
+        if config is not None and value != key.default:
+            facts.append(f"default {key.default!r}")
+        if config is None and key.for_models and set(key.for_models) != set(models.MODELS):
+            facts.append(f"for the {' and '.join(key.for_models)} model")
+        if key.free:
+            facts.append("may change on resume")
+        lines.append(f"  --config.{key.name}={value!r}  ({'; '.join(facts)})")
+        lines.append(f"      {key.help}")
+    return "\n".join(lines)
 
 
 _TYPE_NAMES = {
@@ -412,17 +516,24 @@ def _is_a(value: Any, type_: type) -> bool:
     return isinstance(value, type_)
 
 
+def _requirement(key: Key) -> str:
+    """What `key`'s values must be, as errors and --helpconfig say it: "a positive integer"."""
+    if key.choices is not None:
+        requirement = f"one of {key.choices}"
+    elif key.bounds is not None:
+        requirement = key.bounds.describe(integer=key.type is int)
+    else:
+        requirement = _TYPE_NAMES[key.type]
+    return f"{requirement} or None" if key.allow_none else requirement
+
+
 def _check_value(key: Key, value: Any) -> None:
     """Refuses a value of the wrong type, not finite, not among the choices or out of range."""
     if value is None and key.allow_none:
         return
     if key.choices is not None and value not in key.choices:
         raise ValueError(f"Unknown config.{key.name} {value!r}; expected one of {key.choices}.")
-    requirement = _TYPE_NAMES[key.type]
-    if key.bounds is not None:
-        requirement = key.bounds.describe(integer=key.type is int)
-    if key.allow_none:
-        requirement += " or None"
+    requirement = _requirement(key)
     if not _is_a(value, key.type):
         raise ValueError(f"config.{key.name}={value!r} must be {requirement} ({key.help}).")
     values = value if isinstance(value, (tuple, list)) else (value,)
@@ -435,8 +546,11 @@ def _check_value(key: Key, value: Any) -> None:
 def _check_warmup(config: Any) -> None:
     """The warmup is shorter than the run.
 
-    With num_epochs the run's length is known only with the data: `optim` checks it then.
+    With num_epochs the run's length is known only with the data, and a warmup
+    left at its default follows the run's length: `fit_to_data` checks them then.
     """
+    if at_default(config, "optimizer.warmup_steps"):
+        return
     if config.num_epochs is None and not config.optimizer.warmup_steps < config.steps:
         raise ValueError(
             f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
@@ -628,6 +742,66 @@ def _check_param_sharding(config: Any) -> None:
             f"config.param_sharding={config.param_sharding!r} needs config.backend='jit'; "
             f"config.backend={config.backend!r} holds a whole replica on every device."
         )
+
+
+def at_default(config: Any, name: str) -> bool:
+    """Whether the dotted key `name` of `config` holds its schema default."""
+    return _get(config, name) == schema_key(name).default
+
+
+def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple[Any, list[str]]:
+    """`config` with the keys of `FOLLOW_THE_DATA` fitted to the training split, and what moved.
+
+    Left at its default, `batch_size` becomes at most the training examples
+    (rounded down to a multiple of the devices), and a warmup that would not be
+    shorter than the run becomes a tenth of it (`FITTED_WARMUP_FRACTION`). A
+    value set away from its default is used as it is, or refused.
+
+    Args:
+      config: a validated config (`validate_config`).
+      num_train_examples: the size of the training split.
+      num_devices: the devices of the whole run.
+
+    Returns:
+      A copy of `config` with the fitted values (`config` itself when nothing
+      moved), and a line for the log for each value that moved.
+
+    Raises:
+      ValueError: for a batch size or a warmup set away from its default that
+        the data does not allow, or fewer training examples than devices.
+    """
+    fitted, changes = copy.deepcopy(config), []
+    batch_size, largest_batch = config.batch_size, num_train_examples // num_devices * num_devices
+    if batch_size > num_train_examples:
+        if not largest_batch:
+            raise ValueError(
+                f"The {num_train_examples} training examples are fewer than the {num_devices} "
+                "devices, each of which takes at least one example of every batch."
+            )
+        if not at_default(config, "batch_size"):
+            raise ValueError(
+                f"config.batch_size={batch_size} is larger than the {num_train_examples} "
+                f"training examples: an epoch holds no step; use at most {largest_batch}."
+            )
+        fitted.batch_size = largest_batch
+        changes.append(
+            f"config.batch_size={batch_size} (the default) is more than the "
+            f"{num_train_examples} training examples: batches of {largest_batch} instead, a "
+            f"multiple of the {num_devices} devices."
+        )
+    warmup, total_steps = config.optimizer.warmup_steps, training_steps(fitted, num_train_examples)
+    if config.optimizer.schedule == "warmup_cosine" and warmup >= total_steps:
+        if not at_default(config, "optimizer.warmup_steps"):
+            raise ValueError(
+                f"config.optimizer.warmup_steps={warmup} must be in [0, steps={total_steps})."
+            )
+        fitted.optimizer.warmup_steps = int(total_steps * FITTED_WARMUP_FRACTION)
+        changes.append(
+            f"config.optimizer.warmup_steps={warmup} (the default) is not shorter than the "
+            f"run's {total_steps} steps: a warmup of {fitted.optimizer.warmup_steps} steps "
+            "instead, a tenth of the run."
+        )
+    return (fitted, changes) if changes else (config, changes)
 
 
 def training_steps(config: Any, num_train_examples: int) -> int:

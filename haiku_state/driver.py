@@ -86,6 +86,7 @@ def train_and_evaluate(
     workdir_lib.check_usable(workdir)
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
+    config = experiment.config  # Its defaults that follow the data fitted to it.
     first_state = _first_train_state(experiment, config, workdir)
     data_record = _data_record(experiment)
 
@@ -168,8 +169,8 @@ def train_and_evaluate(
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
         print(
-            f"Final eval at step {end.step}: accuracy {final['accuracy']:.2%}, "
-            f"loss {final['loss']:.4f}",
+            f"Final eval at step {end.step}: {summaries.format_metrics(final)}. "
+            + summaries.describe_outputs(workdir, "checkpoints/"),
             flush=True,
         )
     if stop.should_stop_now():  # A signal during the final save, or since: said, not a success.

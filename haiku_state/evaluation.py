@@ -26,7 +26,7 @@ from absl import logging
 
 from haiku_state import checkpoint, compilation_cache, data, loop, summaries
 from haiku_state import workdir as workdir_lib
-from haiku_state.config import keep_best_mode, validate_config
+from haiku_state.config import FOLLOW_THE_DATA, at_default, keep_best_mode, validate_config
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
 from haiku_state.updater import TrainState, Updater, step_of
 
@@ -118,6 +118,7 @@ def _prepare(
     validate_config(config, jax.device_count(), jax.process_count())
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
+    config = experiment.config  # Its defaults that follow the data fitted to it.
     like = experiment.updater.abstract_init(
         placeholder_batch(experiment.dataset, config.batch_size)
     )
@@ -146,7 +147,11 @@ def run_config(config: Any, workdir: str) -> Any:
     if record is None:
         logging.warning("%s holds no record of its config; evaluating with the one given.", workdir)
         return config
-    config, changed = workdir_lib.with_recorded(config, record["config"], EVALUATOR_KEYS)
+    # A default the run fitted to its data is recorded fitted: that is no difference.
+    fitted = [name for name in FOLLOW_THE_DATA if at_default(config, name)]
+    config, changed = workdir_lib.with_recorded(
+        config, record["config"], EVALUATOR_KEYS, unreported=fitted
+    )
     if changed:
         logging.warning(
             "The config given differs from the run's (as %s records it): %s; evaluating the run "
@@ -224,7 +229,7 @@ def evaluate_checkpoint(
     if jax.process_index() == 0:
         print(
             f"Eval of {directory} at step {step_of(train_state)}: "
-            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+            + summaries.format_metrics(metrics),
             flush=True,
         )
     return metrics

@@ -9,13 +9,15 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import haiku as hk
+import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
+from absl import logging
 
 from haiku_state import data, losses, models, optim, replication
-from haiku_state.config import training_steps
+from haiku_state.config import fit_to_data, training_steps
 from haiku_state.updater import AugmentFn, LossFn, Updater
 
 AXIS_NAME = replication.DEFAULT_AXIS_NAME
@@ -34,6 +36,7 @@ class Experiment(NamedTuple):
     learning_rate: optax.Schedule  # For the logs.
     total_steps: int  # config.steps, or num_epochs epochs of the training split.
     input_options: data.PipelineOptions
+    config: Any  # The config it was built from, its defaults fitted to the data (fit_to_data).
 
 
 def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineOptions]:
@@ -59,10 +62,19 @@ def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineO
 
 
 def build_experiment(config: Any) -> Experiment:
-    """Loads the data and builds network, optimizer, loss and Updater from a config."""
+    """Loads the data and builds network, optimizer, loss and Updater from a config.
+
+    The keys that follow the data, left at their defaults, are fitted to the
+    training split first (`config.fit_to_data`, each change logged); the others
+    are used as they are. `Experiment.config` is the config as built.
+    """
     data_config = config.data
     dataset, input_options = load_data(data_config, config.seed)
-    total_steps = training_steps(config, data.num_examples(dataset.train))
+    num_train_examples = data.num_examples(dataset.train)
+    config, changes = fit_to_data(config, num_train_examples, jax.device_count())
+    for change in changes:
+        logging.info("%s", change)
+    total_steps = training_steps(config, num_train_examples)
     network = make_network(config, dataset)
     optimizer = optim.make_optimizer(config.optimizer, total_steps)
     loss_fn = losses.classification_loss(dataset.num_classes, config.label_smoothing)
@@ -91,6 +103,7 @@ def build_experiment(config: Any) -> Experiment:
         schedule,
         total_steps,
         input_options,
+        config,
     )
 
 

@@ -25,6 +25,10 @@ from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
+TENSORBOARD_DIR = "tensorboard"
+# Metrics a person reads as percentages, in every log line and the final line (the
+# files keep the fraction).
+PERCENT_METRICS = ("accuracy",)
 
 
 def _format_duration(seconds: float) -> str:
@@ -34,16 +38,32 @@ def _format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def format_metric(name: str, value: float) -> str:
+    """`accuracy 95.31%`, `loss 0.2113`, `5,210 ex/s`: one metric as every line shows it."""
+    if name in PERCENT_METRICS:
+        return f"{name} {value:.2%}"
+    if name == "examples_per_s":
+        return f"{value:,.0f} ex/s"
+    return f"{name} {value:.4f}"
+
+
+def format_metrics(metrics: Mapping[str, float]) -> str:
+    """`accuracy 95.31%, loss 0.2113`: the metrics of an evaluation, in one line."""
+    return ", ".join(format_metric(name, float(value)) for name, value in metrics.items())
+
+
+def describe_outputs(workdir: str, *others: str) -> str:
+    """Where a run's records are, for its last line: the files this module writes, and `others`."""
+    names = ", ".join((CURVES_FILE, METRICS_FILE, f"{TENSORBOARD_DIR}/", *others))
+    return f"In {workdir}: {names} (view with: tensorboard --logdir {workdir})."
+
+
 def format_progress(
     step: int, total_steps: int, metrics: Mapping[str, float], elapsed_s: float, eta_s: float
 ) -> str:
-    """`step 300/1200 | loss 0.2113 | accuracy 0.9531 | 5,210 ex/s | ETA 0:00:12`."""
+    """`step 300/1200 | loss 0.2113 | accuracy 95.31% | 5,210 ex/s | ETA 0:00:12`."""
     fields = [f"step {step}/{total_steps}"]
-    for name, value in metrics.items():
-        if name == "examples_per_s":
-            fields.append(f"{value:,.0f} ex/s")
-        else:
-            fields.append(f"{name} {value:.4f}")
+    fields += [format_metric(name, value) for name, value in metrics.items()]
     fields.append(f"elapsed {_format_duration(elapsed_s)}")
     fields.append(f"ETA {_format_duration(eta_s)}")
     return " | ".join(fields)
@@ -93,7 +113,7 @@ class MetricWriter:
                 supersede_after(workdir, resume_step)
             purge_step = None if resume_step is None else resume_step + 1
             self._tensorboard = SummaryWriter(
-                os.path.join(workdir, "tensorboard", tensorboard_run), purge_step=purge_step
+                os.path.join(workdir, TENSORBOARD_DIR, tensorboard_run), purge_step=purge_step
             )
 
     def write(
@@ -119,8 +139,7 @@ class MetricWriter:
             self._report_progress(step, metrics)
         else:
             self._end_progress_line()
-            summary = ", ".join(f"{k} {float(v):.4f}" for k, v in metrics.items())
-            logging.info("[%s] step %d: %s", split, step, summary)
+            logging.info("[%s] step %d: %s", split, step, format_metrics(metrics))
 
     def _report_progress(self, step: int, metrics: Mapping[str, float]) -> None:
         now = time.monotonic()

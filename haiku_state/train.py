@@ -2,6 +2,10 @@ r"""The command line: `python -m haiku_state.train`. Flags, the runtime, one-lin
 
     python -m haiku_state.train --config=experiments/resnet.py --workdir=runs/resnet \
         [--config.steps=2000 --config.optimizer.learning_rate=0.1] [--mode=eval]
+    python -m haiku_state.train --config=experiments/resnet.py --helpconfig
+
+`--helpconfig` lists every config key `--config.<key>=<value>` may set, with the
+experiment's value, its default, what it may be and what it sets.
 
 This module imports the library and nothing in the library imports it. Its
 flags are defined when `main` runs, so importing it (for `train_and_evaluate`,
@@ -24,6 +28,7 @@ import functools
 import itertools
 import logging as std_logging
 import os
+import re
 import sys
 import threading
 import time
@@ -54,6 +59,7 @@ class _Flags(NamedTuple):
     num_processes: flags.FlagHolder
     process_id: flags.FlagHolder
     multihost: flags.FlagHolder
+    helpconfig: flags.FlagHolder
 
 
 def _define_flags() -> _Flags:
@@ -105,16 +111,29 @@ def _define_flags() -> _Flags:
             "Call jax.distributed.initialize() and let it detect the cluster (SLURM, TPU pods, "
             "Kubernetes) for whatever --coordinator_address/--num_processes/--process_id omit.",
         ),
+        helpconfig=flags.DEFINE_bool(
+            "helpconfig",
+            False,
+            "List every config key of --config (of every experiment without it): its value, "
+            "default, range and what it sets; then exit.",
+        ),
     )
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with an unknown experiment or config key explained."""
+    """absl flag parsing, every mistake refused in one line; --helpconfig lists the config keys.
+
+    The mistakes: an unknown experiment, an unknown config key (with the nearest
+    one), a bad flag or value, a missing --workdir; all before JAX starts.
+    """
     config_arg = next(
         (arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")), None
     )
     experiments = config_lib.available_experiments()
     if config_arg is None:
+        rest = _parse_absl_flags(argv)  # --help and --helpfull print and exit here.
+        if flags.FLAGS.helpconfig:
+            _print_config_keys(None, None)
         sys.exit(f"--config is required: one of {[f'experiments/{n}.py' for n in experiments]}.")
     config_path = config_arg.split(":")[0]
     if not os.path.isfile(config_path):
@@ -128,15 +147,50 @@ def _parse_flags(argv: list[str]) -> list[str]:
         config = config_lib.load_config_file(config_path)
     except Exception as e:  # Whatever the file does wrong, say where, in one line.
         sys.exit(f"--config={config_arg} cannot be loaded: {type(e).__name__}: {e}")
+    keys = config_lib.config_keys(config)
+    for override in _config_overrides(argv):
+        if override not in keys:
+            sys.exit(f"--config.{override}: {config_lib.unknown_key_error(override, config)}")
     try:
         # The --config flag loads the file again: it may import the files beside it.
         with config_lib.importable_directory(config_path):
-            return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:
-        keys = config_lib.config_keys(config)
-        sys.exit(f"Bad config override: {e}.\nThe keys of {config_arg} are: {', '.join(keys)}.")
+            rest = _parse_absl_flags(argv)
+    except (AttributeError, KeyError) as e:  # An override the check above let through.
+        message = str(e.args[0] if e.args else e).strip("'\"").splitlines()[0]
+        sys.exit(f"Bad config override: {message}; --helpconfig lists the keys of {config_arg}.")
+    if flags.FLAGS.helpconfig:
+        _print_config_keys(flags.FLAGS.config, config_arg)
+    if flags.FLAGS.workdir is None:
+        sys.exit("--workdir is required: the run's directory (checkpoints, metrics, its config).")
+    return rest
+
+
+def _parse_absl_flags(argv: list[str]) -> list[str]:
+    """`flags.FLAGS(argv)`, a bad flag or value refused in one line."""
+    try:
+        return flags.FLAGS(argv)
     except flags.Error as e:
-        sys.exit(f"{e}\nPass --helpfull to see the flags.")
+        sys.exit(f"{e} (--helpfull lists the flags)")
+
+
+def _config_overrides(argv: list[str]) -> list[str]:
+    """The dotted config keys the command line sets: `steps` of `--config.steps=3`."""
+    overrides = (re.match(r"--?(?:no)?config\.([^=]+)", arg) for arg in argv[1:])
+    return [match.group(1) for match in overrides if match]
+
+
+def _print_config_keys(config: Any, config_arg: str | None) -> None:
+    """Prints --helpconfig's list of the config keys (of `config`, else the schema's), exits."""
+    if config is None:
+        print(
+            "The config keys at the defaults every experiment starts from; "
+            "--config=<experiment> --helpconfig shows an experiment's values."
+        )
+    else:
+        print(f"The config keys of {config_arg}, with the values this command line gives them.")
+    print("--config.<key>=<value> sets one (haiku_state/config.py's SCHEMA defines them).")
+    print(config_lib.describe_keys(config))
+    sys.exit(0)
 
 
 # This package's modules: their INFO lines are the run's log; the libraries' are chatter.
@@ -313,12 +367,13 @@ def _exit_lost(lost: str, how: str) -> None:
     os._exit(1)
 
 
+def _is_step(value: str | None) -> bool:
+    """Whether `value` is what --step takes: none, a step number or 'best'."""
+    return value is None or value == "best" or value.isdigit()
+
+
 def _step_flag(value: str | None) -> int | str | None:
-    if value is None or value == "best":
-        return value
-    if not value.isdigit():
-        raise app.UsageError(f"--step={value!r} must be a step number or 'best'.")
-    return int(value)
+    return value if value is None or value == "best" else int(value)
 
 
 def _run_mode(command_line: _Flags, config: Any, stop: loop.StopRequest) -> None:
@@ -349,15 +404,13 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
             command_line.multihost.value,
         )
     except ValueError as e:
-        raise app.UsageError(str(e)) from e
+        sys.exit(f"error: {e}")
     stop.install()  # Again: jax.distributed may have taken SIGTERM for itself.
     if jax.default_backend() == "cpu":
         # XLA:CPU compiles the partitionable threefry several times slower, and the
         # parameter initialisers dominate start-up. It changes which random bits are
         # drawn, not their quality; the per-device keys need no partitioning.
         jax.config.update("jax_threefry_partitionable", False)
-    if command_line.workdir.value is None:
-        raise app.UsageError("--workdir is required.")
     try:
         _run_mode(command_line, command_line.config.value, stop)
     except loop.Stopped as e:  # Not a failure, not a success: a scheduler runs it again.
@@ -376,6 +429,7 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Defines the flags, parses `argv` (default: `sys.argv`) and runs the mode under absl."""
     command_line = _define_flags()
+    flags.register_validator(command_line.step, _is_step, message="must be a step number or 'best'")
     app.run(functools.partial(_main, command_line), argv=argv, flags_parser=_parse_flags)
 
 

@@ -395,15 +395,20 @@ def record_config(
 
 
 def with_recorded(
-    config: Any, recorded: Mapping[str, Any], keep: Collection[str]
+    config: Any,
+    recorded: Mapping[str, Any],
+    keep: Collection[str],
+    unreported: Collection[str] = (),
 ) -> tuple[Any, list[str]]:
     """`config` with the recorded values of every key but `keep`; and those that differed.
 
     Keys in only one of the two are left as `config` has them (as on resume).
+    The `unreported` keys take their recorded values too but are not listed as
+    differing (a default the run fitted to its data).
     """
     config = config.copy_and_resolve_references()
     old, new = flatten(recorded), flatten(_as_json(config))
-    changed = _changes(new, old, frozenset(keep))
+    changed = _changes(new, old, frozenset(keep) | frozenset(unreported))
     for key in sorted(set(old) & set(new) - set(keep)):
         if old[key] != new[key]:
             *parents, leaf = key.split(".")

@@ -171,7 +171,11 @@ def test_a_value_the_schema_does_not_allow_is_refused_naming_the_key_and_what_it
 def test_a_key_the_schema_does_not_know_is_refused():
     config = _experiment("mlp.py")
     config.chekpoint_every = 5
-    with pytest.raises(ValueError, match=r"keys \['chekpoint_every'\], which .*SCHEMA does not"):
+    with pytest.raises(
+        ValueError,
+        match=r"keys \['chekpoint_every'\], which .*SCHEMA does not know \(did you mean "
+        r"'checkpoint_every'\?\)",
+    ):
         config_lib.validate_config(config, num_devices=1)
 
 
@@ -320,3 +324,109 @@ def test_a_new_schema_entry_is_a_default_is_validated_and_is_checked_on_resume(
     changed.data.new_option = 4
     with pytest.raises(workdir_lib.WorkdirError, match=r"data.new_option: 3 -> 4"):
         workdir_lib.record_config(workdir, changed, allow_change=False)
+
+
+# Every problem at once, and the keys that follow the data.
+
+
+def test_every_bad_value_is_named_in_one_error():
+    config = _experiment("mlp.py")
+    config.steps, config.precision, config.optimizer.momentum = 0, "float64", 1.5
+    with pytest.raises(ValueError) as refused:
+        config_lib.validate_config(config, num_devices=4)
+    message = str(refused.value)
+    assert message.startswith("The config has 3 problems: (1) config.steps=0 must be a positive")
+    assert "(2) Unknown config.precision 'float64'" in message
+    assert "(3) config.optimizer.momentum=1.5 must be in [0.0, 1.0)" in message
+    assert "\n" not in message
+
+
+def test_every_broken_rule_is_named_in_one_error():
+    config = _experiment("mlp.py")
+    config.batch_size, config.keep_best_mode, config.profile_steps = 6, "min", (3,)
+    with pytest.raises(ValueError) as refused:
+        config_lib.validate_config(config, num_devices=4)
+    message = str(refused.value)
+    assert message.startswith("The config has 3 problems: (1) config.batch_size=6 is not")
+    assert "(2) config.profile_steps=(3,) must be" in message
+    assert "(3) config.keep_best_mode='min' is set but config.keep_best_by is empty" in message
+
+
+def test_the_defaults_that_follow_the_data_fit_a_small_folder_and_say_so():
+    config = _experiment("mlp.py")  # batch_size 128 and warmup_steps 50: the defaults.
+    config.num_epochs = 10
+    fitted, changes = config_lib.fit_to_data(config, num_train_examples=81, num_devices=4)
+    assert (fitted.batch_size, fitted.optimizer.warmup_steps) == (80, 1)
+    assert changes == [
+        "config.batch_size=128 (the default) is more than the 81 training examples: batches "
+        "of 80 instead, a multiple of the 4 devices.",
+        "config.optimizer.warmup_steps=50 (the default) is not shorter than the run's 10 steps: "
+        "a warmup of 1 steps instead, a tenth of the run.",
+    ]
+    assert (config.batch_size, config.optimizer.warmup_steps) == (128, 50)  # Not modified.
+    # The default warmup follows a short run given in steps too, which validation lets pass.
+    short = _experiment("mlp.py")
+    short.steps = 20
+    config_lib.validate_config(short, num_devices=4)
+    fitted, changes = config_lib.fit_to_data(short, num_train_examples=1000, num_devices=4)
+    assert (fitted.batch_size, fitted.optimizer.warmup_steps, len(changes)) == (128, 2, 1)
+    # Data that allows the defaults leaves the config as it is.
+    assert config_lib.fit_to_data(_experiment("mlp.py"), 1000, 4) == (_experiment("mlp.py"), [])
+
+
+@pytest.mark.parametrize(
+    "changes, examples, message",
+    [
+        (
+            {"batch_size": 96},
+            81,
+            r"^config.batch_size=96 is larger than the 81 training .*at most 80",
+        ),
+        ({"num_epochs": 1, "optimizer.warmup_steps": 3}, 81, r"warmup_steps=3 must be in \[0, ste"),
+        ({}, 3, r"^The 3 training examples are fewer than the 4 devices"),
+    ],
+)
+def test_a_value_set_away_from_its_default_that_the_data_does_not_allow_is_refused(
+    changes, examples, message
+):
+    config = _experiment("mlp.py")
+    for key, value in changes.items():
+        _set(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        config_lib.fit_to_data(config, examples, num_devices=4)
+
+
+# What an unknown key is told, and --helpconfig's text.
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("stepz", "Unknown config key 'stepz' (did you mean 'steps'?); --helpconfig lists"),
+        ("optimizer.lerning_rate", "(did you mean 'optimizer.learning_rate'?)"),
+        ("optimiser.learning_rate", "(did you mean 'optimizer.learning_rate'?)"),
+        ("data.batch_size", "(did you mean 'batch_size'?)"),
+        (
+            "model.width",
+            "config.model.width is an option of the resnet model, not of 'mlp', whose options "
+            "are model.hidden_sizes, model.dropout_rate, model.bn_decay_rate.",
+        ),
+        ("model.widht", "Unknown config key 'model.widht' (the 'mlp' model's options are model.h"),
+        ("zzz", "Unknown config key 'zzz'; --helpconfig lists every key and what it sets."),
+    ],
+)
+def test_an_unknown_key_is_told_the_nearest_key_or_the_models_that_take_it(name, message):
+    assert message in config_lib.unknown_key_error(name, _experiment("mlp.py"))
+
+
+def test_describe_keys_gives_every_key_its_value_default_range_and_help():
+    config = _experiment("resnet.py")
+    text = config_lib.describe_keys(config)
+    for key in config_lib.keys_of("resnet"):
+        assert f"  --config.{key.name}=" in text and f"\n      {key.help}" in text, key.name
+    assert "--config.model.hidden_sizes" not in text  # The MLP's option.
+    assert "  --config.steps=400  (a positive integer; default 600)\n" in text
+    assert "  --config.backend='pmap'  (one of ('pmap', 'shard_map', 'jit'); may change on " in text
+    every = config_lib.describe_keys()
+    assert every.count("\n  --config.") + 1 == len(config_lib.SCHEMA)
+    assert "  --config.model.width=16  (a positive integer; for the resnet model)\n" in every

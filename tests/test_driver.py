@@ -19,10 +19,13 @@ from configs import StopAfterChecks, mlp_config, steps_on_disk
 from image_trees import CORRUPTIONS, write_imagefolder
 
 from haiku_state import checkpoint, data, driver, evaluation, loop, prepare, summaries, train
+from haiku_state import config as config_lib
 from haiku_state.checkpoint import Checkpointer
 from haiku_state.checkpoint.format import leaf_name
 from haiku_state.data import order
 from haiku_state.experiment import build_experiment
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +315,44 @@ def test_an_imagefolder_and_its_arrayrecord_shards_train_to_identical_metrics(tm
     shards_final = driver.train_and_evaluate(shards_config, str(tmp_path / "shards_run"))
     assert shards_final == folder_final
     assert _records(tmp_path / "shards_run") == _records(tmp_path / "folder")
+
+
+def test_the_readmes_own_photos_command_trains_on_a_folder_of_a_hundred_images(
+    tmp_path, caplog, capsys
+):
+    """experiments/mlp.py as the README's "your own photos" command runs it, on 81 + 21 images:
+    the default batch (128) and warmup (50) follow the data, and the log says so."""
+    photos = write_imagefolder(tmp_path / "photos", per_class=(27, 7))
+    config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
+    config.data.name, config.data.dir, config.data.image_size = "imagefolder", photos, 32
+    config.steps, config.data.workers = 6, 0  # Few steps, decoded in this process: fast.
+    workdir = str(tmp_path / "run")
+    with caplog.at_level("INFO"):
+        final = driver.train_and_evaluate(config, workdir)
+    fitted = "config.batch_size=128 (the default) is more than the 81 training examples: batches"
+    assert f"{fitted} of 80 instead" in caplog.text
+    assert "warmup_steps=50 (the default) is not shorter than the run's 6 steps" in caplog.text
+    assert set(final) == {"accuracy", "loss"} and steps_on_disk(workdir) == [6]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["config"]["batch_size"] == 80
+    # The last line: the final evaluation, accuracy in percent, and where the outputs are.
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last_line == (
+        f"Final eval at step 6: accuracy {final['accuracy']:.2%}, loss {final['loss']:.4f}. "
+        f"In {workdir}: curves.png, metrics.jsonl, tensorboard/, checkpoints/ (view with: "
+        f"tensorboard --logdir {workdir})."
+    )
+    # The same command again resumes (the fitted values are the recorded ones) and an
+    # evaluation finds no difference to warn about.
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert driver.train_and_evaluate(config, workdir) == pytest.approx(final)
+        assert evaluation.evaluate_checkpoint(config, workdir) == pytest.approx(final)
+    assert "differs from the run's" not in caplog.text, caplog.text
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last_line == (
+        f"Eval of {workdir}/checkpoints at step 6: accuracy {final['accuracy']:.2%}, "
+        f"loss {final['loss']:.4f}"
+    )
 
 
 def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_checkpoint(

@@ -265,3 +265,45 @@ def test_train_takes_a_config_variant_and_prepare_a_path_with_spaces():
         "haiku_state.prepare", "prepare", "FROM=imagefolder:/data/my photos", "TO=/out"
     )
     assert '--from="imagefolder:/data/my photos" --to="/out"' in prepare
+
+
+def _phony_targets() -> list[str]:
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    [phony] = re.findall(r"^\.PHONY:(.*)$", text, re.M)
+    return phony.split()
+
+
+def test_make_alone_lists_every_target_and_the_main_variables_and_installs_nothing():
+    # Dry runs: were the default another target, this test would not install it.
+    assert _make("--dry-run") == _make("--dry-run", "help")
+    listing = _make("help")
+    described = {line.split()[0]: line for line in listing if line.startswith("  ")}
+    for target in _phony_targets():
+        assert target in described and len(described[target].split()) > 2, target
+    for variable in ("EXP", "WORKDIR", "DEVICES", "ARGS", "PYTHON", "VENV"):
+        assert variable in described, variable
+    assert described["WORKDIR"].endswith("(now runs/resnet)")
+    assert any(line.endswith("(now runs/mlp)") for line in _make("EXP=mlp"))
+
+
+def test_help_needs_no_python_and_the_other_targets_say_which_is_missing(fake_machine):
+    _, _, env = fake_machine
+    assert _make("--dry-run", "STACKS=3.99 3.98", env=env) == _make(
+        "--dry-run", "help", "STACKS=3.99 3.98", env=env
+    )
+    listing = _make("help", "STACKS=3.99 3.98", env=env)
+    assert any("none found: set PYTHON=" in line for line in listing), listing
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        _make("--dry-run", "train", "STACKS=3.99 3.98", env=env)
+    assert "No Python of the stacks 3.99 3.98 runs here" in refused.value.stderr
+
+
+def test_the_tensorboard_viewer_the_readme_names_comes_with_make_train():
+    assert "tensorboard --logdir runs" in (REPO / "README.md").read_text()
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    extras = setup["options.extras_require"]
+    train_installs = set().union(
+        *(_requirement_names(extras[extra]) for extra in _TARGET_EXTRAS["train"].split(","))
+    )
+    assert "tensorboard" in train_installs

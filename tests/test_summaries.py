@@ -1,6 +1,13 @@
 """Tests of haiku_state.summaries: metrics.jsonl with a training run and an evaluator beside it."""
 
 import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
 
 from haiku_state import summaries
 
@@ -63,3 +70,57 @@ def test_a_file_damaged_in_the_middle_keeps_its_records_and_is_set_aside(tmp_pat
         (30, True),
         (30, False),
     ]
+
+
+def test_accuracy_reads_as_a_percentage_in_every_line_and_the_files_keep_the_fraction(
+    tmp_path, caplog
+):
+    progress = summaries.format_progress(
+        300, 1200, {"accuracy": 0.98889, "loss": 0.21134, "examples_per_s": 5210.4}, 1.0, 12.0
+    )
+    assert progress == (
+        "step 300/1200 | accuracy 98.89% | loss 0.2113 | 5,210 ex/s | elapsed 0:00:01 | ETA 0:00:12"
+    )
+    assert summaries.format_metrics({"accuracy": 0.9917, "loss": 0.0301}) == (
+        "accuracy 99.17%, loss 0.0301"
+    )
+    with caplog.at_level("INFO"), summaries.MetricWriter(str(tmp_path), 10) as writer:
+        writer.write(10, "eval", {"accuracy": 0.9917, "loss": 0.0301})
+    assert "[eval] step 10: accuracy 99.17%, loss 0.0301" in caplog.text
+    assert summaries.read_metrics(str(tmp_path))[0]["accuracy"] == 0.9917
+
+
+def test_the_outputs_are_named_with_how_to_view_them():
+    assert summaries.describe_outputs("runs/mlp", "checkpoints/") == (
+        "In runs/mlp: curves.png, metrics.jsonl, tensorboard/, checkpoints/ "
+        "(view with: tensorboard --logdir runs/mlp)."
+    )
+
+
+def test_tensorboard_serves_the_scalars_a_run_writes(tmp_path):
+    """The README's `tensorboard --logdir runs`: the viewer of the plots extra, on 127.0.0.1."""
+    pytest.importorskip("tensorboard", reason="the plots extra (make train, make test) has it")
+    with summaries.MetricWriter(str(tmp_path), 10) as writer:
+        writer.write(10, "train", {"loss": 0.5})
+        writer.write(10, "eval", {"accuracy": 0.9})
+    viewer = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", f"--logdir={tmp_path}", "--host=127.0.0.1",
+         "--port=0", "--reload_interval=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        address = None
+        while address is None:
+            line = viewer.stdout.readline()
+            assert line, "TensorBoard exited before it served"
+            address = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
+        tags = {}
+        deadline = time.monotonic() + 60
+        while "eval/accuracy" not in tags.get("tensorboard", {}) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            with urllib.request.urlopen(f"{address[1]}data/plugin/scalars/tags") as response:
+                tags = json.load(response)
+        assert {"train/loss", "eval/accuracy"} <= set(tags["tensorboard"]), tags
+    finally:
+        viewer.terminate()
+        viewer.communicate(timeout=30)

@@ -243,14 +243,46 @@ def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-def test_cli_unknown_config_key_lists_the_keys(tmp_path):
-    result = run_module(
-        "--config=experiments/mlp.py", "--config.stepz=3", f"--workdir={tmp_path}/w"
-    )
-    assert result.returncode != 0
-    assert "Bad config override" in result.stderr and "stepz" in result.stderr
-    assert "optimizer.learning_rate" in result.stderr
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--config.stepz=3"],
+            "--config.stepz: Unknown config key 'stepz' (did you mean 'steps'?); --helpconfig",
+        ),
+        (
+            ["--step=abc", "--mode=eval"],
+            "flag --step=abc: must be a step number or 'best' (--helpfull lists the flags)",
+        ),
+        (["--num_processes=2"], "error: Multi-process flags given (--num_processes=2) but"),
+    ],
+)
+def test_a_command_line_mistake_is_one_line_without_the_flag_listing(tmp_path, flags, line):
+    result = run_module("--config=experiments/mlp.py", *flags, f"--workdir={tmp_path}/w")
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith(line), result.stderr
+    assert len((result.stdout + result.stderr).strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_a_missing_workdir_is_one_line():
+    result = run_module("--config=experiments/mlp.py")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "--workdir is required: the run's directory (checkpoints, metrics, its config)."
+    )
+
+
+def test_helpconfig_lists_every_key_of_the_experiment_and_help_points_to_it():
+    result = run_module("--config=experiments/resnet.py", "--config.steps=5", "--helpconfig")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The config keys of experiments/resnet.py, with the values")
+    assert "  --config.steps=5  (a positive integer; default 600)\n" in result.stdout
+    assert "  --config.model.width=16  (a positive integer)\n" in result.stdout
+    assert "      the channels of the ResNet's first stage\n" in result.stdout
+    usage = run_module("--help")  # No --config needed to read the flags.
+    assert "haiku_state.train --config=experiments/resnet.py --helpconfig\n" in usage.stdout
+    assert "  --[no]helpconfig: List every config key" in usage.stdout
 
 
 def test_cli_bad_value_type_is_refused(tmp_path):
