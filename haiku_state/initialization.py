@@ -105,7 +105,7 @@ def _depends_on(closed_jaxpr: jax_core.ClosedJaxpr, inputs: list[bool]) -> list[
     return [not isinstance(v, jax_core.Literal) and v in dependent for v in jaxpr.outvars]
 
 
-def _host_device() -> jax.Device:
+def host_device() -> jax.Device:
     """The CPU device, where the platform has one (JAX_PLATFORMS may leave it out)."""
     try:
         return jax.local_devices(backend="cpu")[0]
@@ -233,7 +233,7 @@ def _run_on_host(closed, key, batch_leaves, draws, skip=None):
         ]
         return kept, flat
 
-    device = _host_device()
+    device = host_device()
     if batch_leaves is not None:
         batch_leaves = [jax.device_put(np.asarray(jax.device_get(x)), device) for x in batch_leaves]
     kept, flat = jax.device_get(jax.jit(program)(jax.device_put(key, device), batch_leaves))
