@@ -207,7 +207,7 @@ def _others_forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Ar
 
 class _InputDependent(hk.Module):
     """Params computed from the input: an offset that is the input's mean, a scale drawn
-    with the input's standard deviation."""
+    with the input's standard deviation (a standard initialiser with a traced stddev)."""
 
     def __init__(self):
         super().__init__(name="input_dependent")
@@ -217,9 +217,7 @@ class _InputDependent(hk.Module):
             "offset", x.shape[-1:], init=lambda shape, dtype: jnp.full(shape, jnp.mean(x), dtype)
         )
         scale = hk.get_parameter(
-            "scale",
-            x.shape[-1:],
-            init=lambda shape, dtype: jnp.std(x) * jax.random.normal(hk.next_rng_key(), shape),
+            "scale", x.shape[-1:], init=hk.initializers.RandomNormal(stddev=jnp.std(x))
         )
         return x * scale + offset
 
@@ -227,6 +225,16 @@ class _InputDependent(hk.Module):
 def _input_dependent_forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
     x = _InputDependent()(batch["features"])
     return hk.BatchNorm(True, True, 0.9)(x, is_training)
+
+
+def _traced_stddev_forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
+    """A TruncatedNormal whose stddev is computed with jnp inside the network: a traced
+    scalar, not computed from the input."""
+    del is_training
+    x = batch["features"]
+    stddev = 1.0 / jnp.sqrt(jnp.float32(FAN_IN))
+    w = hk.get_parameter("w", (FAN_IN, SMALL), init=hk.initializers.TruncatedNormal(stddev=stddev))
+    return x @ w
 
 
 def _features(seed: int, batch_size: int = PER_DEVICE_BATCH) -> dict[str, np.ndarray]:
@@ -495,6 +503,18 @@ def test_state_not_from_the_input_is_forward_inits_and_from_the_input_is_zero(
     assert state["~"]["last_input_mean"].dtype == reference_state["~"]["last_input_mean"].dtype
 
 
+def test_traced_initialiser_stddev_is_left_to_forward_init():
+    """A stddev computed with jnp inside the network is a tracer when the creator sees it:
+    the parameter is computed by forward.init's code, not refused by the flat draw."""
+    forward = hk.transform_with_state(_traced_stddev_forward)
+    params, _ = _initialise(forward, _features(5))
+    w = params["~"]["w"]
+    stddev = 1.0 / math.sqrt(FAN_IN)
+    assert w.shape == (FAN_IN, SMALL) and w.dtype == np.float32
+    assert np.max(np.abs(w)) <= 2.0 * stddev * (1 + 1e-6)
+    np.testing.assert_allclose(w.std(), stddev * _truncated_normal_std(-2.0, 2.0), rtol=0.04)
+
+
 # BatchNorm's moving averages.
 
 MEAN_EMA, VAR_EMA = "batch_norm/~/mean_ema", "batch_norm/~/var_ema"
@@ -536,7 +556,8 @@ def test_one_training_step_gives_the_state_it_gives_from_forward_inits(others, o
 def test_params_computed_from_the_input_take_forward_inits_exact_path():
     """forward.init's program whole, on the shard: every param and state entry is
     forward.init's, BatchNorm's averages included. The program's init key is the first
-    of `split(key)` (the second draws the flat draws)."""
+    of `split(key)` (the second draws the flat draws). The scale's initialiser is a
+    standard one whose stddev is computed from the input: it must not be flat-drawn."""
     forward = hk.transform_with_state(_input_dependent_forward)
     batch = _features(7)
     params, state = _initialise(forward, batch)
