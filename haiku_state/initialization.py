@@ -60,7 +60,11 @@ def _as_draw(init: Any, shape, dtype, full_name: str) -> _Draw | None:
     """The flat-draw equivalent of a Haiku initialiser, or None if it has none."""
     if not jnp.issubdtype(dtype, jnp.floating):
         return None
-    numbers = lambda *values: all(np.ndim(v) == 0 for v in values)  # noqa: E731
+    # Concrete scalars only: one traced in the network (`1 / jnp.sqrt(fan_in)`, or
+    # computed from the input) has no float value here; forward.init computes it.
+    numbers = lambda *values: all(  # noqa: E731
+        np.ndim(v) == 0 and not isinstance(v, jax.core.Tracer) for v in values
+    )
     if isinstance(init, hk.initializers.TruncatedNormal):
         if not numbers(init.stddev, init.mean, init.lower, init.upper):
             return None
