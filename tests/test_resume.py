@@ -23,7 +23,7 @@ from haiku_state import config as config_lib
 from haiku_state.experiment import build_experiment, placeholder_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 1000  # Long enough that a signal sent after step 20 lands mid-run.
+STEPS = 400  # Long enough that a signal sent after step 20 (or 60) lands mid-run: ~100 steps/s.
 FLAGS = [
     "--config=experiments/mlp.py",
     "--cpu_devices=4",
