@@ -223,8 +223,11 @@ def _quiet_library_logs() -> None:
 
 
 # How long a process may go silent before JAX's coordinator gives it up for lost and
-# aborts every process (with a fatal error and a dump of every thread).
-HEARTBEAT_TIMEOUT_S = 15
+# aborts every process (with a fatal error and a dump of every thread): the last resort,
+# well after LOST_AFTER_S. The coordinator counts from the lost process's last heartbeat,
+# which can precede the loss by seconds, and a busy host delays the beats below: at 15 s
+# a survivor on a loaded 2-core machine was once aborted before its beats named the loss.
+HEARTBEAT_TIMEOUT_S = 30
 # Each process sets its own key in the coordinator's key-value store every BEAT_S and
 # stops, in one line, when another's key has not changed for LOST_AFTER_S: before JAX does.
 BEAT_S = 1.0
