@@ -60,9 +60,9 @@ from benchmarks.compiles import CompileEvents
 from benchmarks.loop import Deadline
 from haiku_state import compilation_cache, data, driver, summaries
 from haiku_state import config as config_lib
-from haiku_state import loop as train_loop
 from haiku_state.data import gpu_decode, imagefolder, pipeline, preprocess
 from haiku_state.experiment import build_experiment, placeholder_batch
+from haiku_state.guards import signals
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 WIDTH, HEIGHT = 500, 375
@@ -286,7 +286,7 @@ def loop_rate(config: Any, workdir: str, time_limit_s: float | None = None) -> d
     """
     deadline = Deadline(time_limit_s)
     with contextlib.redirect_stdout(sys.stderr), CompileEvents() as compiles:
-        with contextlib.suppress(train_loop.Stopped):  # The time limit.
+        with contextlib.suppress(signals.Stopped):  # The time limit.
             driver.train_and_evaluate(config, workdir, stop=deadline)
     logged = os.path.exists(os.path.join(workdir, summaries.METRICS_FILE))  # Not if stopped.
     records = sorted(

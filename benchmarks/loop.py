@@ -31,7 +31,7 @@ from benchmarks import timing
 from benchmarks.compiles import CompileEvents
 from benchmarks.settings import Settings, experiment_config, round_up, use_synthetic_data
 from haiku_state import driver, summaries
-from haiku_state import loop as train_loop
+from haiku_state.guards import signals
 
 Window = tuple[int, int, float]  # (first_step, last_step, examples_per_s) of a logged window.
 
@@ -68,12 +68,12 @@ def loop_config(name: str, settings: Settings, num_devices: int) -> Any:
     return config
 
 
-class Deadline(train_loop.StopRequest):
+class Deadline(signals.StopRequest):
     """A stop request made by a wall-clock limit, as a signal makes one.
 
     `driver.train_and_evaluate(..., stop=Deadline(s))` stops at the first step
     boundary after `s` seconds, saves the step reached and raises
-    `train_loop.Stopped`; what it logged until then stands. None: no limit.
+    `signals.Stopped`; what it logged until then stands. None: no limit.
     """
 
     REASON = "the benchmark's time limit"
@@ -190,7 +190,7 @@ def benchmark_training_loop(
     with contextlib.redirect_stdout(sys.stderr), CompileEvents() as compiles:
         try:
             final = driver.train_and_evaluate(config, str(workdir), stop=deadline)
-        except train_loop.Stopped:  # The time limit: no final evaluation.
+        except signals.Stopped:  # The time limit: no final evaluation.
             final = {}
     wall_s = time.perf_counter() - start
     bare = bare_update()

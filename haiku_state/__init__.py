@@ -1,6 +1,6 @@
 """haiku_state: a reference for parameter and state handling in Haiku + JAX."""
 
-from haiku_state import orphans
+from haiku_state.guards import orphans
 
 # First: a process that `multiprocessing` spawns from a run (a decoding worker) imports
 # this package with the run's main module, and exits with the run from here on, not

@@ -1,21 +1,17 @@
 """The training run in one function: `train_and_evaluate(config, workdir)`.
 
-Read top to bottom, `train_and_evaluate` is the whole run: the set-up (every
-refusal comes before the workdir is touched), the resume, the loop with what
-it does besides training at its cadences, the evaluation. The loop itself is
-`haiku_state.loop` (with its logging and profiling actions), the step
-`Updater.update`, the save `Checkpointer.save`, and a diverging run is
-`haiku_state.divergence`'s. The run's own actions (check, evaluate, save) are
-defined below the function.
+Read top to bottom it is the whole run: the set-up (every refusal comes before
+the workdir is touched), the resume, the loop (`haiku_state.loop`) with what it
+does besides training at its cadences, and the final evaluation. The step is
+`Updater.update`, the save `Checkpointer.save`; what protects the run lives in
+`haiku_state.guards`, each called here in one line.
 
 A run in a workdir that holds checkpoints resumes from the latest complete one
 and continues exactly as an uninterrupted run would. SIGTERM or SIGINT at any
-moment ends in a checkpoint of the step reached and a `loop.Stopped` error
-saying so (the command line exits 128 + the signal's number).
-
-In a multi-process run every process calls the same functions with the same
-config and workdir: each loads its own slice of every global batch, only
-process 0 logs and writes metrics, and checkpoints are written once for all.
+moment ends in a checkpoint of the step reached and a `signals.Stopped` error
+saying so (the command line exits 128 + the signal's number). In a
+multi-process run every process calls the same functions with the same config
+and workdir; only process 0 logs and writes metrics.
 """
 
 from __future__ import annotations
@@ -23,34 +19,18 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
-from haiku_state import (
-    asserts,
-    checkpoint,
-    compilation_cache,
-    data,
-    divergence,
-    loop,
-    sharding,
-    summaries,
-)
-from haiku_state import workdir as workdir_lib
+from haiku_state import asserts, checkpoint, compilation_cache, data, loop, sharding, summaries
 from haiku_state.config import keep_best_mode, validate_config
 from haiku_state.evaluation import evaluate_test_split
-from haiku_state.experiment import (
-    AXIS_NAME,
-    Experiment,
-    build_experiment,
-    placeholder_batch,
-)
+from haiku_state.experiment import AXIS_NAME, Experiment, build_experiment, placeholder_batch
+from haiku_state.guards import divergence, processes, signals
+from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, step_of
 
 
@@ -58,113 +38,45 @@ def train_and_evaluate(
     config: Any,
     workdir: str,
     *,
-    stop: loop.StopRequest | None = None,
+    stop: signals.StopRequest | None = None,
     allow_config_change: bool = False,
 ) -> dict[str, float]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval.
 
     Args:
       config: the experiment config.
-      workdir: the run's directory (`haiku_state.workdir`).
-      stop: the signal handler of the process (the command line installs one
-        first thing); None installs one for the duration of the call.
+      workdir: the run's directory (`haiku_state.guards.workdir`).
+      stop: the process's signal handler (the command line installs one first
+        thing); None installs one for the duration of the call.
       allow_config_change: resume even if `config` differs from the recorded
         one in a key that changes the run (the change is recorded).
 
-    Returns:
-      The final evaluation (of the test split at the last step).
-
     Raises:
-      loop.Stopped: when a signal stopped the run before its final evaluation,
-        after saving the step reached; its message says which step was saved, its
-        `exit_code` what the command line exits with. Call again to resume.
+      signals.Stopped: a signal stopped the run before its final evaluation,
+        after saving the step reached; call again to resume.
     """
-    # Set-up: a bad config, workdir, dataset or warm start is refused here, before
-    # anything is written.
     validate_config(config, jax.device_count(), jax.process_count())
-    check_same_config_on_every_process(config)
+    workdir_lib.check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     first_state = _first_train_state(experiment, config, workdir)
-    data_record = _data_record(experiment)
+    data_record = data.identity(experiment.dataset)
 
     with (
         _stop_request(stop) as stop,
-        _owning(workdir),
+        workdir_lib.owning(workdir),
         _checkpointer(config, workdir) as checkpointer,
     ):
         stop.agree_every = config.log_every  # Processes agree when they fetch metrics anyway.
         train_state = _resume(
             first_state, experiment, config, checkpointer, data_record, allow_config_change
         )
-        start_step = step_of(train_state)
-        with (
-            summaries.MetricWriter(
-                workdir,
-                experiment.total_steps,
-                enabled=jax.process_index() == 0,
-                resume_step=start_step,
-            ) as writer,
-            contextlib.closing(_train_batches(config, experiment, start_step)) as batches,
-            loop.Profiler(
-                config.profile_steps, os.path.join(workdir, "profile"), start_step
-            ) as profiler,
-        ):
-            monitor = divergence.Monitor(start_step, _outcome_so_far(checkpointer, start_step))
-            window = loop.MetricWindow(start_step, monitor)
-            evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
-            saver = Saver(
-                checkpointer,
-                every_steps=config.checkpoint_every,
-                every_secs=config.checkpoint_every_secs,
-                agree_every=config.log_every,
-                window=window,
-                monitor=monitor,
-                evaluator=evaluator,
-                metadata=_run_metadata(config, data_record),
-            )
-            # In the order they run at a step: the metrics are logged before the
-            # evaluation, whose metrics rank the checkpoint saved after it.
-            actions = [
-                loop.PeriodicAction(
-                    config.log_every,
-                    loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size),
-                ),
-                loop.PeriodicAction(config.check_every, check_invariants),
-                loop.PeriodicAction(config.eval_every, _saving_on_data_error(evaluator, saver)),
-                saver,
-                profiler,
-            ]
-            with divergence.setting_aside_diverged(monitor, checkpointer):
-                end = loop.run(
-                    _step_fn(experiment, config.log_every),
-                    train_state,
-                    batches,
-                    first_step=start_step,
-                    last_step=experiment.total_steps,
-                    window=window,
-                    actions=actions,
-                    stop=stop,
-                )
-                if end.stopped and end.step > start_step:
-                    saver.run(end.step, end.train_state)
-        checkpointer.wait_until_finished()
-
-        final = evaluator.metrics_at(end.step)
-        if end.stopped:
-            raise stop.stopped(_stopped_at(end.step, experiment.total_steps, checkpointer))
-        if final is None and not stop.should_stop_now():
-            logging.info("Already trained to step %d; evaluating.", end.step)
-            final = evaluate_test_split(
-                experiment, end.train_state, config.eval_batch_size, stop=stop
-            )
-        if final is None:  # A signal came before or during it; the last step is saved.
-            raise stop.stopped(
-                f"stopped at step {end.step}, the last, before its final evaluation; "
-                f"saved step {checkpointer.latest_step()}. Run again to evaluate."
-            )
+        end, evaluator, monitor = _train(
+            experiment, config, workdir, train_state, checkpointer, data_record, stop
+        )
+        final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
         saved = checkpointer.latest_step()
     if jax.process_index() == 0:
         summaries.plot_curves(workdir)
@@ -183,8 +95,100 @@ def train_and_evaluate(
     return final
 
 
+def _train(
+    experiment: Experiment,
+    config: Any,
+    workdir: str,
+    train_state: TrainState,
+    checkpointer: checkpoint.Checkpointer,
+    data_record: dict[str, Any],
+    stop: signals.StopRequest,
+) -> tuple[loop.LoopEnd, Evaluator, divergence.Monitor]:
+    """The loop from the resumed step to the last, with the actions it runs at their
+    cadences; saves the step a signal stopped it at."""
+    start_step = step_of(train_state)
+    monitor = divergence.Monitor(start_step, divergence.outcome_at(checkpointer, start_step))
+    with (
+        summaries.MetricWriter(
+            workdir,
+            experiment.total_steps,
+            enabled=jax.process_index() == 0,
+            resume_step=start_step,
+        ) as writer,
+        contextlib.closing(_train_batches(config, experiment, start_step)) as batches,
+        loop.Profiler(
+            config.profile_steps, os.path.join(workdir, "profile"), start_step
+        ) as profiler,
+    ):
+        window = loop.MetricWindow(start_step, monitor)
+        evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
+        saver = Saver(
+            checkpointer,
+            every_steps=config.checkpoint_every,
+            every_secs=config.checkpoint_every_secs,
+            agree_every=config.log_every,
+            window=window,
+            monitor=monitor,
+            evaluator=evaluator,
+            metadata=_run_metadata(config, data_record),
+        )
+        # In the order they run at a step: the metrics are logged before the
+        # evaluation, whose metrics rank the checkpoint saved after it.
+        actions = [
+            loop.PeriodicAction(
+                config.log_every,
+                loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size),
+            ),
+            loop.PeriodicAction(config.check_every, check_invariants),
+            loop.PeriodicAction(config.eval_every, _saving_on_data_error(evaluator, saver)),
+            saver,
+            profiler,
+        ]
+        with divergence.setting_aside_diverged(monitor, checkpointer):
+            end = loop.run(
+                _step_fn(experiment, config.log_every),
+                train_state,
+                batches,
+                first_step=start_step,
+                last_step=experiment.total_steps,
+                window=window,
+                actions=actions,
+                stop=stop,
+            )
+            if end.stopped and end.step > start_step:
+                saver.run(end.step, end.train_state)
+    checkpointer.wait_until_finished()
+    return end, evaluator, monitor
+
+
+def _final_evaluation(
+    experiment: Experiment,
+    config: Any,
+    end: loop.LoopEnd,
+    evaluator: Evaluator,
+    checkpointer: checkpoint.Checkpointer,
+    stop: signals.StopRequest,
+) -> dict[str, float]:
+    """The evaluation of the last step: the loop's, or one now for a run already trained.
+
+    Raises `signals.Stopped` when a signal stopped the loop or came before the evaluation.
+    """
+    final = evaluator.metrics_at(end.step)
+    if end.stopped:
+        raise stop.stopped(_stopped_at(end.step, experiment.total_steps, checkpointer))
+    if final is None and not stop.should_stop_now():
+        logging.info("Already trained to step %d; evaluating.", end.step)
+        final = evaluate_test_split(experiment, end.train_state, config.eval_batch_size, stop=stop)
+    if final is None:  # A signal came before or during it; the last step is saved.
+        raise stop.stopped(
+            f"stopped at step {end.step}, the last, before its final evaluation; "
+            f"saved step {checkpointer.latest_step()}. Run again to evaluate."
+        )
+    return final
+
+
 def _stopped_at(step: int, last_step: int, checkpointer: checkpoint.Checkpointer) -> str:
-    """Where a signal stopped the loop, and what is saved, for `loop.Stopped`."""
+    """Where a signal stopped the loop, and what is saved, for `signals.Stopped`."""
     latest = checkpointer.latest_step()
     if latest == step:
         saved = f"saved step {step}"
@@ -198,16 +202,16 @@ def _stopped_at(step: int, last_step: int, checkpointer: checkpoint.Checkpointer
 # The set-up and the resume.
 
 
-def _stop_request(stop: loop.StopRequest | None) -> contextlib.AbstractContextManager:
+def _stop_request(stop: signals.StopRequest | None) -> contextlib.AbstractContextManager:
     """`stop` as it is (installed by the caller), or a StopRequest installed for the block."""
-    return contextlib.nullcontext(stop) if stop else loop.StopRequest()
+    return contextlib.nullcontext(stop) if stop else signals.StopRequest()
 
 
 def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState | None:
-    """A fresh initialisation, or a warm start (`config.init_from`), for a workdir without
+    """A fresh or warm-started (`config.init_from`) train state for a workdir without
     checkpoints; None for one with checkpoints, which resumes and initialises nothing.
-    Runs before the workdir is touched, so a warm start that does not fit the model is
-    refused with nothing written."""
+    Runs before the workdir is touched: a warm start that does not fit is refused with
+    nothing written."""
     if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
         if config.init_from:
             logging.warning(
@@ -227,72 +231,6 @@ def _fresh_train_state(experiment: Experiment, config: Any) -> TrainState:
     return experiment.updater.init(
         config.seed, placeholder_batch(experiment.dataset, config.batch_size)
     )
-
-
-# Keys that say where this host finds things or how hard it works, not what the run
-# computes: hosts may differ in them (another mount point, another core count).
-PER_HOST_KEYS = ("compilation_cache_dir", "data.dir", "data.workers", "data.prefetch")
-
-
-def check_same_config_on_every_process(config: Any) -> None:
-    """Refuses processes started with different configs, naming the keys and the processes.
-
-    A collective of a multi-process run: every process compares a digest of each
-    config key's value (`PER_HOST_KEYS` aside) with those of the others. Without
-    it, the replicas would drift apart and only the first replica check would tell.
-
-    Raises:
-      ValueError: naming the keys that differ from process 0's, and the processes.
-    """
-    if jax.process_count() == 1:
-        return
-    flat = {
-        key: value
-        for key, value in sorted(workdir_lib.flatten(config.to_dict()).items())
-        if key not in PER_HOST_KEYS
-    }
-    digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
-    shape = np.array([len(flat), zlib.crc32(digests.tobytes())], np.uint32).view(np.int32)
-    every_shape = np.asarray(multihost_utils.process_allgather(shape))
-    if (every_shape == every_shape[0]).all():
-        return
-    differ = [k for k in range(jax.process_count()) if (every_shape[k] != every_shape[0]).any()]
-    if (every_shape[:, 0] == every_shape[0, 0]).all():  # The same keys: say which values differ.
-        every = np.asarray(multihost_utils.process_allgather(digests.view(np.int32)))
-        keys = [key for i, key in enumerate(flat) if (every[:, i] != every[0, i]).any()]
-    else:
-        keys = ["(the set of keys)"]
-    raise ValueError(
-        f"Processes {differ} were started with a config that differs from process 0's in "
-        f"{', '.join(keys)}; start every process with the same --config and overrides."
-    )
-
-
-def _on_process_0(what: str, fn: Callable[[], Any]) -> None:
-    """Runs `fn` on process 0; if it raises, every process raises (none goes on alone)."""
-    error = None
-    if jax.process_index() == 0:
-        try:
-            fn()
-        except workdir_lib.WorkdirError as e:
-            error = e
-    if loop.any_process(error is not None):
-        raise error or workdir_lib.WorkdirError(f"{what} failed on process 0; see its log.")
-
-
-@contextlib.contextmanager
-def _owning(workdir: str) -> Iterator[None]:
-    """This run holds the workdir's lock (process 0 takes it)."""
-    with contextlib.ExitStack() as lock:
-        _on_process_0(
-            "Locking the workdir", lambda: lock.enter_context(workdir_lib.exclusive_lock(workdir))
-        )
-        yield
-
-
-def _data_record(experiment: Experiment) -> dict[str, Any]:
-    """What the run records of the data as read (sizes, class names, digests), checked on resume."""
-    return data.identity(experiment.dataset)
 
 
 def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
@@ -318,19 +256,14 @@ def _resume(
     The config and data are checked against the run's record first, and the
     record is written only once the restore succeeded: a refused run writes nothing.
     """
-    pending: list[workdir_lib.ConfigRecord] = []
-    _on_process_0(
-        "Checking the config",
-        lambda: pending.append(
-            workdir_lib.check_config(
-                os.path.dirname(checkpointer.directory),
-                config,
-                allow_change=allow_config_change,
-                data=data_record,
-                has_checkpoint=bool(checkpointer.all_steps()),
-                checkpoint_metadata=_latest_run_metadata(checkpointer),
-            )
-        ),
+    workdir = os.path.dirname(checkpointer.directory)
+    record = workdir_lib.check_config_on_process_0(
+        workdir,
+        config,
+        allow_change=allow_config_change,
+        data=data_record,
+        has_checkpoint=bool(checkpointer.all_steps()),
+        checkpoint_metadata=_latest_run_metadata(checkpointer),
     )
     # A resume reads into the shapes and shardings alone: nothing is initialised for it.
     like = (
@@ -341,11 +274,21 @@ def _resume(
         )
     )
     train_state = checkpointer.restore(like)
-    _on_process_0("Recording the config", lambda: pending[0].write())
+    workdir_lib.write_record_on_process_0(record)
     how = "Resuming"
     if train_state is None:
         how = f"Starting from {config.init_from}" if config.init_from else "Starting"
         train_state = first if first is not None else _fresh_train_state(experiment, config)
+    _log_start(how, train_state, experiment, config, workdir)
+    # Also compiles the checks every save runs, before the first window's clock starts.
+    check_invariants(step_of(train_state), train_state)
+    check_params_finite(train_state, step_of(train_state))
+    return train_state
+
+
+def _log_start(
+    how: str, train_state: TrainState, experiment: Experiment, config: Any, workdir: str
+) -> None:
     logging.info(
         "%s at step %d of %d%s on %d %s device(s) in %d process(es); workdir %s.",
         how,
@@ -355,7 +298,7 @@ def _resume(
         jax.device_count(),
         jax.default_backend(),
         jax.process_count(),
-        os.path.dirname(checkpointer.directory),
+        workdir,
     )
     logging.info(
         "%s (backend=%s, param_sharding=%s).",
@@ -363,10 +306,6 @@ def _resume(
         config.backend,
         config.param_sharding,
     )
-    # Also compiles the checks every save runs, before the first window's clock starts.
-    asserts.assert_train_state_invariants(train_state)
-    check_params_finite(train_state, step_of(train_state))
-    return train_state
 
 
 def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any] | None:
@@ -377,15 +316,6 @@ def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any
         except ValueError:  # Damaged, or of another format: the restore says which.
             continue
     return None
-
-
-def _outcome_so_far(checkpointer: checkpoint.Checkpointer, step: int) -> divergence.Outcome:
-    """The run's outcome up to `step`, as the checkpoint of `step` recorded it (a fresh one
-    for a run that starts anew, or a checkpoint that recorded none)."""
-    if step not in checkpointer.all_steps():
-        return divergence.Outcome()
-    metadata = checkpointer.metadata(step) or {}
-    return divergence.Outcome.from_json(metadata.get(divergence.OUTCOME_KEY))
 
 
 def _epochs_note(config: Any, experiment: Experiment) -> str:
@@ -474,7 +404,7 @@ class Evaluator:
         experiment: Experiment,
         batch_size: int,
         writer: summaries.MetricWriter,
-        stop: loop.StopRequest,
+        stop: signals.StopRequest,
         monitor: divergence.Monitor,
     ):
         self._experiment, self._batch_size = experiment, batch_size
@@ -544,7 +474,7 @@ class Saver:
             return True
         if not self._every_secs or step % self._agree_every:
             return False
-        return loop.any_process(time.monotonic() - self._last_save_time >= self._every_secs)
+        return processes.any_process(time.monotonic() - self._last_save_time >= self._every_secs)
 
     def run(self, step: int, train_state: TrainState) -> None:
         self._window.check_finite()  # The losses since the last log.

@@ -24,10 +24,11 @@ from typing import Any
 import jax
 from absl import logging
 
-from haiku_state import checkpoint, compilation_cache, data, loop, summaries
-from haiku_state import workdir as workdir_lib
+from haiku_state import checkpoint, compilation_cache, data, summaries
 from haiku_state.config import FOLLOW_THE_DATA, at_default, keep_best_mode, validate_config
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
+from haiku_state.guards import signals
+from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, Updater, step_of
 
 FOLLOW_POLL_SECS = 1.0
@@ -52,7 +53,7 @@ def evaluate_split(
     batch_size: int,
     *,
     options: data.PipelineOptions = data.DEFAULT_OPTIONS,
-    stop: loop.StopRequest | None = None,
+    stop: signals.StopRequest | None = None,
 ) -> dict[str, float] | None:
     """Exact mean metrics over every example of `split` (padding excluded).
 
@@ -85,7 +86,7 @@ def evaluate_test_split(
     experiment: Experiment,
     train_state: TrainState,
     batch_size: int,
-    stop: loop.StopRequest | None = None,
+    stop: signals.StopRequest | None = None,
 ) -> dict[str, float] | None:
     """`evaluate_split` of the experiment's test split, with its input pipeline's options."""
     return evaluate_split(
@@ -99,7 +100,7 @@ def evaluate_test_split(
 
 
 def _prepare(
-    config: Any, workdir: str, *, wait: loop.StopRequest | None = None
+    config: Any, workdir: str, *, wait: signals.StopRequest | None = None
 ) -> tuple[Any, Experiment, TrainState, str]:
     """The run's config, the experiment, a train state to restore into, the checkpoint directory.
 
@@ -180,7 +181,7 @@ def _evaluate_and_record(
     train_state: TrainState,
     config: Any,
     writer: summaries.MetricWriter,
-    stop: loop.StopRequest | None,
+    stop: signals.StopRequest | None,
 ) -> dict[str, float] | None:
     metrics = evaluate_test_split(experiment, train_state, config.eval_batch_size, stop)
     if metrics is not None:
@@ -200,7 +201,7 @@ def evaluate_checkpoint(
       stop: interrupts the evaluation between batches.
 
     Raises:
-      loop.Stopped: when `stop` interrupted the evaluation (nothing is recorded).
+      signals.Stopped: when `stop` interrupted the evaluation (nothing is recorded).
     """
     config, experiment, like, directory = _prepare(config, workdir)
     with _reading(config, workdir, directory) as (checkpointer, writer):
@@ -236,7 +237,7 @@ def evaluate_checkpoint(
 
 
 def follow_checkpoints(
-    config: Any, workdir: str, *, stop: loop.StopRequest, poll_secs: float = FOLLOW_POLL_SECS
+    config: Any, workdir: str, *, stop: signals.StopRequest, poll_secs: float = FOLLOW_POLL_SECS
 ) -> dict[int, dict[str, float]]:
     """Evaluates every new complete checkpoint until the one of the run's last step.
 
@@ -245,7 +246,7 @@ def follow_checkpoints(
     metrics by step.
 
     Raises:
-      loop.Stopped: when `stop` asked to stop before the last step's evaluation.
+      signals.Stopped: when `stop` asked to stop before the last step's evaluation.
       checkpoint.UnsupportedFormatError: at a step of a format version this code
         does not read, naming it and its version (the steps after it would be of
         that version too).

@@ -1,4 +1,4 @@
-"""The training loop: steps with a bounded dispatch queue, periodic actions, stop on a signal.
+"""The training loop: steps with a bounded dispatch queue and periodic actions.
 
 The loop itself only dispatches steps. Everything else a run does (log, check
 the replicas, evaluate, save, profile) is an `Action`, asked after each step
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
-from haiku_state import divergence, summaries
+from haiku_state import summaries
+from haiku_state.guards import divergence, signals
 from haiku_state.updater import Batch, Metrics, TrainState
 
 # (train_state, batch, step) -> (train_state, metrics): `step` is the one being run.
@@ -51,20 +49,6 @@ class PeriodicAction(NamedTuple):
 
     def is_due(self, step: int, last_step: int) -> bool:
         return every_and_last(step, self.every, last_step)
-
-
-def any_process(flag: bool) -> bool:
-    """Whether `flag` is true on any process; a collective in a multi-process run."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
-
-
-def max_over_processes(value: int) -> int:
-    """The largest of every process's `value`; a collective in a multi-process run."""
-    if jax.process_count() == 1:
-        return value
-    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 
 
 class WindowSummary(NamedTuple):
@@ -196,102 +180,6 @@ class Profiler:
             self.tracing = False
 
 
-class Stopped(Exception):
-    """A signal stopped a run or an evaluation before its end, after it saved what it had.
-
-    Its message is the one line that says where it stopped and what was saved.
-    `exit_code` is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT):
-    what a shell reports for a process a signal ended, so a scheduler's restart
-    policy (Kubernetes, SLURM --requeue) runs it again, and a rerun resumes.
-    """
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or signal.SIGTERM)
-
-
-class StopRequest:
-    """Turns SIGTERM/SIGINT into a decision the loop reads between steps.
-
-    Installed for the whole life of a run (the command line installs it first
-    thing), so a signal at any moment, also during compilation, evaluation or
-    the final save, ends in a saved step and a `Stopped` error (what `stopped`
-    makes) in place of the run's result; further signals are only recorded.
-    In a multi-process run every process must stop at the same step (the save
-    is collective), but a signal may reach only some of them: there the
-    processes agree every `agree_every` steps (when the loop fetches metrics
-    anyway) on whether any of them was signalled.
-    """
-
-    def __init__(self, agree_every: int = 1):
-        self.signal_name: str | None = None
-        self.signum = 0  # The number of `signal_name` when a signal made the request.
-        self.agree_every = agree_every
-        self._previous = {}
-
-    def should_stop(self, step: int) -> bool:
-        """Whether to save and stop before running `step` (the same on every process)."""
-        if jax.process_count() > 1 and step % self.agree_every:
-            return False
-        return self.should_stop_now()
-
-    def should_stop_now(self) -> bool:
-        """Whether any process was signalled; a collective in a multi-process run."""
-        return any_process(self.signal_name is not None)
-
-    def stopped(self, what: str) -> Stopped:
-        """The `Stopped` error to raise: `what` (where it stopped, what was saved), and why.
-
-        A collective in a multi-process run: every process names the signal that
-        one of them received, and exits with its code.
-        """
-        signum = max_over_processes(self.signum)
-        if self.signum:
-            why = f"{self.signal_name} received"
-        elif signum:
-            why = f"{signal.Signals(signum).name} received by another process"
-        else:
-            why = f"Stopped by {self.signal_name or 'a stop request'}"
-        return Stopped(f"{why}: {what}", signum)
-
-    def __enter__(self) -> StopRequest:
-        return self.install()
-
-    def install(self) -> StopRequest:
-        """Makes this the handler of SIGTERM and SIGINT, again if something replaced it.
-
-        `jax.distributed.initialize` installs a preemption notifier of its own for
-        SIGTERM, which would swallow the signal: install again after it.
-        """
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous = signal.signal(signum, self._handle)
-            self._previous.setdefault(signum, previous)
-        return self
-
-    def ignore_until_exit(self) -> None:
-        """Ignores further signals for the rest of the process's life, once a run is over.
-
-        Python puts the default handlers back while the interpreter shuts down (but
-        leaves ignored signals ignored), so a signal then would kill a process whose
-        run has already finished cleanly.
-        """
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, signal.SIG_IGN)
-
-    def _handle(self, signum, frame) -> None:
-        del frame
-        if self.signal_name is None:
-            self.signal_name, self.signum = signal.Signals(signum).name, signum
-
-    def __exit__(self, *exc_info) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
 class LoopEnd(NamedTuple):
     """Where the loop ended: its train state and step, and whether a signal stopped it."""
 
@@ -309,7 +197,7 @@ def run(
     last_step: int,
     window: MetricWindow,
     actions: Sequence[Action],
-    stop: StopRequest,
+    stop: signals.StopRequest,
 ) -> LoopEnd:
     """Runs steps `first_step + 1 .. last_step`, the due actions after each.
 

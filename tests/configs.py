@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from haiku_state import config as config_lib
-from haiku_state import loop
+from haiku_state.guards import signals
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +39,7 @@ def steps_on_disk(workdir) -> list[int]:
     return sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit())
 
 
-class StopAfterChecks(loop.StopRequest):
+class StopAfterChecks(signals.StopRequest):
     """A stop request that a signal reaches after its first `checks` checks: a bound on a hang."""
 
     def __init__(self, checks: int):

@@ -63,15 +63,15 @@ def main(port: int, num_processes: int, process_id: int) -> None:
     # The config of the last process differs in one nested key.
     from ml_collections import ConfigDict
 
-    from haiku_state import driver
+    from haiku_state.guards import workdir as workdir_lib
 
     config = ConfigDict({"seed": 0, "optimizer": {"name": "sgd", "learning_rate": 0.1}})
     config.data = {"dir": f"/mnt/host{process_id}/data"}  # Where each host mounts it may differ.
-    same = outcome(lambda: driver.check_same_config_on_every_process(config))
+    same = outcome(lambda: workdir_lib.check_same_config_on_every_process(config))
     report("same_config", same)
     if process_id == num_processes - 1:
         config.optimizer.learning_rate = 0.2
-    other = outcome(lambda: driver.check_same_config_on_every_process(config))
+    other = outcome(lambda: workdir_lib.check_same_config_on_every_process(config))
     report("other_config", other)
     jax.distributed.shutdown()
 

@@ -9,7 +9,7 @@ import pytest
 
 from haiku_state import config as config_lib
 from haiku_state import models
-from haiku_state import workdir as workdir_lib
+from haiku_state.guards import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

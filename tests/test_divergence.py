@@ -1,4 +1,4 @@
-"""Tests of haiku_state.divergence: the explosion test, the rule, the monitor, a diverging run."""
+"""Tests of haiku_state.guards.divergence: the explosion test, the rule, the monitor, a run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from configs import mlp_config, steps_on_disk
 
-from haiku_state import divergence, driver
+from haiku_state import driver
+from haiku_state.guards import divergence
 
 
 @pytest.mark.parametrize(

@@ -18,12 +18,13 @@ import pytest
 from configs import StopAfterChecks, mlp_config, steps_on_disk
 from image_trees import CORRUPTIONS, write_imagefolder
 
-from haiku_state import checkpoint, data, driver, evaluation, loop, prepare, summaries, train
+from haiku_state import checkpoint, data, driver, evaluation, prepare, summaries, train
 from haiku_state import config as config_lib
 from haiku_state.checkpoint import Checkpointer
 from haiku_state.checkpoint.format import leaf_name
 from haiku_state.data import order
 from haiku_state.experiment import build_experiment
+from haiku_state.guards import signals
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -253,12 +254,14 @@ def test_the_evaluation_of_an_already_trained_run_stops_on_a_signal(tmp_path):
     driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path))
     # The first check is before the evaluation; the signal comes during it.
     stop = StopAfterChecks(1)
-    with pytest.raises(loop.Stopped, match="stopped at step 30, the last, before its final eval"):
+    with pytest.raises(
+        signals.Stopped, match="stopped at step 30, the last, before its final eval"
+    ):
         driver.train_and_evaluate(mlp_config(checkpoint_every=10), str(tmp_path), stop=stop)
 
 
 def test_a_signal_during_the_final_save_is_reported_after_it_with_exit_143(tmp_path, monkeypatch):
-    stop = loop.StopRequest()
+    stop = signals.StopRequest()
     save = Checkpointer.save
 
     def save_then_signalled(checkpointer, train_state, **kwargs):
@@ -268,7 +271,7 @@ def test_a_signal_during_the_final_save_is_reported_after_it_with_exit_143(tmp_p
         return started
 
     monkeypatch.setattr(Checkpointer, "save", save_then_signalled)
-    with pytest.raises(loop.Stopped) as stopped:
+    with pytest.raises(signals.Stopped) as stopped:
         driver.train_and_evaluate(mlp_config(), str(tmp_path), stop=stop)
     assert str(stopped.value) == (
         "SIGTERM received: stopped at step 30, the last, after its final evaluation; saved "

@@ -16,8 +16,9 @@ import pytest
 from checkpoint_helpers import read_step_item, set_format_version, write_step_item
 from configs import StopAfterChecks, mlp_config
 
-from haiku_state import checkpoint, driver, evaluation, loop
+from haiku_state import checkpoint, driver, evaluation
 from haiku_state.experiment import build_experiment, placeholder_batch
+from haiku_state.guards import signals
 
 
 def _config():
@@ -54,7 +55,7 @@ def test_a_stop_request_interrupts_an_evaluation_between_batches(trained):
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as reader:
         like = experiment.updater.init(0, placeholder_batch(experiment.dataset, 64))
         train_state = reader.restore(like)
-    stop = loop.StopRequest()
+    stop = signals.StopRequest()
     args = (experiment.updater, train_state, experiment.dataset.test, 64)
     assert evaluation.evaluate_split(*args, stop=stop) is not None
     stop.signal_name = "SIGTERM"
@@ -87,10 +88,10 @@ def test_a_stopped_eval_mode_raises_stopped_with_the_signal_and_records_nothing(
     workdir, _ = trained
     metrics_file = os.path.join(workdir, "metrics.jsonl")
     before = open(metrics_file).read()
-    stop = loop.StopRequest()
+    stop = signals.StopRequest()
     stop.signal_name, stop.signum = "SIGINT", 2  # As its handler records a Ctrl-C.
     with pytest.raises(
-        loop.Stopped, match="SIGINT received: stopped the evaluation of step 30"
+        signals.Stopped, match="SIGINT received: stopped the evaluation of step 30"
     ) as e:
         evaluation.evaluate_checkpoint(_config(), workdir, stop=stop)
     assert e.value.exit_code == 130

@@ -24,8 +24,8 @@ from PIL import Image
 
 from haiku_state import config as config_lib
 from haiku_state import data, train
-from haiku_state import workdir as workdir_lib
 from haiku_state.data import gpu_decode, order, pipeline, preprocess
+from haiku_state.guards import workdir as workdir_lib
 from haiku_state.replication import DEFAULT_AXIS_NAME
 
 IMAGE_SIZE = 16

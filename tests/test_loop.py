@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from haiku_state import divergence, loop, summaries
+from haiku_state import loop, summaries
+from haiku_state.guards import divergence
 
 
 def test_periodic_action_is_due_on_multiples_and_at_the_last_step():

@@ -1,4 +1,4 @@
-"""Tests of haiku_state.orphans: a spawned worker exits soon after its parent is killed."""
+"""Tests of haiku_state.guards.orphans: a spawned worker exits soon after its parent is killed."""
 
 import os
 import signal

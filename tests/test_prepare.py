@@ -7,16 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 from image_trees import write_cifar10_batch, write_imagefolder
 from PIL import Image
 
-from haiku_state import data, driver, prepare
-from haiku_state import workdir as workdir_lib
+from haiku_state import data, prepare
 from haiku_state.data import arrayrecord, preprocess
+from haiku_state.guards import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_SIZE = 16
@@ -288,11 +287,7 @@ def test_a_run_does_not_resume_on_shards_of_another_short_side(prepared, tmp_pat
     full = str(tmp_path / "full")
     prepare.convert("digits", full, examples_per_shard=500)
     records = {
-        out: driver._data_record(
-            types.SimpleNamespace(
-                dataset=data.load_dataset("arrayrecord", data_dir=out, image_size=8)
-            )
-        )
+        out: data.identity(data.load_dataset("arrayrecord", data_dir=out, image_size=8))
         for out in (full, short)
     }
     workdir = str(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""Tests of haiku_state.workdir: one run per workdir, the config record and its check."""
+"""Tests of haiku_state.guards.workdir: one run per workdir, the config record and its check."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from image_trees import CLASSES, image_bytes, write_imagefolder
 
 from haiku_state import config as config_lib
 from haiku_state import data
-from haiku_state import workdir as workdir_lib
+from haiku_state.guards import workdir as workdir_lib
 
 
 def _config(**changes):
@@ -43,7 +43,7 @@ def _config(**changes):
 
 _HOLD_LOCK = """
 import sys, time
-from haiku_state import workdir
+from haiku_state.guards import workdir
 with workdir.exclusive_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(60)

@@ -39,11 +39,11 @@ import grain
 import numpy as np
 from absl import flags, logging
 
-from haiku_state import orphans
 from haiku_state.data import gpu_decode, preprocess
 from haiku_state.data import order as order_lib
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import Batch, CorruptImageError, DataError, EncodedSplit
+from haiku_state.guards import orphans
 
 MAX_DEFAULT_WORKERS = 16
 # Batches a worker decodes ahead of the one it is handing over.

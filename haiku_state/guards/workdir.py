@@ -32,13 +32,18 @@ import json
 import os
 import socket
 import tempfile
-from collections.abc import Collection, Iterator, Mapping
+import zlib
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
+import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from haiku_state import config as config_lib
 from haiku_state import data as data_lib
+from haiku_state.guards import processes
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
@@ -433,3 +438,78 @@ def _write_json_atomically(path: str, value: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
+
+
+# Every process of a run: one config, one writer.
+
+# Keys that say where this host finds things or how hard it works, not what the run
+# computes: hosts may differ in them (another mount point, another core count).
+PER_HOST_KEYS = ("compilation_cache_dir", "data.dir", "data.workers", "data.prefetch")
+
+
+def check_same_config_on_every_process(config: Any) -> None:
+    """Refuses processes started with different configs, naming the keys and the processes.
+
+    A collective of a multi-process run: every process compares a digest of each
+    config key's value (`PER_HOST_KEYS` aside) with those of the others. Without
+    it, the replicas would drift apart and only the first replica check would tell.
+
+    Raises:
+      ValueError: naming the keys that differ from process 0's, and the processes.
+    """
+    if jax.process_count() == 1:
+        return
+    flat = {
+        key: value
+        for key, value in sorted(flatten(config.to_dict()).items())
+        if key not in PER_HOST_KEYS
+    }
+    digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
+    shape = np.array([len(flat), zlib.crc32(digests.tobytes())], np.uint32).view(np.int32)
+    every_shape = np.asarray(multihost_utils.process_allgather(shape))
+    if (every_shape == every_shape[0]).all():
+        return
+    differ = [k for k in range(jax.process_count()) if (every_shape[k] != every_shape[0]).any()]
+    if (every_shape[:, 0] == every_shape[0, 0]).all():  # The same keys: say which values differ.
+        every = np.asarray(multihost_utils.process_allgather(digests.view(np.int32)))
+        keys = [key for i, key in enumerate(flat) if (every[:, i] != every[0, i]).any()]
+    else:
+        keys = ["(the set of keys)"]
+    raise ValueError(
+        f"Processes {differ} were started with a config that differs from process 0's in "
+        f"{', '.join(keys)}; start every process with the same --config and overrides."
+    )
+
+
+def on_process_0(what: str, fn: Callable[[], Any]) -> None:
+    """Runs `fn` on process 0; if it raises, every process raises (none goes on alone)."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            fn()
+        except WorkdirError as e:
+            error = e
+    if processes.any_process(error is not None):
+        raise error or WorkdirError(f"{what} failed on process 0; see its log.")
+
+
+@contextlib.contextmanager
+def owning(workdir: str) -> Iterator[None]:
+    """This run holds the workdir's lock (process 0 takes it)."""
+    with contextlib.ExitStack() as lock:
+        on_process_0("Locking the workdir", lambda: lock.enter_context(exclusive_lock(workdir)))
+        yield
+
+
+def check_config_on_process_0(workdir: str, config: Any, **kwargs: Any) -> ConfigRecord | None:
+    """`check_config` on process 0 (None on the others); a refusal raises on every process."""
+    record = []
+    on_process_0(
+        "Checking the config", lambda: record.append(check_config(workdir, config, **kwargs))
+    )
+    return record[0] if record else None
+
+
+def write_record_on_process_0(record: ConfigRecord | None) -> None:
+    """Writes `check_config_on_process_0`'s record (process 0 holds it)."""
+    on_process_0("Recording the config", lambda: record.write() if record else None)

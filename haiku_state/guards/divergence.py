@@ -340,3 +340,12 @@ def setting_aside_diverged(
         resume = checkpointer.latest_step()
         message += f" A rerun resumes from {'scratch' if resume is None else f'step {resume}'}."
         raise FloatingPointError(message) from None
+
+
+def outcome_at(checkpointer: checkpoint.Checkpointer, step: int) -> Outcome:
+    """The run's outcome up to `step` as its checkpoint recorded it; a fresh one for a run
+    that starts anew or a checkpoint that recorded none."""
+    if step not in checkpointer.all_steps():
+        return Outcome()
+    metadata = checkpointer.metadata(step) or {}
+    return Outcome.from_json(metadata.get(OUTCOME_KEY))

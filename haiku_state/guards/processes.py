@@ -1,0 +1,190 @@
+"""The processes of one run: they join, agree, and stop together when one is lost.
+
+A multi-process run (one process per host, or per GPU) starts through JAX's
+runtime (`initialize_distributed`). Each process then beats in the coordinator's
+key-value store and stops in one line when another falls silent, before JAX's
+own heartbeat aborts every process with a dump of every thread; a collective
+that fails because its other end died is named the same way
+(`exit_if_lost`). `any_process` and `max_over_processes` are the small
+collectives the run's decisions (stop, save on a timer) agree by.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+# How long a process may go silent before JAX's coordinator gives it up for lost and
+# aborts every process (with a fatal error and a dump of every thread): the last resort,
+# well after LOST_AFTER_S. The coordinator counts from the lost process's last heartbeat,
+# which can precede the loss by seconds, and a busy host delays the beats below: at 15 s
+# a survivor on a loaded 2-core machine was once aborted before its beats named the loss.
+HEARTBEAT_TIMEOUT_S = 30
+# Each process sets its own key in the coordinator's key-value store every BEAT_S and
+# stops, in one line, when another's key has not changed for LOST_AFTER_S: before JAX does.
+BEAT_S = 1.0
+LOST_AFTER_S = 10.0
+_BEATS_KEY = "haiku_state/beats/"
+
+
+def initialize_distributed(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    auto_detect: bool = False,
+) -> None:
+    """Joins JAX's multi-process runtime when asked to; a no-op for a single process.
+
+    Must run before anything starts a JAX backend. With all three of
+    `coordinator_address`, `num_processes` and `process_id` the cluster is given
+    explicitly (any machine, CPU collectives through gloo); with `auto_detect`,
+    `jax.distributed.initialize` fills in whatever is missing from the cluster's
+    environment (SLURM, TPU pods, Kubernetes). Processes other than 0 then log
+    warnings and errors only.
+
+    Raises:
+      ValueError: for an incomplete or inconsistent set of arguments, before
+        anything connects.
+    """
+    explicit = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    given = {name: value for name, value in explicit.items() if value is not None}
+    if not given and not auto_detect:
+        return
+    if not auto_detect and len(given) < len(explicit):
+        missing = [f"--{name}" for name in explicit if name not in given]
+        raise ValueError(
+            f"Multi-process flags given ({', '.join(f'--{n}={v}' for n, v in given.items())}) "
+            f"but {', '.join(missing)} missing: pass all three, or --multihost to detect "
+            "the rest from the cluster (SLURM, TPU pods)."
+        )
+    if coordinator_address is not None:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
+                "10.0.0.1:1234 (the address of process 0)."
+            )
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(
+            f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
+        )
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+    )
+    if jax.process_count() > 1:
+        from jax._src import distributed  # Its client: JAX has no public accessor.
+
+        threading.Thread(
+            target=_watch_other_processes,
+            args=(distributed.global_state.client,),
+            name="beats",
+            daemon=True,
+        ).start()
+    if jax.process_index() != 0:
+        logging.set_verbosity(logging.WARNING)
+    logging.info(
+        "Process %d of %d: %d local of %d devices.",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+
+
+# How a collective fails when a process at its other end has died (gloo over TCP).
+_LOST_PROCESS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Gloo ")
+
+
+def lost_a_process(error: Exception) -> bool:
+    """Whether `error` is a collective that failed because another process died."""
+    return jax.process_count() > 1 and any(sign in str(error) for sign in _LOST_PROCESS_SIGNS)
+
+
+def _watch_other_processes(client: Any) -> None:
+    """Beats for this process; stops it when another process falls silent.
+
+    A collective whose other end has died can wait forever (XLA:CPU with several
+    devices per process, NCCL) until JAX's heartbeat aborts every process with a
+    fatal error. Runs until the process exits; ends quietly when the runtime
+    shuts down or fails (which JAX reports itself).
+    """
+    me = jax.process_index()
+    others = [str(k) for k in range(jax.process_count()) if k != me]
+    last_beat = dict.fromkeys(others, "")
+    last_change = dict.fromkeys(others, time.monotonic())  # On this process's clock.
+    try:
+        for beat in itertools.count():
+            client.key_value_set(f"{_BEATS_KEY}{me}", str(beat), allow_overwrite=True)
+            now = time.monotonic()
+            for key, value in client.key_value_dir_get(_BEATS_KEY):
+                k = key.rpartition("/")[2]
+                if k != str(me) and value != last_beat[k]:
+                    last_beat[k], last_change[k] = value, now
+            silent = [k for k in others if now - last_change[k] > LOST_AFTER_S]
+            if silent:
+                lost = f"process{'es' if len(silent) > 1 else ''} {', '.join(silent)}"
+                _exit_lost(lost, f"silent for {LOST_AFTER_S:.0f} s")
+            time.sleep(BEAT_S)
+    except jax.errors.JaxRuntimeError as e:
+        logging.debug("Beats stopped: %s", e)
+
+
+def _exit_lost(lost: str, how: str) -> None:
+    """Exits at once, naming the lost process in one line.
+
+    JAX's own exit would wait at a shutdown barrier for the dead process until its
+    heartbeat times out, then abort with a stack trace of every thread. Nothing
+    the user saved is at stake: a checkpoint in flight is either complete or
+    ignored on resume.
+    """
+    logging.error(
+        "Process %d of %d lost %s: %s. Stopping; run every process again to resume from "
+        "the latest checkpoint.",
+        jax.process_index(),
+        jax.process_count(),
+        lost,
+        how,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def exit_if_lost(error: Exception) -> None:
+    """Exits in one line naming the lost process if `error` is a collective that failed
+    because another process died; returns otherwise."""
+    if not lost_a_process(error):
+        return
+    others = [k for k in range(jax.process_count()) if k != jax.process_index()]
+    lost = f"process {others[0]}" if len(others) == 1 else "another process"
+    _exit_lost(lost, f"a collective failed ({str(error).splitlines()[0][:200]})")
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process; a collective in a multi-process run."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value`; a collective in a multi-process run."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))

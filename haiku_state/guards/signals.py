@@ -1,0 +1,110 @@
+"""Signals: SIGTERM or SIGINT at any moment ends a run in a saved step and one line.
+
+`StopRequest` turns a signal into a decision the loop reads between steps;
+`Stopped` is the error a run raises once it saved the step reached, whose
+`exit_code` (128 + the signal's number) a scheduler's restart policy reads.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import jax
+
+from haiku_state.guards.processes import any_process, max_over_processes
+
+
+class Stopped(Exception):
+    """A signal stopped a run or an evaluation before its end, after it saved what it had.
+
+    Its message is the one line that says where it stopped and what was saved.
+    `exit_code` is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT):
+    what a shell reports for a process a signal ended, so a scheduler's restart
+    policy (Kubernetes, SLURM --requeue) runs it again, and a rerun resumes.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGTERM)
+
+
+class StopRequest:
+    """Turns SIGTERM/SIGINT into a decision the loop reads between steps.
+
+    Installed for the whole life of a run (the command line installs it first
+    thing), so a signal at any moment, also during compilation, evaluation or
+    the final save, ends in a saved step and a `Stopped` error (what `stopped`
+    makes) in place of the run's result; further signals are only recorded.
+    In a multi-process run every process must stop at the same step (the save
+    is collective), but a signal may reach only some of them: there the
+    processes agree every `agree_every` steps (when the loop fetches metrics
+    anyway) on whether any of them was signalled.
+    """
+
+    def __init__(self, agree_every: int = 1):
+        self.signal_name: str | None = None
+        self.signum = 0  # The number of `signal_name` when a signal made the request.
+        self.agree_every = agree_every
+        self._previous = {}
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to save and stop before running `step` (the same on every process)."""
+        if jax.process_count() > 1 and step % self.agree_every:
+            return False
+        return self.should_stop_now()
+
+    def should_stop_now(self) -> bool:
+        """Whether any process was signalled; a collective in a multi-process run."""
+        return any_process(self.signal_name is not None)
+
+    def stopped(self, what: str) -> Stopped:
+        """The `Stopped` error to raise: `what` (where it stopped, what was saved), and why.
+
+        A collective in a multi-process run: every process names the signal that
+        one of them received, and exits with its code.
+        """
+        signum = max_over_processes(self.signum)
+        if self.signum:
+            why = f"{self.signal_name} received"
+        elif signum:
+            why = f"{signal.Signals(signum).name} received by another process"
+        else:
+            why = f"Stopped by {self.signal_name or 'a stop request'}"
+        return Stopped(f"{why}: {what}", signum)
+
+    def __enter__(self) -> StopRequest:
+        return self.install()
+
+    def install(self) -> StopRequest:
+        """Makes this the handler of SIGTERM and SIGINT, again if something replaced it.
+
+        `jax.distributed.initialize` installs a preemption notifier of its own for
+        SIGTERM, which would swallow the signal: install again after it.
+        """
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)
+        return self
+
+    def ignore_until_exit(self) -> None:
+        """Ignores further signals for the rest of the process's life, once a run is over.
+
+        Python puts the default handlers back while the interpreter shuts down (but
+        leaves ignored signals ignored), so a signal then would kill a process whose
+        run has already finished cleanly.
+        """
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+
+    def _handle(self, signum, frame) -> None:
+        del frame
+        if self.signal_name is None:
+            self.signal_name, self.signum = signal.Signals(signum).name, signum
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
