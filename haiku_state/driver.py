@@ -122,16 +122,7 @@ def _train(
     ):
         window = loop.MetricWindow(start_step, monitor)
         evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
-        saver = Saver(
-            checkpointer,
-            every_steps=config.checkpoint_every,
-            every_secs=config.checkpoint_every_secs,
-            agree_every=config.log_every,
-            window=window,
-            monitor=monitor,
-            evaluator=evaluator,
-            metadata=_run_metadata(config, data_record),
-        )
+        saver = Saver(checkpointer, config, window, monitor, evaluator, data_record)
         # In the order they run at a step: the metrics are logged before the
         # evaluation, whose metrics rank the checkpoint saved after it.
         actions = [
@@ -440,10 +431,11 @@ def _saving_on_data_error(evaluator: Evaluator, saver: Saver) -> Callable[[int, 
 
 
 class Saver:
-    """Saves a checkpoint of a whole train state, every `every_steps` steps and on a timer.
+    """Saves a checkpoint of a whole train state, every `config.checkpoint_every` steps and on
+    a timer (`config.checkpoint_every_secs`, 0: off).
 
-    The timer (`every_secs`, 0: off) is read every `agree_every` steps, when the
-    processes of a multi-process run agree on it (its save is collective).
+    The timer is read every `config.log_every` steps, when the processes of a
+    multi-process run agree on it (its save is collective).
     Before saving, the losses not yet logged, the replicas and the params are
     checked: a checkpoint is only ever written of a state that is whole. The
     divergence monitor is told of every save, and keeps the last good one while
@@ -453,20 +445,17 @@ class Saver:
     def __init__(
         self,
         checkpointer: checkpoint.Checkpointer,
-        *,
-        every_steps: int,
-        every_secs: float,
-        agree_every: int,
+        config: Any,
         window: loop.MetricWindow,
         monitor: divergence.Monitor,
         evaluator: Evaluator,
-        metadata: dict[str, Any],
+        data_record: dict[str, Any],
     ):
         self._checkpointer = checkpointer
-        self._every_steps, self._every_secs = every_steps, every_secs
-        self._agree_every = agree_every
+        self._every_steps, self._every_secs = config.checkpoint_every, config.checkpoint_every_secs
+        self._agree_every = config.log_every
         self._window, self._monitor = window, monitor
-        self._evaluator, self._metadata = evaluator, metadata
+        self._evaluator, self._metadata = evaluator, _run_metadata(config, data_record)
         self._last_save_time = time.monotonic()
 
     def is_due(self, step: int, last_step: int) -> bool:

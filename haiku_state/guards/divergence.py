@@ -144,6 +144,11 @@ class Outcome:
         )
 
 
+def _metrics(final: Mapping[str, float]) -> str:
+    """`accuracy 0.5, loss 1.2`: a final evaluation, for a message."""
+    return ", ".join(f"{name} {value:.4g}" for name, value in final.items())
+
+
 def _higher(best: Figure | None, candidate: Figure) -> Figure:
     return candidate if best is None or candidate.value > best.value else best
 
@@ -253,10 +258,9 @@ class Monitor:
             kept = f"the last good checkpoint, step {good}, is kept"
         else:
             kept = "no checkpoint was saved before it (the run started from scratch)"
-        metrics = ", ".join(f"{name} {value:.4g}" for name, value in final.items())
         raise LossExplodedError(
             f"{exploded} and had not recovered at the last step {last_step} (final eval: "
-            f"{metrics}); {kept}. To train again from a good step, move the later step "
+            f"{_metrics(final)}); {kept}. To train again from a good step, move the later step "
             "folders of the checkpoints aside and lower the learning rate (with "
             "--allow_config_change)."
         )
@@ -274,11 +278,10 @@ class Monitor:
         problems = self.outcome.problems(last_step, final)
         if not problems:
             return
-        metrics = ", ".join(f"{name} {value:.4g}" for name, value in final.items())
         raise EndedWorseError(
             f"The run ended far worse than it had been: {'; '.join(problems)} (final eval at "
-            f"step {last_step}: {metrics}). Its checkpoints and metrics are kept; lower the "
-            "learning rate and train again, in a new workdir or from an earlier checkpoint "
+            f"step {last_step}: {_metrics(final)}). Its checkpoints and metrics are kept; lower "
+            "the learning rate and train again, in a new workdir or from an earlier checkpoint "
             "(move the later step folders of the checkpoints aside, and pass "
             "--allow_config_change)."
         )

@@ -55,32 +55,8 @@ def initialize_distributed(
       ValueError: for an incomplete or inconsistent set of arguments, before
         anything connects.
     """
-    explicit = {
-        "coordinator_address": coordinator_address,
-        "num_processes": num_processes,
-        "process_id": process_id,
-    }
-    given = {name: value for name, value in explicit.items() if value is not None}
-    if not given and not auto_detect:
+    if not _check_cluster_flags(coordinator_address, num_processes, process_id, auto_detect):
         return
-    if not auto_detect and len(given) < len(explicit):
-        missing = [f"--{name}" for name in explicit if name not in given]
-        raise ValueError(
-            f"Multi-process flags given ({', '.join(f'--{n}={v}' for n, v in given.items())}) "
-            f"but {', '.join(missing)} missing: pass all three, or --multihost to detect "
-            "the rest from the cluster (SLURM, TPU pods)."
-        )
-    if coordinator_address is not None:
-        host, _, port = coordinator_address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(
-                f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
-                "10.0.0.1:1234 (the address of process 0)."
-            )
-    if num_processes is not None and process_id is not None and process_id >= num_processes:
-        raise ValueError(
-            f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
-        )
     jax.distributed.initialize(
         coordinator_address,
         num_processes,
@@ -105,6 +81,42 @@ def initialize_distributed(
         jax.local_device_count(),
         jax.device_count(),
     )
+
+
+def _check_cluster_flags(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    auto_detect: bool,
+) -> bool:
+    """Whether to join a cluster at all; refuses an incomplete or inconsistent set of flags."""
+    explicit = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    given = {name: value for name, value in explicit.items() if value is not None}
+    if not given and not auto_detect:
+        return False
+    if not auto_detect and len(given) < len(explicit):
+        missing = [f"--{name}" for name in explicit if name not in given]
+        raise ValueError(
+            f"Multi-process flags given ({', '.join(f'--{n}={v}' for n, v in given.items())}) "
+            f"but {', '.join(missing)} missing: pass all three, or --multihost to detect "
+            "the rest from the cluster (SLURM, TPU pods)."
+        )
+    if coordinator_address is not None:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
+                "10.0.0.1:1234 (the address of process 0)."
+            )
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ValueError(
+            f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
+        )
+    return True
 
 
 # How a collective fails when a process at its other end has died (gloo over TCP).

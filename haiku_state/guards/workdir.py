@@ -305,30 +305,13 @@ def check_config(
 ) -> ConfigRecord:
     """Checks `config` and `data` against the run's record; writes nothing.
 
-    The record is `config.json`; without a readable one, the metadata of the
-    latest checkpoint (which holds the config and data too). A workdir without
-    a checkpoint binds nothing: its `config.json` (a run that died before its
-    first save) is replaced.
-
-    Args:
-      workdir: the run's directory.
-      config: the resolved config.
-      allow_change: record a change that alters the trajectory instead of refusing it.
-      data: the data as read (`data.identity`): a folder whose files or class
-        names changed between a stop and a resume changes the batches as surely
-        as a changed config does. The same data moved to another `data.dir` is
-        recognised by it (`moved_data`), and resumes.
-      has_checkpoint: whether the workdir holds a complete checkpoint.
-      checkpoint_metadata: the run metadata of its latest checkpoint
-        (`{"config": ..., "data": ...}`), checked against when `config.json` is
-        missing or unreadable; None if there is none.
-
-    Returns:
-      The record to `write()` once the run has resumed.
-
-    Raises:
-      WorkdirError: if the config (or data) differs from the record in a way that
-        changes the trajectory and `allow_change` is False.
+    The record is `config.json`, else the latest checkpoint's metadata
+    (`checkpoint_metadata`, which holds the config and data too). `data` is the
+    data as read (`data.identity`): changed files change the batches as surely as
+    a changed config; the same data at another `data.dir` resumes. A workdir
+    without a checkpoint binds nothing. Returns the record to `write()` once the
+    run has resumed; raises WorkdirError for a change of the trajectory unless
+    `allow_change`.
     """
     path = os.path.join(workdir, CONFIG_FILE)
     record = {"config": _as_json(config), "data": dict(data or {}), "changes": []}
@@ -343,8 +326,10 @@ def check_config(
         return ConfigRecord(path, record, set_aside=set_aside)
     source = path
     if previous is None:
-        previous = _checkpoint_record(checkpoint_metadata)
-        source = "the latest checkpoint's metadata"
+        previous, source = (
+            _checkpoint_record(checkpoint_metadata),
+            "the latest checkpoint's metadata",
+        )
         if problem:
             logging.warning("%s %s; checking the config against %s instead.", path, problem, source)
         elif previous is not None:
@@ -352,7 +337,25 @@ def check_config(
     if previous is None:
         logging.warning("%s: no record of the config to check against.", workdir)
         return ConfigRecord(path, record, set_aside=set_aside)
-    recorded_data, data = previous.get("data") or {}, dict(data or {})
+    changes = _changes_since(previous, config, dict(data or {}), source)
+    if changes and not allow_change:
+        raise WorkdirError(
+            f"The config or data differs from what {workdir} was trained with (as {source} "
+            f"records it), in ways that change the run: {'; '.join(changes)}. Pass "
+            "--allow_config_change to continue anyway (the change is recorded in config.json), "
+            "or use another --workdir."
+        )
+    record["changes"] = list(previous.get("changes", []))
+    if changes:
+        record["changes"].append({"at": _stamp(iso=True), "changes": changes})
+    return ConfigRecord(path, record, tuple(changes), set_aside)
+
+
+def _changes_since(
+    previous: Mapping[str, Any], config: Any, data: dict[str, Any], source: str
+) -> list[str]:
+    """What changes the run between the record `previous` and `config` with `data`."""
+    recorded_data = previous.get("data") or {}
     moved = moved_data(previous["config"], config, recorded_data, data)
     if moved:
         logging.info(
@@ -372,17 +375,7 @@ def check_config(
             source,
             ", ".join(f"dataset.{key}" for key in unchecked),
         )
-    if changes and not allow_change:
-        raise WorkdirError(
-            f"The config or data differs from what {workdir} was trained with (as {source} "
-            f"records it), in ways that change the run: {'; '.join(changes)}. Pass "
-            "--allow_config_change to continue anyway (the change is recorded in config.json), "
-            "or use another --workdir."
-        )
-    record["changes"] = list(previous.get("changes", []))
-    if changes:
-        record["changes"].append({"at": _stamp(iso=True), "changes": changes})
-    return ConfigRecord(path, record, tuple(changes), set_aside)
+    return changes
 
 
 def _checkpoint_record(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
