@@ -33,7 +33,6 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from haiku_state import (
-    asserts,
     checkpoint,
     compilation_cache,
     data,
@@ -51,6 +50,7 @@ from haiku_state.experiment import (
     build_experiment,
     placeholder_batch,
 )
+from haiku_state.guards import replicas
 from haiku_state.updater import TrainState, step_of
 
 
@@ -364,7 +364,7 @@ def _resume(
         config.param_sharding,
     )
     # Also compiles the checks every save runs, before the first window's clock starts.
-    asserts.assert_train_state_invariants(train_state)
+    replicas.assert_train_state_invariants(train_state)
     check_params_finite(train_state, step_of(train_state))
     return train_state
 
@@ -455,14 +455,14 @@ def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
 
 def check_params_finite(train_state: TrainState, step: int) -> None:
     """Raises FloatingPointError if any param is not finite."""
-    if not bool(asserts.all_finite(train_state.params)):
+    if not bool(replicas.all_finite(train_state.params)):
         raise FloatingPointError(f"Non-finite params at step {step}.")
 
 
 def check_invariants(step: int, train_state: TrainState) -> None:
     """Replicas identical, keys distinct."""
     del step  # Unused.
-    asserts.assert_train_state_invariants(train_state)
+    replicas.assert_train_state_invariants(train_state)
 
 
 class Evaluator:
@@ -549,7 +549,7 @@ class Saver:
     def run(self, step: int, train_state: TrainState) -> None:
         self._window.check_finite()  # The losses since the last log.
         self._monitor.protect_last_good(self._checkpointer)
-        asserts.assert_train_state_invariants(train_state)
+        replicas.assert_train_state_invariants(train_state)
         check_params_finite(train_state, step)
         metrics = self._evaluator.metrics_at(step)
         metadata = {**self._metadata, divergence.OUTCOME_KEY: self._monitor.outcome.to_json()}

@@ -168,6 +168,11 @@ def is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def key_axes(keys: Any) -> int:
+    """The axes of typed keys, or of raw key data less its last: 0 for one key."""
+    return np.ndim(keys) if is_key(keys) else np.ndim(keys) - 1
+
+
 def key_impl_name(keys: Any) -> str:
     """The PRNG implementation of typed keys, e.g. "threefry2x32"; also of abstract ones.
 
