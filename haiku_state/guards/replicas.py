@@ -122,7 +122,7 @@ def assert_replicas_identical(tree: PyTree) -> None:
     for (path, leaf), differs in zip(paths_and_leaves, mismatch, strict=True):
         if np.any(differs):
             name = jax.tree_util.keystr(path) or "<root>"
-            report = "" if multiprocess else _elementwise_report(leaf, np.flatnonzero(differs)[0])
+            report = "" if multiprocess else _report(leaf[0], leaf[np.flatnonzero(differs)[0]])
             _raise_replicas_differ(name, differs, report)
 
 
@@ -138,11 +138,11 @@ def _raise_replicas_differ(name: str, differs: np.ndarray, report: str = "") -> 
     )
 
 
-def _elementwise_report(leaf: jax.Array, device: int) -> str:
-    """chex's report of how replica `device` of `leaf` differs from replica 0."""
-    replicas = np.asarray(jax.device_get(_leaf_bits(leaf) if replication.is_key(leaf) else leaf))
+def _report(first: jax.Array, other: jax.Array) -> str:
+    """chex's report of how `other` differs from `first` (a single process's copies)."""
+    as_host = lambda x: np.asarray(_leaf_bits(x) if replication.is_key(x) else x)  # noqa: E731
     try:
-        chex.assert_trees_all_equal(replicas[0], replicas[device])
+        chex.assert_trees_all_equal(as_host(first), as_host(other))
     except AssertionError as e:
         return f"\n{e}"
     return ""
@@ -206,8 +206,11 @@ def assert_global_layout(tree: PyTree) -> None:
     mismatch = jax.device_get(_copies_mismatch([_copies(leaf) for _, leaf in replicated]))
     for (name, leaf), differs in zip(replicated, mismatch, strict=True):
         if np.any(differs):
-            multiprocess = jax.process_count() > 1
-            report = "" if multiprocess else _copies_report(leaf, np.flatnonzero(differs)[0])
+            report = ""
+            if jax.process_count() == 1:
+                copies = {shard.device: shard.data for shard in leaf.addressable_shards}
+                devices = jax.devices()
+                report = _report(copies[devices[0]], copies[devices[np.flatnonzero(differs)[0]]])
             _raise_replicas_differ(name, differs, report)
 
 
@@ -288,23 +291,6 @@ def _copies_mismatch(copies: list[jax.Array]) -> list[jax.Array]:
         out_specs=PartitionSpec(),
         check_vma=False,  # The comparison is of copies that claim to be equal.
     )(copies)
-
-
-def _copies_report(leaf: jax.Array, device: int) -> str:
-    """chex's report of how device `device`'s copy of `leaf` differs from device 0's (1 process)."""
-    copies = {shard.device: shard.data for shard in leaf.addressable_shards}
-    devices = jax.devices()
-    first, other = (
-        np.asarray(
-            _leaf_bits(copies[devices[d]]) if replication.is_key(leaf) else copies[devices[d]]
-        )
-        for d in (0, device)
-    )
-    try:
-        chex.assert_trees_all_equal(first, other)
-    except AssertionError as e:
-        return f"\n{e}"
-    return ""
 
 
 def assert_train_state_invariants(train_state: Any) -> None:
