@@ -280,27 +280,18 @@ class Updater:
     Args:
       forward: `hk.transform_with_state` of `f(batch, is_training) -> outputs`.
       optimizer: the optax transformation applied to the averaged gradients.
-      loss_fn: `loss_fn(outputs, batch) -> (scalar loss, dict of scalar metrics)`, of
-        each device's shard (pmap, shard_map) or of the global batch (jit).
-      axis_name: the device axis, which a per-device backend's BatchNorm
-        `cross_replica_axis` must match; under jit the mesh's, which the network
-        must not use (`init` refuses it).
-      augment_fn: optional `(key, batch) -> batch`, run on device at the start of
-        every training step (not in evaluation).
-      check_finite: if True, `update` waits for every step's loss and raises
-        `FloatingPointError` naming the step when it is not finite (a host sync
-        per step: a debugging aid).
-      loss_scale: optional `jmp` loss scale for float16 training, kept in `opt_state`
-        (a `LossScaledOptState`); a `jmp.DynamicLossScale` skips steps with
-        non-finite gradients on every device alike.
-      backend: `"pmap"` or `"shard_map"` (`replication.parallelize`), which share
-        the per-device layout, so checkpoints move freely between them; or `"jit"`,
-        one program over the global batch.
-      param_sharding: with `backend="jit"`, `"replicated"` or `"fsdp"`
-        (`haiku_state.sharding`); the per-device backends take only `"replicated"`.
-
-    Raises:
-      ValueError: for an unknown backend or param_sharding, or `"fsdp"` without jit.
+      loss_fn: `(outputs, batch) -> (scalar loss, dict of scalar metrics)`, of each
+        device's shard (pmap, shard_map) or of the global batch (jit).
+      axis_name: the device axis (a per-device backend's BatchNorm
+        `cross_replica_axis`); under jit the mesh's, which the network must not use.
+      augment_fn: optional `(key, batch) -> batch`, run on device in every training step.
+      check_finite: `update` raises `FloatingPointError` on a non-finite loss (a host
+        sync per step: a debugging aid).
+      loss_scale: optional `jmp` loss scale (float16), kept in `opt_state`; a dynamic
+        one skips steps with non-finite gradients on every device alike.
+      backend: `"pmap"` or `"shard_map"`, which share the per-device layout (and so
+        checkpoints), or `"jit"`, one program over the global batch.
+      param_sharding: `"replicated"`, or with `backend="jit"` `"fsdp"` (`sharding`).
     """
 
     def __init__(
@@ -359,22 +350,13 @@ class Updater:
         return self._param_sharding
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
-        """Builds the initial `TrainState`, in the layout of the backend.
+        """The initial `TrainState` in the backend's layout, params and state drawn on the host.
 
         Args:
-          seed: an int or a PRNG key (typed or raw). Its `hk.PRNGSequence` gives the
-            params' key and the run's key (folded with each device's global index
-            by the per-device backends, one key per device).
-          batch: a device-sharded batch (`hs.shard`), for every backend; only its
-            shapes and dtypes matter, unless a parameter is computed from the input
-            (then the first device's shard is read).
-
-        The params and state are `initialization.initial_params_and_state`'s: drawn
-        on the host in one small program, not compiled into the forward pass.
-
-        Raises:
-          ValueError: for a batch not laid out per device; with `jit`, for a network
-            that uses a collective axis (BatchNorm's `cross_replica_axis`).
+          seed: an int or a PRNG key (typed or raw): its `hk.PRNGSequence` gives the
+            params' key and the run's key (per-device backends: folded per device).
+          batch: a device-sharded batch (`hs.shard`); only its shapes and dtypes
+            matter, unless a parameter is computed from the input.
         """
         replication.check_batch(batch, "init")
         with self._random_bits():  # The keys are split under it too.
@@ -416,18 +398,11 @@ class Updater:
     def update(
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
-        """One training step. `train_state`'s buffers are donated: use the result.
+        """One training step on a device-sharded batch. `train_state` is donated: use the result.
 
-        Args:
-          train_state: the train state, in the backend's layout.
-          batch: a device-sharded batch.
-          with_norms: whether the metrics hold the global norms (the loop asks for
-            them on the steps it logs, as big_vision logs them).
-
-        Returns:
-          The new train state, and the metrics of the global batch as scalars: `loss`,
-          the loss_fn metrics and (`with_norms`) `l2_grads` (of the averaged
-          gradients), `l2_params` (after the update) and `l2_updates`.
+        Returns the new train state, and the metrics of the global batch as scalars:
+        `loss`, the loss_fn metrics and (`with_norms`, on the steps the loop logs)
+        `l2_grads` (averaged), `l2_params` (after the update) and `l2_updates`.
         """
         programs, batch = self._checked(train_state, batch, "update")
         step = step_of(train_state) if self._check_finite else None
