@@ -7,8 +7,8 @@ from haiku_state.guards import orphans
 # only once the imports below (seconds) are done.
 orphans.guard_spawned_child()
 
-from haiku_state.asserts import assert_keys_distinct, assert_replicas_identical  # noqa: E402
 from haiku_state.checkpoint import Checkpointer  # noqa: E402
+from haiku_state.guards.replicas import assert_keys_distinct, assert_replicas_identical  # noqa: E402
 from haiku_state.replication import replicate, shard, unreplicate  # noqa: E402
 from haiku_state.updater import TrainState, Updater  # noqa: E402
 

@@ -25,11 +25,11 @@ from typing import Any
 import jax
 from absl import logging
 
-from haiku_state import asserts, checkpoint, compilation_cache, data, loop, sharding, summaries
+from haiku_state import checkpoint, compilation_cache, data, loop, sharding, summaries
 from haiku_state.config import keep_best_mode, validate_config
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import AXIS_NAME, Experiment, build_experiment, placeholder_batch
-from haiku_state.guards import divergence, processes, signals
+from haiku_state.guards import divergence, processes, replicas, signals
 from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, step_of
 
@@ -130,7 +130,7 @@ def _train(
                 config.log_every,
                 loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size),
             ),
-            loop.PeriodicAction(config.check_every, check_invariants),
+            loop.PeriodicAction(config.check_every, replicas.check_invariants),
             loop.PeriodicAction(config.eval_every, _saving_on_data_error(evaluator, saver)),
             saver,
             profiler,
@@ -272,8 +272,8 @@ def _resume(
         train_state = first if first is not None else _fresh_train_state(experiment, config)
     _log_start(how, train_state, experiment, config, workdir)
     # Also compiles the checks every save runs, before the first window's clock starts.
-    check_invariants(step_of(train_state), train_state)
-    check_params_finite(train_state, step_of(train_state))
+    replicas.check_invariants(step_of(train_state), train_state)
+    replicas.check_params_finite(train_state, step_of(train_state))
     return train_state
 
 
@@ -370,20 +370,8 @@ def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
     return step_fn
 
 
-# What the loop does besides training that is this run's own: check, evaluate, save.
-# (`loop.MetricLogger` and `loop.Profiler` log and profile.)
-
-
-def check_params_finite(train_state: TrainState, step: int) -> None:
-    """Raises FloatingPointError if any param is not finite."""
-    if not bool(asserts.all_finite(train_state.params)):
-        raise FloatingPointError(f"Non-finite params at step {step}.")
-
-
-def check_invariants(step: int, train_state: TrainState) -> None:
-    """Replicas identical, keys distinct."""
-    del step  # Unused.
-    asserts.assert_train_state_invariants(train_state)
+# What the loop does besides training that is this run's own: evaluate, save. (`loop`
+# logs and profiles; `replicas.check_invariants` checks.)
 
 
 class Evaluator:
@@ -468,8 +456,8 @@ class Saver:
     def run(self, step: int, train_state: TrainState) -> None:
         self._window.check_finite()  # The losses since the last log.
         self._monitor.protect_last_good(self._checkpointer)
-        asserts.assert_train_state_invariants(train_state)
-        check_params_finite(train_state, step)
+        replicas.assert_train_state_invariants(train_state)
+        replicas.check_params_finite(train_state, step)
         metrics = self._evaluator.metrics_at(step)
         metadata = {**self._metadata, divergence.OUTCOME_KEY: self._monitor.outcome.to_json()}
         if self._checkpointer.save(train_state, metadata=metadata, metrics=metrics):

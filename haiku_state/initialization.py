@@ -1,33 +1,19 @@
-"""A Haiku network's initial params and state, without compiling the network.
+"""A Haiku network's initial params and state, drawn on the host without compiling the network.
 
-`forward.init` runs the network once and draws every parameter with a random
-kernel of its own. Compiled, each draw is a separate XLA kernel holding a
-threefry hash and, for Haiku's default truncated normal, an erf_inv
-polynomial: XLA:TPU spends about a second on each, so ResNet-50's 54 weight
-tensors cost ~53 s on a TPU v5e, and the forward pass (which only BatchNorm's
-first moving averages need) ~15 s more, before the first step has compiled.
+Compiled, `forward.init` draws each parameter in an XLA kernel of its own, about a
+second each on a TPU (ResNet-50: ~53 s, and ~15 s more for the forward pass only
+BatchNorm's first moving averages need). `initial_params_and_state` instead makes,
+in one small program on the host's CPU under the partitionable threefry:
 
-`initial_params_and_state` draws the same distributions in one small program:
+* a parameter with one of Haiku's standard random initialisers (`TruncatedNormal`,
+  `RandomNormal`, `RandomUniform`) a slice of one flat draw per distribution, scaled
+  and shifted as its initialiser says (the distributions of `forward.init`, not its draws);
+* every other entry `forward.init`'s own value, the forward pass dead code;
+* state computed from the input (BatchNorm's moving averages, which the first step
+  overwrites) zero. A parameter computed from the input makes the whole
+  initialisation `forward.init` as it is, on one device's shard.
 
-* a parameter whose initialiser is one of Haiku's standard random ones
-  (`TruncatedNormal`, the default of `hk.Linear` and `hk.Conv2D`,
-  `RandomNormal`, `RandomUniform`) is a slice of one flat draw per
-  distribution, scaled and shifted as its initialiser says;
-* every other parameter and state entry is `forward.init`'s own value, computed
-  in the same program, where the forward pass is dead code;
-* state the network computes from its input starts at zero. In Haiku that is
-  BatchNorm's moving averages, which `init` sets from the batch it sees and the
-  first training step overwrites whatever they were (their debiased average
-  after one step is that step's statistic), so training does not depend on it.
-  A parameter computed from the input instead makes the whole initialisation
-  `forward.init` as it is, forward pass included, on one device's shard.
-
-The program runs on the host's CPU (where the platform has one) under the
-partitionable threefry, and its results come back as numpy arrays: the initial
-values are the same on every platform, backend, device count and process
-count, and no accelerator holds a second copy of the model while they are made.
-The draws differ from those `forward.init` would make with the same key (one
-flat draw, not one per parameter); the distributions are the same.
+The values, numpy arrays, are the same on every platform, backend and device count.
 """
 
 from __future__ import annotations
@@ -40,9 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
-
-Params = Any
-State = Any
 
 
 class _Draw(NamedTuple):
@@ -98,8 +81,7 @@ def _standard_draw(key: jax.Array, distribution: tuple, size: int) -> jax.Array:
 def _depends_on(closed_jaxpr: jax_core.ClosedJaxpr, inputs: list[bool]) -> list[bool]:
     """For each output of `closed_jaxpr`, whether it depends on an input marked in `inputs`.
 
-    Conservative: an equation any of whose inputs depends makes all its outputs
-    depend (a nested jaxpr counts as one equation).
+    Conservative: a nested jaxpr counts as one equation, all of whose outputs depend.
     """
     jaxpr = closed_jaxpr.jaxpr
     dependent = {var for var, marked in zip(jaxpr.invars, inputs, strict=True) if marked}
@@ -123,7 +105,7 @@ def initial_params_and_state(
     batch: Mapping[str, Any],
     *,
     axis_name: str | None = None,
-) -> tuple[Params, State]:
+) -> tuple[hk.Params, hk.State]:
     """The params and state to start training from, as numpy arrays (see the module docstring).
 
     Args:
@@ -174,7 +156,7 @@ def initial_shapes(
     batch: Mapping[str, Any],
     *,
     axis_name: str | None = None,
-) -> tuple[Params, State]:
+) -> tuple[hk.Params, hk.State]:
     """The shapes and dtypes `initial_params_and_state` gives (`jax.ShapeDtypeStruct`s).
 
     A trace, nothing compiled or run: what a restore needs to read a checkpoint into.
@@ -246,7 +228,7 @@ def _run_on_host(closed, key, batch_leaves, draws, skip=None):
     return values, dict(zip(sizes, flat, strict=True))
 
 
-def _with_draws(params: Params, draws: dict[str, _Draw], flat_draws: dict[tuple, np.ndarray]):
+def _with_draws(params: hk.Params, draws: dict[str, _Draw], flat_draws: dict[tuple, np.ndarray]):
     """`params` with every drawn parameter cut from its distribution's flat draw."""
     params = {module: dict(entries) for module, entries in params.items()}
     offsets = dict.fromkeys(flat_draws, 0)

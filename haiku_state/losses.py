@@ -18,14 +18,10 @@ EVAL_METRICS = {"accuracy": "max", "loss": "min"}
 def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossFn:
     """Softmax cross-entropy on `batch["label"]`, with accuracy as a metric.
 
-    Loss and accuracy are sums over the device's examples divided by the device
-    batch size. When the batch carries a `mask` (evaluation batches padded to a
-    full batch), padded examples count zero and the metrics gain `weight`, the
-    fraction of real examples: summing each metric over batches and dividing by
-    the summed weight gives the exact mean over the real examples. When a
-    training batch carries `replaced` (an encoded dataset read with
-    `data.skip_corrupt`: 1.0 where an example stands in for an unreadable image),
-    the metrics gain `corrupt_fraction`, the fraction of such examples.
+    With a `mask` (evaluation batches padded to full size) padded examples count
+    zero and the metrics gain `weight`, the fraction of real ones: metric sums over
+    batches divided by the summed weight are exact means. With `replaced` (1.0 where
+    `data.skip_corrupt` stood in for an unreadable image) they gain `corrupt_fraction`.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")

@@ -13,12 +13,9 @@ SCHEDULES = ("constant", "warmup_cosine")
 
 
 def haiku_weights(params: Any) -> Any:
-    """The weight-decay mask: the weights of linear and convolution layers, not biases or BatchNorm.
+    """The weight-decay mask: the weights (`w`) of linear and convolution layers.
 
-    Chosen by Haiku's parameter names (`w` for `hk.Linear` and `hk.Conv2D`
-    weights; `b` for biases, `scale` and `offset` for BatchNorm), not by rank:
-    Haiku keeps BatchNorm's scale and offset as `[1, ..., 1, C]`, which a rank test
-    would decay.
+    By Haiku's names, not by rank: BatchNorm's scale and offset are `[1, ..., 1, C]`.
     """
 
     def is_weight(path, _) -> bool:
@@ -61,8 +58,7 @@ def make_optimizer(
       config: `name` (one of `OPTIMIZERS`), `learning_rate`, `schedule`,
         `warmup_steps`, `weight_decay`, `momentum` (sgd), `nesterov` (sgd).
       total_steps: the run's length, for the schedule.
-      weight_decay_mask: `params -> tree of bools`, the parameters to decay. The
-        default picks them by Haiku's names; other naming schemes need their own.
+      weight_decay_mask: `params -> tree of bools`, the parameters to decay.
     """
     name = config["name"]
     if name not in OPTIMIZERS:

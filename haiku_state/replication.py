@@ -1,17 +1,9 @@
 """The per-device layout: trees on a leading device axis, and per-device functions mapped over it.
 
-JAX removed `jax.device_put_replicated` and `jax.device_put_sharded`, and its
-`jax.pmap` (implemented on `shard_map`) only accepts arguments that already live
-on devices when they carry the sharding pmap itself would produce:
-`NamedSharding(Mesh(local_devices, (axis_name,)), P(axis_name))`. Everything in
-this module produces exactly that layout, so the arrays it returns can be fed
-to a pmapped function every step without being copied again.
-
-`parallelize` maps a per-device function over that layout with either
-per-device backend, `jax.pmap` or `jax.jit(jax.shard_map(...))`, so the Updater
-is written once. The Updater's third backend, `jit`, keeps global arrays with no
-device axis instead (`haiku_state.sharding`); it reads its batch from this
-module's layout.
+`jax.pmap` takes arguments without copying them only when they carry the sharding
+it would produce itself, `NamedSharding(Mesh(local_devices, (axis_name,)), P(axis_name))`:
+everything here produces exactly that layout. `parallelize` maps a per-device
+function over it with `jax.pmap` or `jax.jit(jax.shard_map(...))`.
 """
 
 from __future__ import annotations
@@ -41,11 +33,9 @@ def local_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
 
 @functools.cache
 def global_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
-    """A one-axis mesh over the devices of every process, in the order pmap numbers them.
+    """The one-axis mesh of every device of every process, in pmap's order (`lax.axis_index`).
 
-    Process by process, so device `k` of process `p` has the global index
-    `p * local_device_count + k` (what `lax.axis_index` returns inside pmap). In a
-    single process it equals `local_mesh`.
+    The jit backend's mesh. Device `k` of process `p` has the index `p * local_device_count + k`.
     """
     return Mesh(np.array(jax.devices()), (axis_name,))
 
@@ -58,10 +48,7 @@ def device_axis_sharding(axis_name: str = DEFAULT_AXIS_NAME) -> NamedSharding:
 def check_device_axis(tree: PyTree, where: str, name: str = "train_state") -> None:
     """Raises ValueError naming the first leaf without a leading axis of local devices.
 
-    Args:
-      tree: a tree that must be laid out per device, e.g. a `TrainState`.
-      where: the caller, for the message (`"update"`, `"save"`, ...).
-      name: what `tree` is called in the message.
+    `where` (the caller) and `name` (what `tree` is) are for the message.
     """
     num_devices = jax.local_device_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -75,12 +62,8 @@ def check_device_axis(tree: PyTree, where: str, name: str = "train_state") -> No
 
 
 def check_batch(batch: PyTree, where: str) -> None:
-    """Raises ValueError unless every leaf is `[local_devices, per_device_batch, ...]` alike.
-
-    Args:
-      batch: a device-sharded batch, as `shard` makes it.
-      where: the caller, for the message.
-    """
+    """Raises ValueError (naming `where`) unless every leaf is `[local_devices, per_device_batch,
+    ...]` alike, as `shard` makes them."""
     num_devices = jax.local_device_count()
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
@@ -103,14 +86,10 @@ def check_batch(batch: PyTree, where: str) -> None:
 
 
 def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
-    """Splits a host batch `[B, ...]` into `[local_devices, B // local_devices, ...]`.
-
-    The result lives on the devices (one slice per device, transferred once),
-    ready for a pmapped step.
+    """Splits a host batch `[B, ...]` over the devices: `[local_devices, B // local_devices, ...]`.
 
     Raises:
-      ValueError: if a leaf has no batch axis or `B` is not a multiple of the
-        local device count.
+      ValueError: if a leaf has no batch axis or `B` is not a multiple of the device count.
     """
     num_devices = jax.local_device_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(host_batch):
@@ -139,9 +118,7 @@ def _stack_replicas(tree: PyTree, num_devices: int) -> PyTree:
 def replicate(tree: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
     """Gives every leaf a leading axis of `jax.local_device_count()` identical copies.
 
-    One broadcast transfer puts the tree on every device; a jitted broadcast then
-    lays each device's copy out as its slice of the stacked array, so nothing is
-    copied device to device and no host loop runs over devices.
+    One transfer to every device, then a jitted broadcast into each device's slice.
     """
     num_devices = jax.local_device_count()
     on_every_device = jax.device_put(tree, NamedSharding(local_mesh(axis_name), PartitionSpec()))
@@ -168,25 +145,22 @@ def is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def key_impl_name(keys: Any) -> str:
-    """The PRNG implementation of typed keys, e.g. "threefry2x32"; also of abstract ones.
+def key_axes(keys: Any) -> int:
+    """The axes of typed keys, or of raw key data less its last: 0 for one key."""
+    return np.ndim(keys) if is_key(keys) else np.ndim(keys) - 1
 
-    `jax.random.key_impl` takes concrete keys only; a trace of it takes both.
-    """
+
+def key_impl_name(keys: Any) -> str:
+    """The PRNG implementation of typed keys, concrete or abstract, e.g. "threefry2x32"."""
     names = []
     jax.eval_shape(lambda k: names.append(str(jax.random.key_impl(k))), keys)
     return names[0]
 
 
 def global_key_data(keys: jax.Array) -> np.ndarray:
-    """The raw data of every process's per-device keys, `[global_devices, ...]`, on the host.
+    """The raw data of every process's per-device keys (typed or raw), `[global_devices, ...]`.
 
-    In a single process this is `key_data(keys)`; in a multi-process run it is a
-    collective (every process must call it) that concatenates the processes'
-    keys in process order, so row `g` is the key of global device `g`.
-
-    Args:
-      keys: typed keys `[local_devices]`, or raw key data `[local_devices, ...]`.
+    Across processes, a collective (every process calls it): row `g` is global device `g`'s.
     """
     data = jax.random.key_data(keys) if is_key(keys) else keys
     if jax.process_count() == 1:
@@ -207,23 +181,17 @@ def parallelize(
 ) -> Callable[..., Any]:
     """Runs `per_device_fn` on every device's slice of its arguments' leading axis.
 
-    Every argument has this process's devices on its leading axis, as `shard` and
-    `replicate` lay them out. Outputs with `out_axes` 0 keep that axis; those with
-    None are identical on every device (e.g. metrics averaged with `pmean`) and
-    come back once.
-
     Args:
       per_device_fn: the function of one device's slices; collectives over
         `axis_name` reduce across every device of every process.
-      backend: `"pmap"`, or `"shard_map"` for `jax.jit(jax.shard_map(...))` over a
-        one-axis mesh of every process's devices (what JAX implements pmap with).
-        Both take and return the same layout, also in a multi-process run.
-      axis_name: the name collectives in `per_device_fn` use.
-      out_axes: a tree prefix of the outputs, of 0 and None.
+      backend: `"pmap"`, or `"shard_map"` for `jax.jit(jax.shard_map(...))` over
+        `global_mesh`; both take and return the same layout.
+      out_axes: a tree prefix of the outputs: 0 keeps the device axis, None marks
+        a value identical on every device (e.g. a `pmean`), returned once.
       donate_argnums: arguments whose buffers the call may reuse.
 
     Returns:
-      The mapped function; it has `.lower(*args)` for cost and memory analysis.
+      The mapped function, with `.lower(*args)` for cost and memory analysis.
     """
     if backend not in PER_DEVICE_BACKENDS:
         raise ValueError(

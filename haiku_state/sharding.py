@@ -1,25 +1,19 @@
-"""The global layout of the `jit` backend: one mesh, and where each train-state leaf lives.
+"""The global layout of the `jit` backend: where each train-state leaf lives on the mesh.
 
-Under `backend="jit"` the train state holds global `jax.Array`s on a one-axis
-`Mesh` of every device of every process (`mesh`), with no device axis. Which
-part of a leaf each device holds is a pure function of the leaf's shape and
-dtype, given by a named rule (`PARAM_SHARDINGS`), as big_vision names its
-sharding rules:
+Under `backend="jit"` the train state holds global `jax.Array`s on
+`replication.global_mesh`, every device of every process, with no device axis.
+Which part of a leaf each device holds is a pure function of its shape and
+dtype, by a named rule (`PARAM_SHARDINGS`), as big_vision names its rules:
 
 * `"replicated"`: every device holds every leaf, as the pmap layout does.
-* `"fsdp"`: each leaf of params and `opt_state` is split over the devices along
-  its largest axis that divides by the device count (the first such axis, if
-  two are equally large), so a device holds `1/N` of it. Leaves smaller than
-  `FSDP_MIN_BYTES`, and leaves with no axis that divides, stay replicated:
-  splitting a bias or a scalar saves nothing and costs a collective.
+* `"fsdp"`: each leaf of params and `opt_state` is split along its largest axis
+  that divides by the device count (the first, of two equally large), unless it
+  is smaller than `FSDP_MIN_BYTES` or no axis divides: splitting a bias or a
+  scalar saves nothing and costs a collective.
 
-BatchNorm `state`, the PRNG key and the step are small and read whole by every
-device: they stay replicated under either rule.
-
-The batch keeps the layout the input pipeline gives the pmap backend,
-`[local_devices, per_device_batch, ...]` sharded along its first axis;
-`global_batch_view` and `merge_device_axis` turn it into the global batch
-`[global_batch, ...]` sharded along its batch axis without moving any data.
+BatchNorm `state`, the key and the step stay replicated under either rule. The
+batch keeps the per-device layout of the input pipeline; `global_batch_view` and
+`merge_device_axis` make it the global batch without moving any data.
 """
 
 from __future__ import annotations
@@ -42,11 +36,6 @@ PARAM_SHARDINGS = ("replicated", "fsdp")
 FSDP_MIN_BYTES = 2**16
 
 
-def mesh(axis_name: str = replication.DEFAULT_AXIS_NAME) -> Mesh:
-    """The one-axis mesh of every device of every process, in pmap's order."""
-    return replication.global_mesh(axis_name)
-
-
 def replicated(device_mesh: Mesh) -> NamedSharding:
     """Every device holds the whole array."""
     return NamedSharding(device_mesh, PartitionSpec())
@@ -58,14 +47,8 @@ def batch_sharding(device_mesh: Mesh) -> NamedSharding:
 
 
 def is_global(train_state: Any) -> bool:
-    """Whether `train_state` has the jit layout (one PRNG key) rather than pmap's (one per device).
-
-    The key tells them apart: a typed key of shape `()` (or raw key data of shape
-    `(2,)`) is the jit layout's single key, a leading device axis is pmap's.
-    """
-    rng = train_state.rng
-    key_ndim = np.ndim(rng) if replication.is_key(rng) else np.ndim(rng) - 1
-    return key_ndim == 0
+    """Whether `train_state` has the jit layout (one PRNG key), not pmap's (a key per device)."""
+    return replication.key_axes(train_state.rng) == 0
 
 
 def fsdp_spec(
@@ -73,8 +56,7 @@ def fsdp_spec(
 ) -> PartitionSpec:
     """The `fsdp` rule for one leaf: split its largest axis that divides by `num_shards`.
 
-    Returns `PartitionSpec()` (replicated) for a leaf below `min_bytes` or without
-    such an axis.
+    Replicated (`PartitionSpec()`) below `min_bytes` or without such an axis.
     """
     if int(np.prod(shape)) * itemsize < min_bytes:
         return PartitionSpec()
@@ -97,15 +79,10 @@ def param_specs(
     """The `PartitionSpec` of every leaf of params or `opt_state` under a named rule.
 
     Args:
-      shapes: a tree whose leaves have `.shape` and `.dtype` (arrays,
-        `jax.ShapeDtypeStruct`s).
-      rule: one of `PARAM_SHARDINGS`.
-      axis_name: the mesh axis to split over.
-      num_shards: the size of that axis (the number of devices).
+      shapes: a tree of leaves with `.shape` and `.dtype` (arrays, `ShapeDtypeStruct`s).
+      rule: one of `PARAM_SHARDINGS` (ValueError for another).
+      axis_name: the mesh axis to split over, of size `num_shards`.
       min_bytes: `fsdp` leaves below this size stay replicated.
-
-    Raises:
-      ValueError: for an unknown rule.
     """
     check_param_sharding(rule)
     if rule == "replicated":
@@ -129,14 +106,8 @@ def train_state_shardings(
 ) -> Any:
     """The `NamedSharding` of every leaf of a jit-layout `TrainState` (shapes suffice).
 
-    params and `opt_state` follow `rule`; BatchNorm state, the key and the step
-    are replicated.
-
-    Args:
-      train_state: a `TrainState` of arrays or `jax.ShapeDtypeStruct`s.
-      device_mesh: a one-axis mesh, e.g. `mesh(axis_name)`.
-      rule: one of `PARAM_SHARDINGS`.
-      min_bytes: see `param_specs`.
+    params and `opt_state` follow `rule` on the one-axis `device_mesh`; BatchNorm
+    state, the key and the step are replicated.
     """
     (axis_name,) = device_mesh.axis_names
 
@@ -158,10 +129,7 @@ def train_state_shardings(
 
 
 def put_global(host_tree: PyTree, shardings: PyTree) -> PyTree:
-    """Host arrays as global arrays of `shardings`: each process places the shards it holds.
-
-    Every process passes the same values (e.g. an initialisation from the same seed).
-    """
+    """Host arrays (the same in every process) as global arrays: each process places its shards."""
     return jax.tree.map(
         lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda index: x[index]),
         host_tree,
@@ -172,10 +140,8 @@ def put_global(host_tree: PyTree, shardings: PyTree) -> PyTree:
 def global_batch_view(batch: PyTree, device_mesh: Mesh) -> PyTree:
     """The processes' `[local_devices, per_device_batch, ...]` batches as one global array each.
 
-    In one process the batch already is that array (`replication.shard` puts it on
-    this mesh's devices); across processes each process's device buffers become
-    its rows of `[global_devices, per_device_batch, ...]`, in process order, without
-    a copy.
+    In one process the batch already is that array; across processes each one's
+    buffers become its rows of `[global_devices, ...]`, in process order, uncopied.
     """
     if jax.process_count() == 1:
         return batch
@@ -187,8 +153,7 @@ def global_batch_view(batch: PyTree, device_mesh: Mesh) -> PyTree:
 def merge_device_axis(batch: PyTree, device_mesh: Mesh) -> PyTree:
     """Inside jit: `[devices, per_device_batch, ...]` -> `[global_batch, ...]`, batch-sharded.
 
-    Device `d`'s examples are rows `d * per_device_batch ...` of the result, which
-    is exactly what it holds already: the reshape moves no data.
+    Device `d`'s examples become the rows it holds already: the reshape moves no data.
     """
     sharding = batch_sharding(device_mesh)
 
@@ -199,17 +164,10 @@ def merge_device_axis(batch: PyTree, device_mesh: Mesh) -> PyTree:
 
 
 def bytes_per_device(train_state: Any) -> tuple[int, int]:
-    """The bytes of the train state on the fullest local device, and of one whole copy.
+    """`(per_device_bytes, total_bytes)`: on the fullest local device, and of one whole copy.
 
-    Read from the arrays' addressable shards, so it is what the devices hold. One
-    whole copy is the sum of the global arrays' sizes (jit layout), or of one
-    replica's (pmap layout, whose leaves hold `local_devices` copies).
-
-    Args:
-      train_state: a `TrainState` of either layout.
-
-    Returns:
-      `(per_device_bytes, total_bytes)`.
+    Read from the addressable shards of a `TrainState` of either layout (a
+    per-device one holds `local_devices` copies).
     """
     held: collections.Counter = collections.Counter()
     total = 0

@@ -32,11 +32,11 @@ def main(
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
     import updater_helpers
 
-    from haiku_state import asserts
+    from haiku_state.guards import replicas
 
     result = updater_helpers.train_jit_with_dropout("fsdp", keep_train_state=True)
     train_state = result.pop("train_state")
-    asserts.assert_train_state_invariants(train_state)
+    replicas.assert_train_state_invariants(train_state)
     if process_id == 0:
         np.savez(out_path, **result)
 
@@ -55,7 +55,7 @@ def main(
         "average": perturbed,
     }
     try:
-        asserts.assert_train_state_invariants(train_state._replace(state=state))
+        replicas.assert_train_state_invariants(train_state._replace(state=state))
         report("perturbed", "passed")
     except AssertionError as e:
         report("perturbed", "raised: " + str(e).replace("\n", " "))

@@ -1,4 +1,4 @@
-"""Tests of haiku_state.asserts: the replica, key and finiteness checks.
+"""Tests of haiku_state.guards.replicas: the replica, key and finiteness checks.
 
 Every test runs with 4 simulated CPU devices (tests/conftest.py).
 """
@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 from trees import replicated_tree, with_replica_changed
 
 import haiku_state as hs
-from haiku_state import asserts, sharding
+from haiku_state import replication, sharding
+from haiku_state.guards import replicas
 
 NUM_DEVICES = 4
 
@@ -74,11 +75,11 @@ class AssertReplicasIdenticalTest(chex.TestCase):
         perturbed["half"][1] = np.array([1, 2], jnp.bfloat16)
         for candidate in (tree, perturbed):
             leaves = jax.tree.leaves(candidate)
-            expected = jax.device_get(asserts._replica_mismatch(leaves))
-            got = jax.device_get(asserts._global_replica_mismatch(leaves))
+            expected = jax.device_get(replicas._replica_mismatch(leaves))
+            got = jax.device_get(replicas._global_replica_mismatch(leaves))
             for want, have in zip(expected, got, strict=True):
                 np.testing.assert_array_equal(have, want)
-        flagged = jax.device_get(asserts._global_replica_mismatch(jax.tree.leaves(perturbed)))
+        flagged = jax.device_get(replicas._global_replica_mismatch(jax.tree.leaves(perturbed)))
         assert sum(bool(np.any(f)) for f in flagged) == 4
 
     def test_replicas_identical_rejects_leaves_without_a_device_axis(self):
@@ -120,15 +121,15 @@ class AssertKeysDistinctTest(chex.TestCase):
 
 class FiniteTest(chex.TestCase):
     def test_check_finite_losses_names_the_first_non_finite_step(self):
-        asserts.check_finite_losses([(1, {"loss": 0.5}), (2, {"loss": np.float32(1.0)})])
+        replicas.check_finite_losses([(1, {"loss": 0.5}), (2, {"loss": np.float32(1.0)})])
         window = [(3, {"loss": 0.5}), (4, {"loss": np.inf}), (5, {"loss": np.nan})]
         with self.assertRaisesRegex(FloatingPointError, r"Non-finite loss inf at step 4\."):
-            asserts.check_finite_losses(window)
+            replicas.check_finite_losses(window)
 
     def test_all_finite_is_one_device_boolean_over_every_leaf(self):
         tree = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3), "count": jnp.int32(3)}
-        self.assertTrue(bool(asserts.all_finite(tree)))
-        self.assertFalse(bool(asserts.all_finite({**tree, "b": jnp.array([0.0, jnp.nan, 0.0])})))
+        self.assertTrue(bool(replicas.all_finite(tree)))
+        self.assertFalse(bool(replicas.all_finite({**tree, "b": jnp.array([0.0, jnp.nan, 0.0])})))
 
 
 class AssertGlobalLayoutTest(chex.TestCase):
@@ -136,7 +137,7 @@ class AssertGlobalLayoutTest(chex.TestCase):
 
     def setUp(self):
         super().setUp()
-        self.mesh = sharding.mesh("i")
+        self.mesh = replication.global_mesh("i")
         self.devices = jax.devices()
         self.tree = {
             "split": jax.device_put(
@@ -158,19 +159,19 @@ class AssertGlobalLayoutTest(chex.TestCase):
         return {**self.tree, name: changed}
 
     def test_global_layout_passes_on_split_and_replicated_leaves_with_nans_and_keys(self):
-        asserts.assert_global_layout(self.tree)
-        asserts.assert_global_layout({})
+        replicas.assert_global_layout(self.tree)
+        replicas.assert_global_layout({})
 
     def test_global_layout_names_a_replicated_leaf_whose_copy_differs(self):
         perturbed = self._with_copy("whole", 3, jnp.array([jnp.nan, 0.0, jnp.nan]))
         with self.assertRaisesRegex(
             AssertionError, r"at leaf \['whole'\]: devices \[3\] differ from device 0"
         ):
-            asserts.assert_global_layout(perturbed)
+            replicas.assert_global_layout(perturbed)
         with self.assertRaisesRegex(AssertionError, r"\['count'\]: devices \[1\]"):
-            asserts.assert_global_layout(self._with_copy("count", 1, jnp.int32(8)))
+            replicas.assert_global_layout(self._with_copy("count", 1, jnp.int32(8)))
         with self.assertRaisesRegex(AssertionError, r"\['key'\]: devices \[2\]"):
-            asserts.assert_global_layout(self._with_copy("key", 2, jax.random.key(1)))
+            replicas.assert_global_layout(self._with_copy("key", 2, jax.random.key(1)))
 
     def test_global_layout_names_a_leaf_split_over_part_of_the_devices_twice(self):
         mesh_2x2 = jax.sharding.Mesh(np.array(self.devices).reshape(2, 2), ("a", "b"))
@@ -180,7 +181,7 @@ class AssertGlobalLayoutTest(chex.TestCase):
             r"Shards of leaf \['split'\] do not tile its shape \(8, 4\): devices \[0, 1\] all "
             r"hold the block \[0:4, 0:4\]",
         ):
-            asserts.assert_global_layout({**self.tree, "split": twice})
+            replicas.assert_global_layout({**self.tree, "split": twice})
 
     def test_global_layout_names_a_leaf_not_on_every_device(self):
         half_mesh = jax.sharding.Mesh(np.array(self.devices[:2]), ("i",))
@@ -188,25 +189,25 @@ class AssertGlobalLayoutTest(chex.TestCase):
         with self.assertRaisesRegex(
             AssertionError, r"Leaf \['split'\] lives on devices \[0, 1\], not on all 4 devices"
         ):
-            asserts.assert_global_layout({**self.tree, "split": half})
+            replicas.assert_global_layout({**self.tree, "split": half})
         with self.assertRaisesRegex(AssertionError, r"Leaf \['host'\] is a ndarray"):
-            asserts.assert_global_layout({"host": np.zeros(3)})
+            replicas.assert_global_layout({"host": np.zeros(3)})
 
     def test_tiling_problem_finds_gaps_overlaps_and_repeats(self):
         rows = lambda start, stop: (slice(start, stop), slice(None))  # noqa: E731
         shape = (8, 4)
         exact = {0: rows(0, 4), 1: rows(4, 8)}
-        self.assertIsNone(asserts.tiling_problem(exact, shape))
+        self.assertIsNone(replicas.tiling_problem(exact, shape))
         self.assertEqual(
-            asserts.tiling_problem({0: rows(0, 4), 1: rows(5, 8)}, shape),
+            replicas.tiling_problem({0: rows(0, 4), 1: rows(5, 8)}, shape),
             "the blocks cover 28 of its 32 elements.",
         )
         self.assertEqual(
-            asserts.tiling_problem({0: rows(0, 5), 1: rows(4, 8)}, shape),
+            replicas.tiling_problem({0: rows(0, 5), 1: rows(4, 8)}, shape),
             "the blocks [0:5, 0:4] of devices [0] and [4:8, 0:4] of devices [1] overlap.",
         )
         self.assertEqual(
-            asserts.tiling_problem({**exact, 2: rows(4, 8)}, shape),
+            replicas.tiling_problem({**exact, 2: rows(4, 8)}, shape),
             "devices [1, 2] all hold the block [4:8, 0:4].",
         )
 
@@ -215,9 +216,9 @@ class AssertGlobalLayoutTest(chex.TestCase):
         train_state = hs.TrainState(
             {"w": self.tree["split"]}, {}, {}, self.tree["key"], self.tree["count"]
         )
-        asserts.assert_train_state_invariants(train_state)
+        replicas.assert_train_state_invariants(train_state)
         # The pmap layout: the same key on every device is wrong.
         per_device = hs.replicate(train_state._replace(params={"w": jnp.zeros(2)}, rng=()))
         per_device = per_device._replace(rng=hs.replicate(jax.random.key(0)))
         with self.assertRaisesRegex(AssertionError, r"devices 0 and 1 are equal"):
-            asserts.assert_train_state_invariants(per_device)
+            replicas.assert_train_state_invariants(per_device)

@@ -9,8 +9,9 @@ from configs import mlp_config
 from jax.sharding import PartitionSpec as P
 
 import haiku_state as hs
-from haiku_state import asserts, data, evaluation, experiment, sharding
 from haiku_state import config as config_lib
+from haiku_state import data, evaluation, experiment, sharding
+from haiku_state.guards import replicas
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,7 +65,7 @@ def _train_three_steps_and_evaluate(config):
         batch = hs.shard({"image": train.images[rows], "label": train.labels[rows]})
         train_state, metrics = updater.update(train_state, batch)
         losses.append(jax.block_until_ready(metrics["loss"]))
-    asserts.assert_train_state_invariants(train_state)
+    replicas.assert_train_state_invariants(train_state)
     eval_metrics = evaluation.evaluate_test_split(built, train_state, config.eval_batch_size)
     return updater, train_state, np.array(jax.device_get(losses)), eval_metrics
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import haiku_state as hs
-from haiku_state import sharding, updater
+from haiku_state import replication, sharding, updater
 
 AXIS = "i"
 NUM_DEVICES = 4
@@ -76,7 +76,7 @@ def test_train_state_shardings_follow_the_rule_for_params_and_opt_state_only():
         rng=jax.eval_shape(lambda: jax.random.key(0)),
         step=_shape(dtype=jnp.int32),
     )
-    mesh = sharding.mesh(AXIS)
+    mesh = replication.global_mesh(AXIS)
     shardings = sharding.train_state_shardings(train_state, mesh, "fsdp")
     specs = jax.tree.map(lambda s: s.spec, shardings)
     assert specs.params == {"w": P(AXIS)}
@@ -91,7 +91,7 @@ def test_train_state_shardings_follow_the_rule_for_params_and_opt_state_only():
 
 
 def test_the_per_device_batch_is_the_global_batch_without_moving_data():
-    mesh = sharding.mesh(AXIS)
+    mesh = replication.global_mesh(AXIS)
     host = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
     batch = hs.shard({"x": host})
     merge = jax.jit(
@@ -124,7 +124,7 @@ def test_the_per_device_batch_is_the_global_batch_without_moving_data():
 
 
 def test_bytes_per_device_reads_the_shards_of_either_layout():
-    mesh = sharding.mesh(AXIS)
+    mesh = replication.global_mesh(AXIS)
     split = jax.device_put(
         jnp.zeros((256, 8), jnp.float32), jax.sharding.NamedSharding(mesh, P(AXIS))
     )

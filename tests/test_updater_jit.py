@@ -36,7 +36,8 @@ from updater_helpers import (
 )
 
 import haiku_state as hs
-from haiku_state import asserts, initialization, losses, models, sharding, updater
+from haiku_state import initialization, losses, models, replication, sharding, updater
+from haiku_state.guards import replicas, updater_arguments
 
 NUM_STEPS = 3
 HIDDEN = 256  # The first layer's weights, 64 x 256 float32, are FSDP_MIN_BYTES: split.
@@ -130,7 +131,7 @@ def test_jit_train_state_is_global_arrays_without_device_axis(runs):
     assert shapes(train_state._replace(rng=())) == shapes(unreplicated._replace(rng=()))
     assert is_typed_key(train_state.rng) and train_state.rng.shape == ()
     assert train_state.step.dtype == jnp.int32 and train_state.step.shape == ()
-    mesh = sharding.mesh(AXIS)
+    mesh = replication.global_mesh(AXIS)
     for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
         assert leaf.sharding == sharding.replicated(mesh), jax.tree_util.keystr(path)
     assert sharding.is_global(train_state) and not sharding.is_global(pmap_state)
@@ -171,7 +172,7 @@ def test_fsdp_splits_the_large_leaves_of_params_and_opt_state_and_replicates_the
         )
     shard_shapes = {s.data.shape for s in train_state.params["mlp/linear"]["w"].addressable_shards}
     assert shard_shapes == {(64, HIDDEN // NUM_DEVICES)}
-    asserts.assert_train_state_invariants(train_state)
+    replicas.assert_train_state_invariants(train_state)
 
 
 # The step computes what pmap computes.
@@ -341,7 +342,7 @@ def test_a_model_too_large_to_replicate_in_the_budget_trains_with_fsdp():
     assert not np.array_equal(
         to_host(train_state.params)["mlp/linear_1"]["w"], initial["mlp/linear_1"]["w"]
     )
-    asserts.assert_train_state_invariants(train_state)
+    replicas.assert_train_state_invariants(train_state)
 
 
 # Replica checks of a real train state, donation, compile once.
@@ -366,7 +367,7 @@ def test_replica_check_names_a_perturbed_replicated_leaf(runs):
     state["mlp/batch_norm/~/var_ema"]["average"] = _with_one_copy_changed(leaf, 2)
     pattern = r"\.state\['mlp/batch_norm/~/var_ema'\]\['average'\].*devices \[2\] differ from"
     with pytest.raises(AssertionError, match=pattern):
-        asserts.assert_train_state_invariants(train_state._replace(state=state))
+        replicas.assert_train_state_invariants(train_state._replace(state=state))
 
 
 def test_replica_check_names_a_key_that_differs_across_devices(runs):
@@ -378,7 +379,7 @@ def test_replica_check_names_a_key_that_differs_across_devices(runs):
     ]
     rng = jax.make_array_from_single_device_arrays((), train_state.rng.sharding, keys)
     with pytest.raises(AssertionError, match=r"\.rng: devices \[3\] differ from device 0"):
-        asserts.assert_train_state_invariants(train_state._replace(rng=rng))
+        replicas.assert_train_state_invariants(train_state._replace(rng=rng))
 
 
 def test_tiling_check_names_a_sharded_leaf_whose_shards_overlap(runs):
@@ -392,7 +393,7 @@ def test_tiling_check_names_a_sharded_leaf_whose_shards_overlap(runs):
         r"Shards of leaf \.params\['mlp/linear'\]\['w'\] do not tile.*devices \[0, 1\] all hold"
     )
     with pytest.raises(AssertionError, match=pattern):
-        asserts.assert_train_state_invariants(train_state._replace(params=params))
+        replicas.assert_train_state_invariants(train_state._replace(params=params))
 
 
 def test_update_donates_the_train_state_and_refuses_it_afterwards(runs):
@@ -456,9 +457,9 @@ def test_unknown_param_sharding_and_backend_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"^Unknown backend 'vmap'; .*'pmap', 'shard_map', 'jit'"):
         _updater("vmap")
     # The same check, for a config to call before anything runs.
-    updater.check_backend("jit", "fsdp")
+    updater_arguments.check_backend("jit", "fsdp")
     with pytest.raises(ValueError, match=r"^param_sharding='fsdp' needs backend='jit'"):
-        updater.check_backend("shard_map", "fsdp")
+        updater_arguments.check_backend("shard_map", "fsdp")
 
 
 def test_network_with_cross_replica_axis_is_refused_at_init():

@@ -40,7 +40,8 @@ from typing import Any, NamedTuple
 
 from absl import logging
 
-from haiku_state import asserts, checkpoint
+from haiku_state import checkpoint
+from haiku_state.guards import replicas
 
 # A loss this many times the run's first loss means the run is diverging.
 EXPLOSION_FACTOR = 100.0
@@ -230,7 +231,7 @@ class Monitor:
             self.last_exploding = is_exploding(loss, self._first_loss)
             if self.first_exploding_step is None and self.last_exploding:
                 self.first_exploding_step = step
-        asserts.check_finite_losses(step_metrics)
+        replicas.check_finite_losses(step_metrics)
 
     def check_recovered(self, last_step: int, final: Mapping[str, float]) -> None:
         """At the end of a run: says if the loss exploded; raises if it had not recovered.

@@ -1,11 +1,9 @@
-"""Checks of the invariants a data-parallel run relies on.
+"""The invariants a data-parallel run relies on, checked naming the leaf that breaks one.
 
-Every replica of params, state and opt_state is bit-identical; every device
-draws from its own PRNG key (pmap layout), or every device holds the same one
-key (jit layout); every sharded leaf's shards tile it exactly; losses and
-params stay finite. In a multi-process run (`jax.distributed`) the replica and
-key checks compare the devices of every process, not only the local ones; they
-are then collectives, which every process must call alike.
+Replicas bit-identical; a PRNG key per device, distinct (pmap layout) or one key
+alike on every device (jit layout); shards tiling their leaf; losses and params
+finite. In a multi-process run the replica and key checks compare the devices of
+every process: they are collectives, which every process must call alike.
 """
 
 from __future__ import annotations
@@ -26,13 +24,12 @@ from haiku_state import replication, sharding
 
 PyTree = Any
 
-# Whether every leaf of a tree is finite, as one device-side boolean: the same test the
-# Updater's loss scaling applies to gradients.
+# Whether every leaf of a tree is finite, as one device-side boolean (the loss scaling's test).
 all_finite = jax.jit(jmp.all_finite)
 
 
 def check_finite_losses(step_metrics: Iterable[tuple[int, Mapping[str, Any]]]) -> None:
-    """Raises FloatingPointError naming the first step whose fetched `loss` is not finite.
+    """Raises FloatingPointError naming the first step whose `loss` is not finite.
 
     Args:
       step_metrics: `(step, metrics)` pairs with host values, in step order.
@@ -73,9 +70,8 @@ _CHECK_AXIS = "replicas"
 def _differs_from_global_device_0(leaves: list[jax.Array]) -> list[jax.Array]:
     """Per leaf: `[global_devices]` booleans, does this device's copy differ from device 0's?
 
-    Runs per device under pmap, whose axis spans every process: device 0's bits
-    reach every device through a psum in which only device 0 contributes (exact
-    for integers), so nothing but one boolean per leaf and device is gathered.
+    Per device, over every process: device 0's bits reach every device through a
+    psum only it contributes to (exact for integers); one boolean per device comes back.
     """
 
     def differs(x):
@@ -109,16 +105,12 @@ def _device_axis_size(tree: PyTree, what: str) -> int:
 def assert_replicas_identical(tree: PyTree) -> None:
     """Asserts that all replicas (slices along the leading axis) are bit-identical.
 
-    The comparison runs on device and only a boolean per leaf and device comes
-    back to the host, so it is cheap enough to run every few hundred steps. In a
-    multi-process run every leaf must have the local device axis (a `TrainState`
-    does), and each device is compared with device 0 of process 0 across all
-    processes; every process must call it, and every process raises alike.
+    Compared on device, a boolean per leaf and device back to the host: cheap
+    enough every few hundred steps. Across processes, with device 0 of process 0.
 
     Raises:
-      AssertionError: naming the first leaf path whose replicas differ, the
-        devices that differ from device 0, and (single process) chex's
-        element-wise report.
+      AssertionError: naming the first leaf whose replicas differ, the devices
+        that differ and (single process) chex's element-wise report.
     """
     if not _device_axis_size(tree, "assert_replicas_identical"):
         return  # An empty tree (a stateless model's state) has nothing to differ.
@@ -130,7 +122,7 @@ def assert_replicas_identical(tree: PyTree) -> None:
     for (path, leaf), differs in zip(paths_and_leaves, mismatch, strict=True):
         if np.any(differs):
             name = jax.tree_util.keystr(path) or "<root>"
-            report = "" if multiprocess else _elementwise_report(leaf, np.flatnonzero(differs)[0])
+            report = "" if multiprocess else _report(leaf[0], leaf[np.flatnonzero(differs)[0]])
             _raise_replicas_differ(name, differs, report)
 
 
@@ -146,35 +138,29 @@ def _raise_replicas_differ(name: str, differs: np.ndarray, report: str = "") -> 
     )
 
 
-def _elementwise_report(leaf: jax.Array, device: int) -> str:
-    """chex's report of how replica `device` of `leaf` differs from replica 0."""
-    replicas = np.asarray(jax.device_get(_leaf_bits(leaf) if replication.is_key(leaf) else leaf))
+def _report(first: jax.Array, other: jax.Array) -> str:
+    """chex's report of how `other` differs from `first` (a single process's copies)."""
+    as_host = lambda x: np.asarray(_leaf_bits(x) if replication.is_key(x) else x)  # noqa: E731
     try:
-        chex.assert_trees_all_equal(replicas[0], replicas[device])
+        chex.assert_trees_all_equal(as_host(first), as_host(other))
     except AssertionError as e:
         return f"\n{e}"
     return ""
 
 
 def assert_keys_distinct(keys: jax.Array) -> None:
-    """Asserts that every device holds a different PRNG key.
-
-    In a multi-process run the keys of every process are gathered first
-    (`replication.global_key_data`), so keys must differ across all devices of
-    all processes; every process must call it.
+    """Asserts that every device, of every process, holds a different PRNG key.
 
     Args:
-      keys: typed keys of shape `[devices]`, or raw uint32 key data of shape
-        `[devices, ...]`.
+      keys: typed keys `[devices]`, or raw uint32 key data `[devices, ...]`.
 
     Raises:
       AssertionError: naming the first pair of (global) devices whose keys are equal.
     """
-    typed = replication.is_key(keys)
-    if (np.ndim(keys) if typed else np.ndim(keys) - 1) < 1:
+    if replication.key_axes(keys) < 1:
+        shape = np.shape(jax.random.key_data(keys) if replication.is_key(keys) else keys)
         raise ValueError(
-            f"assert_keys_distinct: expected keys with a leading device axis, got shape "
-            f"{np.shape(jax.random.key_data(keys) if typed else keys)}."
+            f"assert_keys_distinct: expected keys with a leading device axis, got shape {shape}."
         )
     data = replication.global_key_data(keys)
     first_seen: dict[bytes, int] = {}
@@ -191,17 +177,9 @@ def assert_keys_distinct(keys: jax.Array) -> None:
 def assert_global_layout(tree: PyTree) -> None:
     """Asserts the invariants of global arrays (the jit layout), naming the leaf that breaks one.
 
-    * Every leaf lives on every device (the mesh of `sharding.mesh`).
-    * A replicated leaf is bit-identical on every device: each device's copy (its
-      addressable shard) is compared with global device 0's on device, and only a
-      boolean per leaf and device comes back. In a multi-process run that covers
-      the devices of every process, as `assert_replicas_identical` does; every
-      process must call it.
-    * A sharded leaf's shards tile it exactly: every element is held by exactly
-      one device, and each addressable shard holds the block its sharding assigns.
-
-    Raises:
-      AssertionError: naming the first leaf path that breaks an invariant.
+    Every leaf lives on every device; a replicated leaf's copies are bit-identical
+    (compared on device, as `assert_replicas_identical` does); a sharded leaf's
+    shards tile it exactly, each holding the block its sharding assigns.
     """
     all_devices = set(jax.devices())
     replicated = []
@@ -228,8 +206,11 @@ def assert_global_layout(tree: PyTree) -> None:
     mismatch = jax.device_get(_copies_mismatch([_copies(leaf) for _, leaf in replicated]))
     for (name, leaf), differs in zip(replicated, mismatch, strict=True):
         if np.any(differs):
-            multiprocess = jax.process_count() > 1
-            report = "" if multiprocess else _copies_report(leaf, np.flatnonzero(differs)[0])
+            report = ""
+            if jax.process_count() == 1:
+                copies = {shard.device: shard.data for shard in leaf.addressable_shards}
+                devices = jax.devices()
+                report = _report(copies[devices[0]], copies[devices[np.flatnonzero(differs)[0]]])
             _raise_replicas_differ(name, differs, report)
 
 
@@ -237,13 +218,8 @@ Block = tuple[tuple[int, int], ...]  # (start, stop) along every axis.
 
 
 def tiling_problem(indices: Mapping[int, tuple[slice, ...]], shape: tuple[int, ...]) -> str | None:
-    """What keeps the blocks of `indices` from covering `shape` exactly once; None if nothing.
-
-    Args:
-      indices: device id -> the index (one slice per axis) of the block it holds,
-        as `Sharding.devices_indices_map` gives it.
-      shape: the global shape.
-    """
+    """What keeps the blocks of `indices` (device id -> index, as `devices_indices_map`
+    gives them) from covering `shape` exactly once; None if nothing."""
     holders: dict[Block, list[int]] = {}
     for device_id, index in indices.items():
         holders.setdefault(_block(index, shape), []).append(device_id)
@@ -291,11 +267,8 @@ def _shards_problem(leaf: jax.Array) -> str | None:
 
 
 def _copies(leaf: jax.Array) -> jax.Array:
-    """A replicated leaf's copies side by side: `[devices * n, ...]`, split over the devices.
-
-    Made of the devices' own buffers (nothing is copied), so block `g` is what
-    global device `g` holds. A scalar's copies become `[devices]`.
-    """
+    """A replicated leaf's copies side by side, `[devices * n, ...]`, of the devices' own
+    buffers (nothing copied): block `g` is global device `g`'s. A scalar's: `[devices]`."""
     check_mesh = replication.global_mesh(_CHECK_AXIS)
     copies = [
         shard.data if leaf.ndim else shard.data.reshape(1) for shard in leaf.addressable_shards
@@ -320,36 +293,26 @@ def _copies_mismatch(copies: list[jax.Array]) -> list[jax.Array]:
     )(copies)
 
 
-def _copies_report(leaf: jax.Array, device: int) -> str:
-    """chex's report of how device `device`'s copy of `leaf` differs from device 0's (1 process)."""
-    copies = {shard.device: shard.data for shard in leaf.addressable_shards}
-    devices = jax.devices()
-    first, other = (
-        np.asarray(
-            _leaf_bits(copies[devices[d]]) if replication.is_key(leaf) else copies[devices[d]]
-        )
-        for d in (0, device)
-    )
-    try:
-        chex.assert_trees_all_equal(first, other)
-    except AssertionError as e:
-        return f"\n{e}"
-    return ""
-
-
 def assert_train_state_invariants(train_state: Any) -> None:
     """The replica and key invariants of a `TrainState` of either layout.
 
-    pmap layout (`pmap`, `shard_map` backends): replicas identical (params,
-    state, opt_state, step) and keys distinct per device.
-
-    jit layout (`sharding.is_global`): `assert_global_layout` of every leaf. The
-    one key is a replicated leaf like the step: "keys distinct per device"
-    becomes "the key is replicated identically", since the step draws from it
-    once, over the global batch, instead of once per device.
+    Per-device layout: replicas identical and keys distinct per device. jit layout
+    (`sharding.is_global`): `assert_global_layout`, the one key replicated alike.
     """
     if sharding.is_global(train_state):
         assert_global_layout(train_state)
         return
     assert_replicas_identical(train_state._replace(rng=()))
     assert_keys_distinct(train_state.rng)
+
+
+def check_params_finite(train_state: Any, step: int) -> None:
+    """Raises FloatingPointError if any param of `train_state` (at `step`) is not finite."""
+    if not bool(all_finite(train_state.params)):
+        raise FloatingPointError(f"Non-finite params at step {step}.")
+
+
+def check_invariants(step: int, train_state: Any) -> None:
+    """`assert_train_state_invariants`, as a periodic action of the loop."""
+    del step  # Unused.
+    assert_train_state_invariants(train_state)
