@@ -43,7 +43,7 @@ from haiku_state import (
     summaries,
 )
 from haiku_state import workdir as workdir_lib
-from haiku_state.config import keep_best_mode, validate_config
+from haiku_state.config import keep_best_mode
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import (
     AXIS_NAME,
@@ -51,6 +51,7 @@ from haiku_state.experiment import (
     build_experiment,
     placeholder_batch,
 )
+from haiku_state.guards import config_checks
 from haiku_state.updater import TrainState, step_of
 
 
@@ -81,7 +82,7 @@ def train_and_evaluate(
     """
     # Set-up: a bad config, workdir, dataset or warm start is refused here, before
     # anything is written.
-    validate_config(config, jax.device_count(), jax.process_count())
+    config_checks.validate_config(config, jax.device_count(), jax.process_count())
     check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
     compilation_cache.enable(config.compilation_cache_dir)
