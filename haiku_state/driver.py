@@ -46,7 +46,6 @@ from haiku_state import workdir as workdir_lib
 from haiku_state.config import keep_best_mode
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import (
-    AXIS_NAME,
     Experiment,
     build_experiment,
     placeholder_batch,
@@ -221,7 +220,9 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     fresh = _fresh_train_state(experiment, config)
     if not config.init_from:
         return fresh
-    return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+    return checkpoint.warm_start(
+        fresh, config.init_from, config.init_skip, experiment.updater.axis_name
+    )
 
 
 def _fresh_train_state(experiment: Experiment, config: Any) -> TrainState:

@@ -82,7 +82,7 @@ def test_a_jit_fsdp_experiment_trains_and_evaluates_as_the_pmap_one():
 
     assert (updater.backend, updater.param_sharding) == ("jit", "fsdp")
     assert sharding.is_global(jit_state)
-    assert jit_state.params["mlp/linear"]["w"].sharding.spec == P(None, experiment.AXIS_NAME)
+    assert jit_state.params["mlp/linear"]["w"].sharding.spec == P(None, updater.axis_name)
     per_device, total = sharding.bytes_per_device(jit_state)
     assert per_device < total == sharding.bytes_per_device(pmap_state)[1]
     # BatchNorm of the global batch on both: cross-replica under pmap, global under jit.
@@ -112,7 +112,7 @@ def test_the_wide_mlp_exceeds_a_64_mb_budget_replicated_and_fits_it_with_fsdp():
     )
     trees = (params, jax.eval_shape(built.optimizer.init, params))
     specs = sharding.param_specs(
-        trees, "fsdp", axis_name=experiment.AXIS_NAME, num_shards=jax.device_count()
+        trees, "fsdp", axis_name=built.updater.axis_name, num_shards=jax.device_count()
     )
     leaves = jax.tree.leaves(trees)
     leaf_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
