@@ -355,19 +355,13 @@ def describe_keys(config: Any = None) -> str:
 
 
 def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple[Any, list[str]]:
-    """`config` with the keys of `FOLLOW_THE_DATA` fitted to the training split, and what moved.
+    """`config` with the keys of `FOLLOW_THE_DATA` fitted to the training split (a copy, if
+    any moved), and a line for the log for each that moved.
 
-    Left at its default, `batch_size` becomes at most the training examples (a
-    multiple of the `num_devices` of the whole run), and a warmup not shorter than
-    the run a tenth of it. A value set away from its default is used, or refused.
-
-    Returns:
-      A copy of `config` with the fitted values (`config` itself when nothing
-      moved), and a line for the log for each value that moved.
-
-    Raises:
-      ValueError: for a batch size or a warmup set away from its default that
-        the data does not allow, or fewer training examples than devices.
+    Left at its default, `batch_size` becomes at most the training examples (a multiple
+    of the `num_devices` of the whole run), and a warmup not shorter than the run a
+    tenth of it. A value set away from its default that the data does not allow, or
+    fewer training examples than devices, raise ValueError.
     """
     fitted, changes = copy.deepcopy(config), []
     batch_size, largest_batch = config.batch_size, num_train_examples // num_devices * num_devices
@@ -405,11 +399,7 @@ def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple
 
 def training_steps(config: Any, num_train_examples: int) -> int:
     """The run's length: `config.steps`, or `num_epochs` epochs of `num_train_examples //
-    batch_size` steps (the remainder of each epoch is dropped, as the batch order does).
-
-    Raises:
-      ValueError: if the global batch is larger than the training split.
-    """
+    batch_size` steps (the batch order drops each epoch's remainder)."""
     steps_per_epoch = num_train_examples // config.batch_size
     if steps_per_epoch < 1:
         raise ValueError(

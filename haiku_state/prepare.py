@@ -11,32 +11,26 @@ The sources (--from):
   cifar10:DIR      the cifar-10-batches-py folder of CIFAR-10's python release
   digits           scikit-learn's 8x8 handwritten digits, embedded in the package
 
-Train on the result with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
-same examples in the same order as the source (so an ImageFolder tree and its
-shards give identical batches), in a few large files, which is what a network
-filesystem reads fast. Images are stored as the source encodes them (the JPEG
-bytes of an ImageFolder; CIFAR-10 and the digits as lossless PNG), or, with
---short_side=N, re-encoded with their short side at most N pixels (JPEG at
-quality 95, PNG stays PNG): decoding costs follow the pixel count, so every
-epoch decodes faster, for crops drawn from fewer pixels. Images already that
-small, and files that cannot be decoded, are stored as they are (training then
-treats them as it would have). A training run started on the shards of one
-short_side refuses to resume on another's.
+Train on OUT with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
+source's examples in its order (an ImageFolder tree and its shards give identical
+batches), in a few large files, which a network filesystem reads fast. Images keep
+the source's encoding (CIFAR-10 and the digits as lossless PNG) or, with
+--short_side=N, are re-encoded with their short side at most N pixels (JPEG
+quality 95, PNG stays PNG): every epoch decodes fewer pixels. Smaller images and
+undecodable files are stored as they are. A run on the shards of one short_side
+refuses to resume on another's.
 
 OUT/dataset.json, written last, marks the conversion complete. It records the
-classes, each shard's record count, size, modification time and SHA-256 (a
-shard replaced later is refused when the folder is loaded), and the mean and
-std the network standardises the images with: the data's own, per RGB channel,
-measured over the centre crops of at most 1,000 training images spread evenly
-over the split (of the re-encoded images with --short_side; the digits and
-CIFAR-10 keep the exact statistics of their whole training split). An
-ImageFolder tree trained on directly is standardised with the same numbers.
+classes, each shard's record count, size, modification time and SHA-256 (a shard
+replaced later is refused), and the mean and
+std the network standardises the images with, per RGB channel: measured over the
+centre crops of at most 1,000 training images spread over the split (the digits
+and CIFAR-10 keep the exact statistics of their training split). An ImageFolder
+tree trained on directly is standardised with the same numbers.
 
-The conversion is resumable: each shard is written to a temporary name and
-renamed when complete, a rerun skips the shards already there (it reads them
-once, for their SHA-256), and OUT/prepare.json records what the conversion is
-of, so a rerun with another source or layout is refused instead of mixing the
-two.
+A rerun resumes: it keeps the complete shards (reading them once, for their
+SHA-256), and OUT/prepare.json records what the conversion is of, so a rerun with
+another source or layout is refused instead of mixing the two.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ need the data (a batch larger than the training split) are `config.fit_to_data`'
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import numbers
 import os
@@ -23,28 +24,14 @@ from haiku_state.config import Key, value_of
 
 
 def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
-    """Rejects a config that cannot run, naming every bad value, or every broken rule, at once.
-
-    Args:
-      config: the experiment config.
-      num_devices: the devices of the whole run, over which the global batches are split.
-      num_processes: the processes of the run.
-
-    Raises:
-      ValueError: for a missing or unknown key, a value it may not take or a broken
-        rule; with several problems, one error that lists them all.
-    """
+    """Raises one ValueError naming every missing or unknown key and bad value, or else every
+    broken rule, of a config to run on `num_devices` (of the whole run) in `num_processes`."""
     values = {key: value_of(config, key) for key in config_lib.config_keys(config)}
     keys = _check_keys(values)  # Without the schema's keys no other check can read the config.
-    problems = _problems(lambda key=key: check_value(key, values[key.name]) for key in keys)
+    problems = _problems(functools.partial(check_value, key, values[key.name]) for key in keys)
     if not problems:  # A rule reads values of the right type and range.
-        problems = _problems(
-            [
-                lambda: _check_batch_sizes(config, num_devices, num_processes),
-                *(lambda rule=rule: rule(config) for rule in _RULES),
-                lambda: _check_host_memory(config, num_processes),
-            ]
-        )
+        run = (config, num_devices, num_processes)
+        problems = _problems(functools.partial(rule, *run) for rule in _RULES)
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:
@@ -183,7 +170,7 @@ def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> Non
             )
 
 
-def _check_warmup(config: Any) -> None:
+def _check_warmup(config: Any, *_: int) -> None:
     """The warmup is shorter than the run; with num_epochs, or left at its default (then it
     follows the run), `fit_to_data` checks it once the run's length is known."""
     if config_lib.at_default(config, "optimizer.warmup_steps"):
@@ -195,7 +182,7 @@ def _check_warmup(config: Any) -> None:
         )
 
 
-def _check_profile_steps(config: Any) -> None:
+def _check_profile_steps(config: Any, *_: int) -> None:
     profile = tuple(config.profile_steps)
     if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1]):
         raise ValueError(
@@ -203,7 +190,7 @@ def _check_profile_steps(config: Any) -> None:
         )
 
 
-def _check_init_skip(config: Any) -> None:
+def _check_init_skip(config: Any, *_: int) -> None:
     """A regex, and only with a checkpoint to warm-start from."""
     try:
         re.compile(config.init_skip)
@@ -213,7 +200,7 @@ def _check_init_skip(config: Any) -> None:
         raise ValueError("config.init_skip is set but config.init_from is empty.")
 
 
-def _check_compilation_cache_dir(config: Any) -> None:
+def _check_compilation_cache_dir(config: Any, *_: int) -> None:
     cache_dir = os.path.expanduser(config.compilation_cache_dir)
     if cache_dir and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
         raise ValueError(
@@ -222,7 +209,7 @@ def _check_compilation_cache_dir(config: Any) -> None:
         )
 
 
-def _check_decoder(config: Any) -> None:
+def _check_decoder(config: Any, *_: int) -> None:
     if config.data.decoder == "gpu" and (reason := data.gpu_decoder_unavailable()):
         raise ValueError(
             "config.data.decoder='gpu' decodes on an NVIDIA GPU with nvImageCodec; "
@@ -230,7 +217,7 @@ def _check_decoder(config: Any) -> None:
         )
 
 
-def _check_param_sharding(config: Any) -> None:
+def _check_param_sharding(config: Any, *_: int) -> None:
     """Only the jit backend splits params and opt_state; the per-device ones replicate them."""
     if config.param_sharding != "replicated" and config.backend != "jit":
         raise ValueError(
@@ -239,7 +226,7 @@ def _check_param_sharding(config: Any) -> None:
         )
 
 
-def _check_retention(config: Any) -> None:
+def _check_retention(config: Any, *_: int) -> None:
     """A retention setting that would keep nothing, or not what it says, is refused.
 
     The best step is ranked by the evaluation at the step it is saved, so every
@@ -273,19 +260,7 @@ def _check_retention(config: Any) -> None:
         )
 
 
-# The rules between keys that read only the config, in the order their problems are named.
-_RULES = (
-    _check_warmup,
-    _check_profile_steps,
-    _check_init_skip,
-    _check_compilation_cache_dir,
-    _check_decoder,
-    _check_param_sharding,
-    _check_retention,
-)
-
-
-def _check_host_memory(config: Any, num_processes: int) -> None:
+def _check_host_memory(config: Any, _: int, num_processes: int) -> None:
     """The crops of an encoded dataset's batches in flight fit in this host's memory: each
     decoding worker holds `READ_AHEAD + 1` batches, the devices `prefetch`, the loop one;
     the same for the evaluation's pipeline."""
@@ -317,3 +292,18 @@ def _warn_workers(config: Any) -> None:
             cores,
             cores,
         )
+
+
+# The rules between keys, each `rule(config, num_devices, num_processes)`, in the order
+# their problems are named.
+_RULES = (
+    _check_batch_sizes,
+    _check_warmup,
+    _check_profile_steps,
+    _check_init_skip,
+    _check_compilation_cache_dir,
+    _check_decoder,
+    _check_param_sharding,
+    _check_retention,
+    _check_host_memory,
+)
