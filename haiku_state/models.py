@@ -133,25 +133,13 @@ def make_network(
     image_std: Sequence[float] | None = None,
     **model_kwargs: Any,
 ) -> hk.TransformedWithState:
-    """Transforms the named network into `init`/`apply` with params and state.
+    """The network `name` (of `MODELS`) as `init`/`apply` with params and state.
 
-    Args:
-      name: one of `MODELS`.
-      num_classes: size of the logits.
-      cross_replica_axis: the axis name BatchNorm reduces its statistics over, or
-        None for per-device statistics.
-      precision: `float32`, or a half type to compute in (`bfloat16`, `float16`)
-        with `hk.mixed_precision` policies: params stay float32, the network
-        computes in half and returns float32 logits, and BatchNorm computes and
-        keeps its statistics in float32 (its output is cast back to half).
-        float16 needs loss scaling in the Updater; bfloat16 does not.
-      image_mean, image_std: the dataset's (`data.Dataset.mean`, `std`): images are
-        standardised with them before the first layer, in training and evaluation
-        alike. Both None: the images are taken as they are.
-      **model_kwargs: the module's own options (`hidden_sizes`, `width`, ...).
-
-    Raises:
-      ValueError: for an unknown name, precision or an option the module does not take.
+    `cross_replica_axis`: the axis BatchNorm reduces its statistics over (None: this
+    device's). `precision`: `float32`, or a half type (`bfloat16`, `float16`, which
+    needs loss scaling) to compute in: params, logits and BatchNorm's statistics stay
+    float32. `image_mean`/`image_std`: the dataset's, to standardise the images with
+    (both None: taken as they are). `model_kwargs`: the module's own options.
     """
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
