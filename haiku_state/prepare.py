@@ -292,27 +292,20 @@ def run(spec: str, out_dir: str, **options: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Defines the flags, parses `argv` (default: `sys.argv`) and converts, under absl."""
     source = flags.DEFINE_string(
-        "from", None, "What to convert: imagefolder:DIR (DIR/train/<class>/* and "
-        "DIR/val/<class>/*), cifar10:DIR (the cifar-10-batches-py folder of the python "
-        "release) or digits (scikit-learn's 8x8 digits, embedded).",
-    )  # fmt: skip
+        "from", None, "What to convert: imagefolder:DIR, cifar10:DIR or digits (above)."
+    )
     out_dir = flags.DEFINE_string(
-        "to", None, "The output folder, made if missing. Run the same command again to "
-        "complete an interrupted conversion; another source or layout there is refused.",
-    )  # fmt: skip
+        "to", None, "The output folder, made if missing. Run the same command again to complete "
+        "an interrupted conversion; another source or layout there is refused.")  # fmt: skip
     examples_per_shard = flags.DEFINE_integer(
         "examples_per_shard", 10_000, "Examples per shard file (10,000 makes ImageNet's "
-        "1.28 M training images 129 shards of about 1.1 GB).",
-    )  # fmt: skip
+        "1.28 M training images 129 shards of about 1.1 GB).")  # fmt: skip
     threads = flags.DEFINE_integer(
         "threads", 16, "Files read (and re-encoded, with --short_side) at once; more than "
-        "the cores helps on a network filesystem.",
-    )  # fmt: skip
+        "the cores helps on a network filesystem.")  # fmt: skip
     short_side = flags.DEFINE_integer(
-        "short_side", None, "Re-encode every image whose short side is longer than this many "
-        "pixels at that short side (JPEG quality 95; a PNG stays a PNG; smaller and unreadable "
-        "images are stored as they are). Unset: every image is stored as the source has it.",
-    )  # fmt: skip
+        "short_side", None, "Re-encode every image to this short side, if its own "
+        "is longer (above). Unset: every image is stored as the source has it.")  # fmt: skip
     flags.mark_flags_as_required(["from", "to"])
 
     def convert_flags(argv: list[str]) -> None:
