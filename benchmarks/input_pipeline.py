@@ -62,7 +62,7 @@ from haiku_state import compilation_cache, data, driver, summaries
 from haiku_state import config as config_lib
 from haiku_state.data import gpu_decode, imagefolder, pipeline, preprocess
 from haiku_state.experiment import build_experiment, placeholder_batch
-from haiku_state.guards import signals
+from haiku_state.guards import config_checks, signals
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 WIDTH, HEIGHT = 500, 375
@@ -407,7 +407,7 @@ def measure_loop(args: argparse.Namespace, root: str, workers: int) -> dict[str,
     `args.decoder` is the decoder of both (`config.data.decoder`).
     """
     config = loop_config(args, root, workers)
-    config_lib.validate_config(config, jax.device_count())  # A decoder refused here, at once.
+    config_checks.validate_config(config, jax.device_count())  # A decoder refused here, at once.
     split = data.load_dataset("imagefolder", data_dir=root, image_size=args.loop_image_size).train
     # The pipeline alone on both sides of the loop: a shared machine's load drifts.
     steps = args.loop_steps // 2

@@ -14,6 +14,7 @@ from typing import Any
 
 from haiku_state import config as config_lib
 from haiku_state import models
+from haiku_state.guards import config_checks
 
 # (image_shape, num_classes) of the synthetic data each experiment is timed on.
 SYNTHETIC_SHAPES = {
@@ -153,5 +154,5 @@ def synthetic_config(name: str, settings: Settings, num_devices: int) -> Any:
     """
     config = experiment_config(name, settings, num_devices)
     use_synthetic_data(config, name, config.batch_size * settings.num_batches, num_devices)
-    config_lib.validate_config(config, num_devices)
+    config_checks.validate_config(config, num_devices)
     return config

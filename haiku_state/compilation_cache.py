@@ -1,14 +1,9 @@
 """JAX's persistent compilation cache: a repeated or resumed run loads its programs, not compiles.
 
-XLA's executables are written to `config.compilation_cache_dir` (by default
-`$HAIKU_STATE_CACHE/jax_compilation_cache`, else
-`$XDG_CACHE_HOME/haiku_state/...` or `~/.cache/haiku_state/...`), keyed by the
-program, the devices, the compile options and the JAX version, so an entry is
-only ever loaded by the run that would have compiled the very same program. An
-empty `compilation_cache_dir` turns it off. Only process 0 of a multi-process run
-writes entries; every process reads them. A directory this process cannot use
-(read-only for process 0, or under a file) turns it off too, with one warning
-that says why: the run goes on, compiling every program.
+Entries are keyed by the program, the devices, the compile options and the JAX
+version, so only a run that would compile the very same program loads one. Only
+process 0 writes them; every process reads. A directory this process cannot use
+turns the cache off with one warning that says why; the run goes on, compiling.
 """
 
 from __future__ import annotations
@@ -32,12 +27,10 @@ def default_directory() -> str:
 
 
 def enable(directory: str) -> None:
-    """Makes every later compile of this process read and write the cache in `directory`.
+    """Makes every later compile of this process use the cache in `directory` ("": off).
 
     Every program is cached, however short its compile (JAX's default keeps only
-    those over a second, which leaves most CPU programs out), and however small.
-    Idempotent; another directory (or `""`, off) takes over from the next compile.
-    Call it before the first compile that should be cached.
+    those over a second: most CPU programs) or small. Idempotent.
     """
     path = os.path.abspath(os.path.expanduser(directory)) if directory else None
     problem = path and _why_unusable(path)
@@ -60,11 +53,8 @@ def enable(directory: str) -> None:
 
 
 def _why_unusable(path: str) -> str | None:
-    """Why this process cannot use the cache directory `path` (created if missing), or None.
-
-    Process 0 writes the entries, so it must be able to create a file there; the
-    other processes only read them.
-    """
+    """Why this process cannot use the cache directory `path` (created if missing), or None:
+    process 0 must be able to create a file there, the others to read it."""
     try:
         os.makedirs(path, exist_ok=True)
         if jax.process_index() == 0:

@@ -26,10 +26,10 @@ import jax
 from absl import logging
 
 from haiku_state import checkpoint, compilation_cache, data, loop, sharding, summaries
-from haiku_state.config import keep_best_mode, validate_config
+from haiku_state.config import keep_best_mode
 from haiku_state.evaluation import evaluate_test_split
-from haiku_state.experiment import AXIS_NAME, Experiment, build_experiment, placeholder_batch
-from haiku_state.guards import divergence, processes, replicas, signals
+from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
+from haiku_state.guards import config_checks, divergence, processes, replicas, signals
 from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, step_of
 
@@ -55,7 +55,7 @@ def train_and_evaluate(
       signals.Stopped: a signal stopped the run before its final evaluation,
         after saving the step reached; call again to resume.
     """
-    validate_config(config, jax.device_count(), jax.process_count())
+    config_checks.validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
     compilation_cache.enable(config.compilation_cache_dir)
@@ -215,7 +215,9 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
     fresh = _fresh_train_state(experiment, config)
     if not config.init_from:
         return fresh
-    return checkpoint.warm_start(fresh, config.init_from, config.init_skip, AXIS_NAME)
+    return checkpoint.warm_start(
+        fresh, config.init_from, config.init_skip, experiment.updater.axis_name
+    )
 
 
 def _fresh_train_state(experiment: Experiment, config: Any) -> TrainState:

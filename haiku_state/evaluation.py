@@ -25,9 +25,9 @@ import jax
 from absl import logging
 
 from haiku_state import checkpoint, compilation_cache, data, summaries
-from haiku_state.config import FOLLOW_THE_DATA, at_default, keep_best_mode, validate_config
+from haiku_state.config import FOLLOW_THE_DATA, at_default, keep_best_mode
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
-from haiku_state.guards import signals
+from haiku_state.guards import config_checks, signals
 from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, Updater, step_of
 
@@ -116,7 +116,7 @@ def _prepare(
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
     config = run_config(config, workdir)
-    validate_config(config, jax.device_count(), jax.process_count())
+    config_checks.validate_config(config, jax.device_count(), jax.process_count())
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.

@@ -1,17 +1,16 @@
 """The networks of the experiments, as Haiku modules, and their transformed forms.
 
-Every network maps `(batch, is_training) -> logits` and reads `batch["image"]`
-(NHWC) as the input pipeline delivers it: uint8 pixels are standardised with the
-dataset's mean and std first, on the device (`standardize_images`). BatchNorm
-layers take `cross_replica_axis`: set to the Updater's axis name, the
-training-mode statistics are those of the global batch, so the result does not
-depend on how many devices the batch is split over.
+Every network maps `(batch, is_training) -> logits`, standardising `batch["image"]`
+(NHWC, uint8 as the pipeline delivers it) on the device first. BatchNorm reduces
+its statistics over `cross_replica_axis`: set to the Updater's axis, they are the
+global batch's, whatever the number of devices it is split over.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import haiku as hk
@@ -23,13 +22,10 @@ MODELS = ("mlp", "resnet", "resnet50")
 PRECISIONS = ("float32", "bfloat16", "float16")
 
 
-def _batch_norm(cross_replica_axis: str | None, decay_rate: float, **kwargs) -> hk.BatchNorm:
-    return hk.BatchNorm(
-        create_scale=True,
-        create_offset=True,
-        decay_rate=decay_rate,
-        cross_replica_axis=cross_replica_axis,
-        **kwargs,
+def _batch_norm(cross_replica_axis: str | None, decay_rate: float) -> Callable[..., hk.BatchNorm]:
+    """A maker of BatchNorm layers with scale and offset (more options as keywords)."""
+    return functools.partial(
+        hk.BatchNorm, True, True, decay_rate, cross_replica_axis=cross_replica_axis
     )
 
 
@@ -49,15 +45,13 @@ class MLP(hk.Module):
         self._num_classes = num_classes
         self._hidden_sizes = tuple(hidden_sizes)
         self._dropout_rate = dropout_rate
-        self._cross_replica_axis = cross_replica_axis
-        self._bn_decay_rate = bn_decay_rate
+        self._bn = _batch_norm(cross_replica_axis, bn_decay_rate)
 
     def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
         x = hk.Flatten()(images)
         for size in self._hidden_sizes:
             x = hk.Linear(size)(x)
-            x = _batch_norm(self._cross_replica_axis, self._bn_decay_rate)(x, is_training)
-            x = jax.nn.relu(x)
+            x = jax.nn.relu(self._bn()(x, is_training))
             if is_training and self._dropout_rate > 0:
                 x = hk.dropout(hk.next_rng_key(), self._dropout_rate, x)
         return hk.Linear(self._num_classes)(x)
@@ -71,31 +65,20 @@ class BasicBlock(hk.Module):
     """
 
     def __init__(
-        self,
-        channels: int,
-        stride: int,
-        cross_replica_axis: str | None,
-        bn_decay_rate: float,
-        name: str | None = None,
+        self, channels: int, stride: int, bn: Callable[..., hk.BatchNorm], name: str | None = None
     ):
         super().__init__(name=name)
-        self._channels = channels
-        self._stride = stride
-        self._cross_replica_axis = cross_replica_axis
-        self._bn_decay_rate = bn_decay_rate
+        self._channels, self._stride, self._bn = channels, stride, bn
 
     def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
-        def bn(**kwargs):
-            return _batch_norm(self._cross_replica_axis, self._bn_decay_rate, **kwargs)
-
         shortcut = x
         if self._stride != 1 or x.shape[-1] != self._channels:
             shortcut = hk.Conv2D(self._channels, 1, stride=self._stride, with_bias=False)(x)
-            shortcut = bn()(shortcut, is_training)
+            shortcut = self._bn()(shortcut, is_training)
         y = hk.Conv2D(self._channels, 3, stride=self._stride, with_bias=False)(x)
-        y = jax.nn.relu(bn()(y, is_training))
+        y = jax.nn.relu(self._bn()(y, is_training))
         y = hk.Conv2D(self._channels, 3, with_bias=False)(y)
-        y = bn(scale_init=jnp.zeros)(y, is_training)
+        y = self._bn(scale_init=jnp.zeros)(y, is_training)
         return jax.nn.relu(y + shortcut)
 
 
@@ -120,38 +103,22 @@ class SmallImageResNet(hk.Module):
         self._num_classes = num_classes
         self._width = width
         self._blocks_per_stage = tuple(blocks_per_stage)
-        self._cross_replica_axis = cross_replica_axis
-        self._bn_decay_rate = bn_decay_rate
+        self._bn = _batch_norm(cross_replica_axis, bn_decay_rate)
 
     def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
         x = hk.Conv2D(self._width, 3, with_bias=False, name="stem_conv")(images)
-        x = _batch_norm(self._cross_replica_axis, self._bn_decay_rate, name="stem_bn")(
-            x, is_training
-        )
-        x = jax.nn.relu(x)
+        x = jax.nn.relu(self._bn(name="stem_bn")(x, is_training))
         for stage, num_blocks in enumerate(self._blocks_per_stage):
-            channels = self._width * 2**stage
             for block in range(num_blocks):
                 stride = 2 if stage > 0 and block == 0 else 1
-                x = BasicBlock(
-                    channels,
-                    stride,
-                    self._cross_replica_axis,
-                    self._bn_decay_rate,
-                    name=f"stage{stage}_block{block}",
-                )(x, is_training)
+                name = f"stage{stage}_block{block}"
+                x = BasicBlock(self._width * 2**stage, stride, self._bn, name=name)(x, is_training)
         x = jnp.mean(x, axis=(1, 2))
         return hk.Linear(self._num_classes, w_init=jnp.zeros, name="logits")(x)
 
 
 def standardize_images(images: jax.Array, mean: Sequence[float], std: Sequence[float]) -> jax.Array:
-    """`(images - mean) / std` in float32, per channel (or one scalar for all).
-
-    Args:
-      images: `[..., C]` as stored, e.g. uint8 pixels.
-      mean: `C` numbers (or one) in the units of `images`.
-      std: the matching standard deviations.
-    """
+    """`(images - mean) / std` in float32, per channel of `[..., C]` (or one scalar for all)."""
     mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
     return (images.astype(jnp.float32) - mean) / std
 
@@ -166,26 +133,13 @@ def make_network(
     image_std: Sequence[float] | None = None,
     **model_kwargs: Any,
 ) -> hk.TransformedWithState:
-    """Transforms the named network into `init`/`apply` with params and state.
+    """The network `name` (of `MODELS`) as `init`/`apply` with params and state.
 
-    Args:
-      name: one of `MODELS`.
-      num_classes: size of the logits.
-      cross_replica_axis: the pmap axis name for BatchNorm statistics, or None
-        for per-device statistics.
-      precision: `float32`, or a half type to compute in (`bfloat16`, `float16`)
-        with `hk.mixed_precision` policies: params stay float32, the network
-        computes in half and returns float32 logits, and BatchNorm computes and
-        keeps its statistics in float32 (its output is cast back to half).
-        float16 needs loss scaling in the Updater; bfloat16 does not.
-      image_mean: the dataset's `mean` (`data.Dataset.mean`): images are
-        standardised with it and `image_std` before the first layer, the same in
-        training and evaluation. None takes the images as they are.
-      image_std: the dataset's `std`; None exactly when `image_mean` is.
-      **model_kwargs: the module's own options (`hidden_sizes`, `width`, ...).
-
-    Raises:
-      ValueError: for an unknown name, precision or an option the module does not take.
+    `cross_replica_axis`: the axis BatchNorm reduces its statistics over (None: this
+    device's). `precision`: `float32`, or a half type (`bfloat16`, `float16`, which
+    needs loss scaling) to compute in: params, logits and BatchNorm's statistics stay
+    float32. `image_mean`/`image_std`: the dataset's, to standardise the images with
+    (both None: taken as they are). `model_kwargs`: the module's own options.
     """
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
@@ -193,16 +147,22 @@ def make_network(
         raise ValueError(f"Unknown precision {precision!r}; expected one of {PRECISIONS}.")
     if (image_mean is None) != (image_std is None):
         raise ValueError("make_network: give both image_mean and image_std, or neither.")
-    network_class = _NETWORKS[name]
-    module_options = _module_options(name, cross_replica_axis, model_kwargs)
+    unknown = sorted(set(model_kwargs) - _OPTIONS[name])
+    if unknown:
+        raise ValueError(
+            f"Model {name!r} does not take {unknown}; its options are {sorted(_OPTIONS[name])}."
+        )
+    network_class, options = _NETWORKS[name], {"cross_replica_axis": cross_replica_axis}
+    if name == "resnet50":  # hk.nets.ResNet50 takes its BatchNorm options as one dict.
+        options = {"decay_rate": model_kwargs.get("bn_decay_rate", 0.9), **options}
+        options, model_kwargs = {"bn_config": options}, {}
 
     def forward(batch: Mapping[str, jax.Array], is_training: bool) -> jax.Array:
         images = batch["image"]
         if image_mean is not None:
             images = standardize_images(images, image_mean, image_std)
         with _mixed_precision(network_class, precision):
-            net = network_class(num_classes, **module_options)
-            return net(images, is_training)
+            return network_class(num_classes, **options, **model_kwargs)(images, is_training)
 
     return hk.transform_with_state(forward)
 
@@ -213,24 +173,6 @@ _OPTIONS = {
     "resnet": {"width", "blocks_per_stage", "bn_decay_rate"},
     "resnet50": {"bn_decay_rate"},
 }
-
-
-def _module_options(
-    name: str, cross_replica_axis: str | None, model_kwargs: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The constructor arguments of the named network, refusing options it does not take."""
-    unknown = sorted(set(model_kwargs) - _OPTIONS[name])
-    if unknown:
-        raise ValueError(
-            f"Model {name!r} does not take {unknown}; its options are {sorted(_OPTIONS[name])}."
-        )
-    if name == "resnet50":  # hk.nets.ResNet50 takes its BatchNorm options as one dict.
-        bn_config = {
-            "decay_rate": model_kwargs.get("bn_decay_rate", 0.9),
-            "cross_replica_axis": cross_replica_axis,
-        }
-        return {"bn_config": bn_config}
-    return {"cross_replica_axis": cross_replica_axis, **model_kwargs}
 
 
 @contextlib.contextmanager

@@ -11,38 +11,31 @@ The sources (--from):
   cifar10:DIR      the cifar-10-batches-py folder of CIFAR-10's python release
   digits           scikit-learn's 8x8 handwritten digits, embedded in the package
 
-Train on the result with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
-same examples in the same order as the source (so an ImageFolder tree and its
-shards give identical batches), in a few large files, which is what a network
-filesystem reads fast. Images are stored as the source encodes them (the JPEG
-bytes of an ImageFolder; CIFAR-10 and the digits as lossless PNG), or, with
---short_side=N, re-encoded with their short side at most N pixels (JPEG at
-quality 95, PNG stays PNG): decoding costs follow the pixel count, so every
-epoch decodes faster, for crops drawn from fewer pixels. Images already that
-small, and files that cannot be decoded, are stored as they are (training then
-treats them as it would have). A training run started on the shards of one
-short_side refuses to resume on another's.
+Train on OUT with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
+source's examples in its order (an ImageFolder tree and its shards give identical
+batches), in a few large files, which a network filesystem reads fast. Images keep
+the source's encoding (CIFAR-10 and the digits as lossless PNG) or, with
+--short_side=N, are re-encoded with their short side at most N pixels (JPEG
+quality 95, PNG stays PNG): every epoch decodes fewer pixels. Smaller images and
+undecodable files are stored as they are. A run on the shards of one short_side
+refuses to resume on another's.
 
 OUT/dataset.json, written last, marks the conversion complete. It records the
-classes, each shard's record count, size, modification time and SHA-256 (a
-shard replaced later is refused when the folder is loaded), and the mean and
-std the network standardises the images with: the data's own, per RGB channel,
-measured over the centre crops of at most 1,000 training images spread evenly
-over the split (of the re-encoded images with --short_side; the digits and
-CIFAR-10 keep the exact statistics of their whole training split). An
-ImageFolder tree trained on directly is standardised with the same numbers.
+classes, each shard's record count, size, modification time and SHA-256 (a shard
+replaced later is refused), and the mean and
+std the network standardises the images with, per RGB channel: measured over the
+centre crops of at most 1,000 training images spread over the split (the digits
+and CIFAR-10 keep the exact statistics of their training split). An ImageFolder
+tree trained on directly is standardised with the same numbers.
 
-The conversion is resumable: each shard is written to a temporary name and
-renamed when complete, a rerun skips the shards already there (it reads them
-once, for their SHA-256), and OUT/prepare.json records what the conversion is
-of, so a rerun with another source or layout is refused instead of mixing the
-two.
+A rerun resumes: it keeps the complete shards (reading them once, for their
+SHA-256), and OUT/prepare.json records what the conversion is of, so a rerun with
+another source or layout is refused instead of mixing the two.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import io
 import json
 import os
@@ -71,10 +64,8 @@ class SourceSplit(NamedTuple):
 
 
 class Source(NamedTuple):
-    """What a conversion reads: the splits (`train`, `val`) and what `dataset.json` records.
-
-    `mean` and `std` are the statistics of the images as the source stores them.
-    """
+    """What a conversion reads: the splits (`train`, `val`), the classes, and the mean and
+    std of the images as the source stores them."""
 
     splits: dict[str, SourceSplit]
     classes: list[str]
@@ -92,17 +83,14 @@ def open_source(spec: str) -> Source:
             for split, r in tree.records.items()
         }
         return Source(splits, tree.classes, tree.mean, tree.std)
-    if kind in ("cifar10", "digits"):
-        if kind == "cifar10":
-            dataset, classes = in_memory.load_cifar10(path), list(CIFAR10_CLASSES)
-        else:
-            dataset, classes = in_memory.load_digits(), [str(d) for d in range(10)]
-        splits = {
-            "train": _png_split(dataset.train, "train"),
-            "val": _png_split(dataset.test, "val"),
-        }
-        return Source(splits, classes, dataset.mean, dataset.std)
-    raise ValueError(f"--from={spec!r}: expected imagefolder:DIR, cifar10:DIR or digits.")
+    if kind == "cifar10":
+        dataset, classes = in_memory.load_cifar10(path), list(CIFAR10_CLASSES)
+    elif kind == "digits":
+        dataset, classes = in_memory.load_digits(), [str(d) for d in range(10)]
+    else:
+        raise ValueError(f"--from={spec!r}: expected imagefolder:DIR, cifar10:DIR or digits.")
+    splits = {"train": _png_split(dataset.train, "train"), "val": _png_split(dataset.test, "val")}
+    return Source(splits, classes, dataset.mean, dataset.std)
 
 
 def _png_split(split: Split, name: str) -> SourceSplit:
@@ -119,8 +107,8 @@ def shorten(image: bytes, short_side: int) -> bytes:
     """The image re-encoded with its short side at most `short_side`; as it is if it already is.
 
     Resized with antialiasing (PIL's bicubic, after a DCT-scaled decode of a JPEG);
-    a JPEG (or anything but a PNG) becomes an RGB JPEG, a PNG an RGB PNG. Bytes
-    PIL cannot decode are returned as they are.
+    a PNG becomes an RGB PNG, anything else an RGB JPEG. Bytes PIL cannot decode
+    are returned as they are.
     """
     try:
         with Image.open(io.BytesIO(image)) as decoded:
@@ -169,36 +157,23 @@ def statistics(
         raise DataError(f"--short_side={short_side}: {e}.") from None
 
 
-def _plan(
-    spec: str, source: Source, examples_per_shard: int, short_side: int | None
-) -> dict[str, Any]:
-    """What the output folder will hold; a rerun must make the same plan to resume."""
-    kind, _, path = spec.partition(":")
-    return {
-        "source": f"{kind}:{os.path.realpath(path)}" if path else kind,
-        "examples_per_shard": examples_per_shard,
-        "classes": source.classes,
-        "num_examples": {split: s.num_examples for split, s in source.splits.items()},
-        "short_side": short_side,
-    }
-
-
-def _check_plan(out_dir: str, plan: dict[str, Any]) -> None:
-    """Records the plan, or refuses to resume a conversion made with another one."""
+def _record_plan(out_dir: str, plan: dict[str, Any]) -> None:
+    """Records what the output folder will hold, or refuses to resume a conversion made
+    with another plan."""
     path = os.path.join(out_dir, PLAN_FILE)
-    if os.path.isfile(path):
-        with open(path) as f:
-            previous = json.load(f)
-        if previous != plan:
-            differ = sorted(key for key in plan if previous.get(key) != plan[key])
-            raise DataError(
-                f"{out_dir} holds a conversion of another source or layout ({', '.join(differ)} "
-                f"differ from {path}); choose another --to, or remove it."
-            )
+    if not os.path.isfile(path):
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(plan, f, indent=1)
         return
-    os.makedirs(out_dir, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(plan, f, indent=1)
+    with open(path) as f:
+        previous = json.load(f)
+    if previous != plan:
+        differ = sorted(key for key in plan if previous.get(key) != plan[key])
+        raise DataError(
+            f"{out_dir} holds a conversion of another source or layout ({', '.join(differ)} "
+            f"differ from {path}); choose another --to, or remove it."
+        )
 
 
 def _read_ahead(read: Callable[[int], Any], indices: range, pool, window: int) -> Iterator[Any]:
@@ -214,41 +189,33 @@ def _read_ahead(read: Callable[[int], Any], indices: range, pool, window: int) -
 def convert_split(
     out_dir: str, split: str, source: SourceSplit, examples_per_shard: int, threads: int
 ) -> list[dict[str, Any]]:
-    """Writes the shards of one split that are not there yet; returns every shard's entry.
-
-    An entry (`arrayrecord.shard_entry`) holds the shard's SHA-256: a shard
-    written now is read back once for it, as is one an earlier run wrote.
-    """
+    """Writes the shards of one split that are not there yet; returns every shard's entry
+    (`arrayrecord.shard_entry`, whose SHA-256 reads each shard back once)."""
     from tqdm import tqdm
 
     num_shards = max(1, -(-source.num_examples // examples_per_shard))
-    bounds = [
-        range(s * examples_per_shard, min((s + 1) * examples_per_shard, source.num_examples))
+    shards = [
+        (
+            arrayrecord.shard_name(split, s, num_shards),
+            range(s * examples_per_shard, min((s + 1) * examples_per_shard, source.num_examples)),
+        )
         for s in range(num_shards)
     ]
-    names = [arrayrecord.shard_name(split, s, num_shards) for s in range(num_shards)]
-    done = sum(len(b) for b, n in zip(bounds, names, strict=True) if _exists(out_dir, n))
+    missing = [(n, b) for n, b in shards if not os.path.isfile(os.path.join(out_dir, n))]
+    done = source.num_examples - sum(len(b) for _, b in missing)
     with (
         tqdm(total=source.num_examples, initial=done, desc=split, unit="img") as progress,
         concurrent.futures.ThreadPoolExecutor(threads) as pool,
     ):
-        for indices, name in zip(bounds, names, strict=True):
-            if _exists(out_dir, name):
-                continue
+        for name, indices in missing:
 
             def records(indices=indices) -> Iterator[bytes]:
-                for image, label, example_name in _read_ahead(
-                    source.read, indices, pool, 4 * threads
-                ):
+                for example in _read_ahead(source.read, indices, pool, 4 * threads):
                     progress.update()
-                    yield arrayrecord.encode_example(image, label, example_name)
+                    yield arrayrecord.encode_example(*example)
 
             arrayrecord.write_shard(os.path.join(out_dir, name), records())
-    return [arrayrecord.shard_entry(out_dir, n, len(b)) for b, n in zip(bounds, names, strict=True)]
-
-
-def _exists(out_dir: str, name: str) -> bool:
-    return os.path.isfile(os.path.join(out_dir, name))
+    return [arrayrecord.shard_entry(out_dir, n, len(b)) for n, b in shards]
 
 
 def convert(
@@ -258,15 +225,9 @@ def convert(
     examples_per_shard: int = 10_000,
     threads: int = 16,
     short_side: int | None = None,
-):
-    """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped.
-
-    `short_side`: re-encode the images with their short side at most this many
-    pixels (`shorten`); None stores them as the source has them.
-
-    Returns:
-      The `dataset.json` written.
-    """
+) -> dict[str, Any]:
+    """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped, and
+    returns the `dataset.json` written. `short_side`: re-encode the images (`shorten`)."""
     if examples_per_shard < 1:
         raise ValueError(f"--examples_per_shard={examples_per_shard} must be positive.")
     if short_side is not None and short_side < 1:
@@ -279,12 +240,21 @@ def convert(
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         mean, std = statistics(source, short_side, pool)
     logging.info("Pixel mean %s, std %s (RGB, 0..255).", mean, std)
-    _check_plan(out_dir, _plan(spec, source, examples_per_shard, short_side))
+    kind, _, path = spec.partition(":")
+    sizes = {split: s.num_examples for split, s in source.splits.items()}
+    plan = {
+        "source": f"{kind}:{os.path.realpath(path)}" if path else kind,
+        "examples_per_shard": examples_per_shard,
+        "classes": source.classes,
+        "num_examples": sizes,
+        "short_side": short_side,
+    }
+    _record_plan(out_dir, plan)  # A rerun must make the same plan to resume.
     splits = {}
     for split in arrayrecord.SPLITS:
         read = _shortened(source.splits[split], short_side)
         shards = convert_split(out_dir, split, read, examples_per_shard, threads)
-        splits[split] = {"num_examples": source.splits[split].num_examples, "shards": shards}
+        splits[split] = {"num_examples": sizes[split], "shards": shards}
     metadata = {
         "format": arrayrecord.FORMAT,
         "source": spec,
@@ -302,23 +272,10 @@ def convert(
     return metadata
 
 
-def run(
-    source: str,
-    out_dir: str,
-    *,
-    examples_per_shard: int = 10_000,
-    threads: int = 16,
-    short_side: int | None = None,
-) -> None:
+def run(spec: str, out_dir: str, **options: Any) -> None:
     """`convert` as the command line runs it: a one-line error, or exit 130 on Ctrl-C."""
     try:
-        metadata = convert(
-            source,
-            out_dir,
-            examples_per_shard=examples_per_shard,
-            threads=threads,
-            short_side=short_side,
-        )
+        metadata = convert(spec, out_dir, **options)
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # The shard being written is dropped whole (`write_shard`).
@@ -332,71 +289,32 @@ def run(
     print(f"Wrote {out_dir}: {sizes} examples, {metadata['num_classes']} classes.")
 
 
-class _Flags(NamedTuple):
-    """The command line's flags, defined by `_define_flags`."""
-
-    source: flags.FlagHolder
-    out_dir: flags.FlagHolder
-    examples_per_shard: flags.FlagHolder
-    threads: flags.FlagHolder
-    short_side: flags.FlagHolder
-
-
-def _define_flags() -> _Flags:
-    defined = _Flags(
-        source=flags.DEFINE_string(
-            "from",
-            None,
-            "What to convert: imagefolder:DIR (DIR/train/<class>/* and DIR/val/<class>/*), "
-            "cifar10:DIR (the cifar-10-batches-py folder of the python release) or digits "
-            "(scikit-learn's 8x8 digits, embedded).",
-        ),
-        out_dir=flags.DEFINE_string(
-            "to",
-            None,
-            "The output folder, made if missing. Run the same command again to complete an "
-            "interrupted conversion; another source or layout there is refused.",
-        ),
-        examples_per_shard=flags.DEFINE_integer(
-            "examples_per_shard",
-            10_000,
-            "Examples per shard file (10,000 makes ImageNet's 1.28 M training images 129 "
-            "shards of about 1.1 GB).",
-        ),
-        threads=flags.DEFINE_integer(
-            "threads",
-            16,
-            "Files read (and re-encoded, with --short_side) at once; more than the cores "
-            "helps on a network filesystem.",
-        ),
-        short_side=flags.DEFINE_integer(
-            "short_side",
-            None,
-            "Re-encode every image whose short side is longer than this many pixels at that "
-            "short side (JPEG quality 95; a PNG stays a PNG; smaller and unreadable images are "
-            "stored as they are). Unset: every image is stored as the source has it.",
-        ),
-    )
-    flags.mark_flags_as_required(["from", "to"])
-    return defined
-
-
-def _main(command_line: _Flags, argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments {argv[1:]}: everything is given in flags.")
-    run(
-        command_line.source.value,
-        command_line.out_dir.value,
-        examples_per_shard=command_line.examples_per_shard.value,
-        threads=command_line.threads.value,
-        short_side=command_line.short_side.value,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Defines the flags, parses `argv` (default: `sys.argv`) and converts, under absl."""
-    command_line = _define_flags()
-    app.run(functools.partial(_main, command_line), argv=argv)
+    source = flags.DEFINE_string(
+        "from", None, "What to convert: imagefolder:DIR, cifar10:DIR or digits (above)."
+    )
+    out_dir = flags.DEFINE_string(
+        "to", None, "The output folder, made if missing. Run the same command again to complete "
+        "an interrupted conversion; another source or layout there is refused.")  # fmt: skip
+    examples_per_shard = flags.DEFINE_integer(
+        "examples_per_shard", 10_000, "Examples per shard file (10,000 makes ImageNet's "
+        "1.28 M training images 129 shards of about 1.1 GB).")  # fmt: skip
+    threads = flags.DEFINE_integer(
+        "threads", 16, "Files read (and re-encoded, with --short_side) at once; more than "
+        "the cores helps on a network filesystem.")  # fmt: skip
+    short_side = flags.DEFINE_integer(
+        "short_side", None, "Re-encode every image to this short side, if its own "
+        "is longer (above). Unset: every image is stored as the source has it.")  # fmt: skip
+    flags.mark_flags_as_required(["from", "to"])
+
+    def convert_flags(argv: list[str]) -> None:
+        if len(argv) > 1:
+            raise app.UsageError(f"Unexpected arguments {argv[1:]}: everything is given in flags.")
+        options = {"examples_per_shard": examples_per_shard.value, "threads": threads.value}
+        run(source.value, out_dir.value, short_side=short_side.value, **options)
+
+    app.run(convert_flags, argv=argv)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
 """Where metrics go: `metrics.jsonl`, TensorBoard event files, a progress line, curves.png.
 
-The writer only sees host numbers: the training loop fetches metrics every
-`log_every` steps and hands them over, so nothing here touches the hot path.
-
-`metrics.jsonl` may have two writers, a training run and an evaluator beside it
-(`--mode=eval_follow`). Each record is appended by opening the file anew under
-an exclusive lock on `metrics.jsonl.lock`, and a resumed run rewrites the file
-under the same lock: every writer's records land in the current file, whole.
+The writer sees only host numbers, handed over every `log_every` steps. A training
+run and an evaluator beside it (`--mode=eval_follow`) may both write
+`metrics.jsonl`: each record is appended by opening the file anew under an
+exclusive lock on `metrics.jsonl.lock`, and a resumed run rewrites the file under
+the same lock, so every writer's records land in the current file, whole.
 """
 
 from __future__ import annotations
@@ -26,9 +24,7 @@ from absl import logging
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
-# Metrics a person reads as percentages, in every log line and the final line (the
-# files keep the fraction).
-PERCENT_METRICS = ("accuracy",)
+PERCENT_METRICS = ("accuracy",)  # Shown as percentages; the files keep the fraction.
 
 
 def _format_duration(seconds: float) -> str:
@@ -42,9 +38,7 @@ def format_metric(name: str, value: float) -> str:
     """`accuracy 95.31%`, `loss 0.2113`, `5,210 ex/s`: one metric as every line shows it."""
     if name in PERCENT_METRICS:
         return f"{name} {value:.2%}"
-    if name == "examples_per_s":
-        return f"{value:,.0f} ex/s"
-    return f"{name} {value:.4f}"
+    return f"{value:,.0f} ex/s" if name == "examples_per_s" else f"{name} {value:.4f}"
 
 
 def format_metrics(metrics: Mapping[str, float]) -> str:
@@ -61,31 +55,22 @@ def describe_outputs(workdir: str, *others: str) -> str:
 def format_progress(
     step: int, total_steps: int, metrics: Mapping[str, float], elapsed_s: float, eta_s: float
 ) -> str:
-    """`step 300/1200 | loss 0.2113 | accuracy 95.31% | 5,210 ex/s | ETA 0:00:12`."""
+    """`step 300/1200 | loss 0.2113 | accuracy 95.31% | 5,210 ex/s | elapsed 0:00:01 | ETA ...`."""
     fields = [f"step {step}/{total_steps}"]
     fields += [format_metric(name, value) for name, value in metrics.items()]
-    fields.append(f"elapsed {_format_duration(elapsed_s)}")
-    fields.append(f"ETA {_format_duration(eta_s)}")
+    fields += [f"elapsed {_format_duration(elapsed_s)}", f"ETA {_format_duration(eta_s)}"]
     return " | ".join(fields)
 
 
 class MetricWriter:
     """Writes each event to `metrics.jsonl` and TensorBoard, and reports progress.
 
-    A training event updates one progress line in place when stderr is a
-    terminal, and becomes an absl log line otherwise; evaluation events are
-    always logged on a line of their own.
-
-    Args:
-      workdir: the run's directory; files are appended to, so a resumed run
-        continues the same files.
-      total_steps: the run's length, for the progress line's ETA.
-      enabled: False on every process but the first of a multi-host run.
-      resume_step: the step a resumed run restarts from: the records a previous
-        run logged past it are marked superseded (`supersede_after`) and hidden
-        from TensorBoard, since this run logs those steps again.
-      tensorboard_run: the TensorBoard subdirectory, e.g. "eval" for an
-        evaluator beside the training run ("" for the training run itself).
+    A training event updates one progress line in place when stderr is a terminal,
+    and is logged otherwise; an evaluation event is logged on a line of its own.
+    Only the first process of a run is `enabled`. A resumed run passes its
+    `resume_step`: the records past it are marked superseded (`supersede_after`)
+    and purged from TensorBoard, since it logs those steps again.
+    `tensorboard_run` is the TensorBoard subdirectory ("eval" for an evaluator).
     """
 
     def __init__(
@@ -123,16 +108,12 @@ class MetricWriter:
         metrics: Mapping[str, float],
         marks: Mapping[str, Any] | None = None,
     ) -> None:
-        """Records one event: `{"step": step, "split": split, **metrics, **marks}`.
-
-        `marks` are JSON-only fields that are not metrics, e.g. `{"separate": True}`
-        for an evaluation run apart from training.
-        """
+        """Records `{"step": step, "split": split, **metrics, **marks}`; `marks` are JSON-only
+        fields, e.g. `{"separate": True}` for an evaluation run apart from training."""
         if not self._enabled:
             return
         record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
-        record.update(marks or {})
-        _append_record(self._jsonl_path, record)
+        _append_record(self._jsonl_path, {**record, **(marks or {})})
         for name, value in metrics.items():
             self._tensorboard.add_scalar(f"{split}/{name}", float(value), step)
         if split == "train":
@@ -142,20 +123,19 @@ class MetricWriter:
             logging.info("[%s] step %d: %s", split, step, format_metrics(metrics))
 
     def _report_progress(self, step: int, metrics: Mapping[str, float]) -> None:
-        now = time.monotonic()
-        eta = float("nan")
+        now, eta = time.monotonic(), float("nan")
         if self._rate_start is None:
             self._rate_start = (step, now)  # The first window includes compilation.
         elif step > self._rate_start[0]:
             rate = (step - self._rate_start[0]) / (now - self._rate_start[1])
             eta = (self._total_steps - step) / rate
         line = format_progress(step, self._total_steps, metrics, now - self._created, eta)
-        if self._interactive:
-            sys.stderr.write("\r\033[K" + line)
-            sys.stderr.flush()
-            self._progress_shown = True
-        else:
+        if not self._interactive:
             logging.info("%s", line)
+            return
+        sys.stderr.write("\r\033[K" + line)
+        sys.stderr.flush()
+        self._progress_shown = True
 
     def _end_progress_line(self) -> None:
         if self._progress_shown:
@@ -188,29 +168,26 @@ def _locked(path: str) -> Iterator[None]:
 
 def _append_record(path: str, record: Mapping[str, Any]) -> None:
     """Appends one line to `path`, first dropping a last line a kill cut short."""
-    line = (json.dumps(record) + "\n").encode()
     with _locked(path):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             _drop_cut_line(fd, path)
-            os.write(fd, line)
+            os.write(fd, (json.dumps(record) + "\n").encode())
         finally:
             os.close(fd)
 
 
 def _drop_cut_line(fd: int, path: str) -> None:
     """Truncates the file after its last newline, if it does not end with one."""
-    size = os.fstat(fd).st_size
+    size = end = os.fstat(fd).st_size
     if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
         return
-    end = size
     while end > 0:
         start = max(0, end - 65536)
         newline = os.pread(fd, end - start, start).rfind(b"\n")
+        end = start if newline < 0 else start + newline + 1
         if newline >= 0:
-            end = start + newline + 1
             break
-        end = start
     logging.warning("%s: dropping its last line, cut short (%d bytes).", path, size - end)
     os.ftruncate(fd, end)
 
@@ -236,27 +213,17 @@ def _parse_records(path: str) -> tuple[list[dict[str, Any]], list[int], int]:
     return records, bad, last
 
 
-def _read_records(path: str) -> list[dict[str, Any]]:
-    """The records of a metrics file; lines that are not records are skipped with a warning."""
-    records, bad, _ = _parse_records(path)
-    if bad:
-        logging.warning("%s: skipping line(s) %s, not JSON records.", path, _numbers(bad))
-    return records
-
-
 def _numbers(lines: list[int]) -> str:
-    return ", ".join(map(str, lines[:10])) + (
-        f" and {len(lines) - 10} more" if len(lines) > 10 else ""
-    )
+    more = f" and {len(lines) - 10} more" if len(lines) > 10 else ""
+    return ", ".join(map(str, lines[:10])) + more
 
 
 def supersede_after(workdir: str, step: int) -> None:
     """Marks the records past `step` `"superseded": true` (a resumed run logs them again).
 
-    The file is rewritten whole (atomically) and a truncated last line dropped,
-    so nothing a later run appends follows a broken line. A file damaged in the
-    middle keeps its readable records; the damaged file is first moved aside
-    whole (`metrics.jsonl.damaged-<time>`), with a warning, never deleted.
+    The file is rewritten whole (atomically), without a truncated last line. A file
+    damaged in the middle keeps its readable records, and is first moved aside
+    whole (`metrics.jsonl.damaged-<time>`) with a warning, never deleted.
     """
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
@@ -269,10 +236,7 @@ def supersede_after(workdir: str, step: int) -> None:
             logging.warning(
                 "%s: line(s) %s are not JSON records; the file as it was is moved aside to %s, "
                 "and its %d readable records are kept.",
-                path,
-                _numbers(bad),
-                aside,
-                len(records),
+                *(path, _numbers(bad), aside, len(records)),
             )
         later = [r for r in records if r["step"] > step and not r.get("superseded")]
         if not later and not bad:
@@ -290,12 +254,14 @@ def supersede_after(workdir: str, step: int) -> None:
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """The current events of `metrics.jsonl`, by split and step; superseded ones left out.
 
-    A step logged twice (an evaluation run apart from training) keeps its last record.
+    A step logged twice (an evaluation run apart from training) keeps its last record;
+    lines that are not records are skipped with a warning.
     """
-    latest: dict[tuple[str, int], dict[str, Any]] = {}
-    for record in _read_records(os.path.join(workdir, METRICS_FILE)):
-        if not record.get("superseded"):
-            latest[(record["split"], record["step"])] = record
+    path = os.path.join(workdir, METRICS_FILE)
+    records, bad, _ = _parse_records(path)
+    if bad:
+        logging.warning("%s: skipping line(s) %s, not JSON records.", path, _numbers(bad))
+    latest = {(r["split"], r["step"]): r for r in records if not r.get("superseded")}
     return sorted(latest.values(), key=lambda r: (r["split"], r["step"]))
 
 
@@ -314,10 +280,8 @@ def plot_curves(workdir: str) -> str:
                 (r["step"], r[metric]) for r in records if r["split"] == split and metric in r
             ]
             if points:
-                steps, values = zip(*points, strict=True)
-                axis.plot(steps, values, style, label=split)
-        axis.set_xlabel("step")
-        axis.set_ylabel(metric)
+                axis.plot(*zip(*points, strict=True), style, label=split)
+        axis.set(xlabel="step", ylabel=metric)
         axis.grid(alpha=0.3)
         axis.legend()
     figure.tight_layout()

@@ -39,7 +39,7 @@ from ml_collections import config_flags
 from haiku_state import config as config_lib
 from haiku_state import evaluation
 from haiku_state.driver import train_and_evaluate
-from haiku_state.guards import processes, signals
+from haiku_state.guards import config_checks, processes, signals
 
 __all__ = ["main", "train_and_evaluate"]
 
@@ -148,7 +148,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     keys = config_lib.config_keys(config)
     for override in _config_overrides(argv):
         if override not in keys:
-            sys.exit(f"--config.{override}: {config_lib.unknown_key_error(override, config)}")
+            sys.exit(f"--config.{override}: {config_checks.unknown_key_error(override, config)}")
     try:
         # The --config flag loads the file again: it may import the files beside it.
         with config_lib.importable_directory(config_path):

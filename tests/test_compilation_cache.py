@@ -16,6 +16,7 @@ from configs import REPO, mlp_config
 
 from haiku_state import compilation_cache, evaluation, train
 from haiku_state import config as config_lib
+from haiku_state.guards import config_checks
 
 # Compiles one program with the cache of argv[1] and prints the cache's hits and misses.
 _COMPILE_ONCE = """
@@ -146,12 +147,12 @@ def test_training_and_evaluation_compile_into_the_configs_cache(tmp_path, cache_
 def test_a_cache_path_that_is_a_file_or_not_a_string_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="config.compilation_cache_dir=.* or '' for no"):
-        config_lib.validate_config(mlp_config(compilation_cache_dir=str(tmp_path / "file")), 4)
+        config_checks.validate_config(mlp_config(compilation_cache_dir=str(tmp_path / "file")), 4)
     not_a_string = mlp_config()
     del not_a_string["compilation_cache_dir"]
     not_a_string.compilation_cache_dir = 3
     with pytest.raises(ValueError, match="config.compilation_cache_dir=3"):
-        config_lib.validate_config(not_a_string, 4)
+        config_checks.validate_config(not_a_string, 4)
     for good in ("", str(tmp_path / "not_yet_made")):
-        config_lib.validate_config(mlp_config(compilation_cache_dir=good), 4)
+        config_checks.validate_config(mlp_config(compilation_cache_dir=good), 4)
     assert config_lib.schema_key("compilation_cache_dir").free  # It changes no step of a run.

@@ -9,6 +9,7 @@ import pytest
 
 from haiku_state import config as config_lib
 from haiku_state import models
+from haiku_state.guards import config_checks
 from haiku_state.guards import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +25,7 @@ def test_every_experiment_extends_the_base_and_passes_validation(name):
     config = config_lib.load_config_file(os.path.join(REPO, "experiments", f"{name}.py"))
     assert set(config_lib.config_keys(base)) <= set(config_lib.config_keys(config))
     assert config.model.name == name
-    config_lib.validate_config(config, num_devices=4)
+    config_checks.validate_config(config, num_devices=4)
 
 
 def test_loading_a_config_leaves_sys_path_as_it_was():
@@ -46,7 +47,7 @@ def test_a_missing_key_is_named():
     config = config_lib.load_config_file(os.path.join(REPO, "experiments", "mlp.py"))
     del config["precision"]
     with pytest.raises(ValueError, match=r"lacks the keys \['precision'\]"):
-        config_lib.validate_config(config, num_devices=1)
+        config_checks.validate_config(config, num_devices=1)
 
 
 def test_the_resnet50_imagenet_recipe_scales_the_learning_rate_and_warmup_with_the_batch():
@@ -59,7 +60,7 @@ def test_the_resnet50_imagenet_recipe_scales_the_learning_rate_and_warmup_with_t
     config.batch_size = 4096
     assert config.optimizer.learning_rate == pytest.approx(1.6)
     assert config.optimizer.warmup_steps == 5 * (1_281_167 // 4096)
-    config_lib.validate_config(config, num_devices=8)
+    config_checks.validate_config(config, num_devices=8)
     config.optimizer.learning_rate = 0.3  # Given explicitly, it no longer follows the batch.
     config.batch_size = 2048
     assert config.optimizer.learning_rate == 0.3
@@ -92,7 +93,7 @@ def test_an_experiment_has_exactly_the_keys_of_the_schema_for_its_model(name):
 
 @pytest.mark.parametrize("name", EXPERIMENT_FILES)
 def test_an_experiment_sets_no_key_its_own_combination_ignores(name):
-    assert config_lib.ignored_settings(_experiment(name)) == []
+    assert config_checks.ignored_settings(_experiment(name)) == []
 
 
 def test_keys_both_configs_ignore_may_change_on_resume():
@@ -109,7 +110,7 @@ def test_the_base_config_is_every_key_of_the_schema_at_its_default():
     shared = [key for key in config_lib.SCHEMA if not key.for_models]
     assert set(config_lib.config_keys(base)) == {key.name for key in shared}
     for key in shared:
-        assert config_lib._get(base, key.name) == key.default, key.name
+        assert config_lib.value_of(base, key.name) == key.default, key.name
     resnet = config_lib.default_config("resnet")
     assert (resnet.model.name, resnet.model.width, resnet.model.bn_decay_rate) == (
         "resnet",
@@ -128,7 +129,7 @@ def test_every_schema_entry_is_well_formed_and_its_default_valid():
         assert set(key.for_models) <= set(models.MODELS), key.name
         assert not key.for_models or key.name.startswith("model."), key.name
         if key.default is not None or key.allow_none:
-            config_lib._check_value(key, key.default)
+            config_checks.check_value(key, key.default)
 
 
 def test_a_none_default_is_a_placeholder_of_the_keys_type():
@@ -165,7 +166,7 @@ def test_a_value_the_schema_does_not_allow_is_refused_naming_the_key_and_what_it
     config = _experiment("mlp.py")
     _set(config, key, value)
     with pytest.raises(ValueError, match=message):
-        config_lib.validate_config(config, num_devices=1)
+        config_checks.validate_config(config, num_devices=1)
 
 
 def test_a_key_the_schema_does_not_know_is_refused():
@@ -176,14 +177,14 @@ def test_a_key_the_schema_does_not_know_is_refused():
         match=r"keys \['chekpoint_every'\], which .*SCHEMA does not know \(did you mean "
         r"'checkpoint_every'\?\)",
     ):
-        config_lib.validate_config(config, num_devices=1)
+        config_checks.validate_config(config, num_devices=1)
 
 
 def test_a_config_has_the_options_of_its_model_and_no_other():
     config = _experiment("mlp.py")
     config.model.name = "resnet"
     with pytest.raises(ValueError, match=r"Config lacks the keys \['model.width', 'model.blocks"):
-        config_lib.validate_config(config, num_devices=1)
+        config_checks.validate_config(config, num_devices=1)
     config.model.width = 4
     config.model.blocks_per_stage = (1,)
     with pytest.raises(
@@ -191,7 +192,7 @@ def test_a_config_has_the_options_of_its_model_and_no_other():
         match=r"Model 'resnet' does not take \['dropout_rate', 'hidden_sizes'\]; its options "
         r"are \['blocks_per_stage', 'bn_decay_rate', 'width'\]",
     ):
-        config_lib.validate_config(config, num_devices=1)
+        config_checks.validate_config(config, num_devices=1)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +240,7 @@ def test_the_rules_between_keys(changes, message):
     for key, value in changes.items():
         _set(config, key, value)
     with pytest.raises(ValueError, match=message):
-        config_lib.validate_config(config, num_devices=4)
+        config_checks.validate_config(config, num_devices=4)
 
 
 def test_retention_on_the_evaluated_saves_and_images_that_fit_pass():
@@ -247,28 +248,28 @@ def test_retention_on_the_evaluated_saves_and_images_that_fit_pass():
     config.keep_best_by, config.keep_best_mode = "loss", "min"
     config.eval_every, config.checkpoint_every, config.keep_every_steps = 50, 100, 300
     config.data.name, config.data.image_size = "imagefolder", 224
-    config_lib.validate_config(config, num_devices=4)
+    config_checks.validate_config(config, num_devices=4)
 
 
 @pytest.mark.parametrize(("metric", "mode"), [("loss", "min"), ("accuracy", "max")])
 def test_keep_best_by_alone_keeps_the_best_in_its_metrics_direction(metric, mode):
     config = _experiment("mlp.py")
     config.keep_best_by, config.eval_every, config.checkpoint_every = metric, 50, 100
-    config_lib.validate_config(config, num_devices=4)
+    config_checks.validate_config(config, num_devices=4)
     assert config_lib.keep_best_mode(config) == mode
 
 
 def test_a_setting_the_configured_combination_ignores_is_named_in_a_warning(caplog, monkeypatch):
     config = _experiment("mlp.py")
-    assert config_lib.ignored_settings(config) == []
+    assert config_checks.ignored_settings(config) == []
     config.steps, config.num_epochs, config.data.workers = 100, 2, 50
     config.optimizer.name = "adam"
     config.optimizer.momentum, config.data.num_classes = 0.5, 3
     config.max_to_keep, config.keep_every_steps = None, config.checkpoint_every
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     with caplog.at_level("WARNING"):
-        config_lib.validate_config(config, num_devices=1)
-    assert config_lib.ignored_settings(config) == [
+        config_checks.validate_config(config, num_devices=1)
+    assert config_checks.ignored_settings(config) == [
         "config.steps=100 is ignored: num_epochs sets the run's length.",
         f"config.keep_every_steps={config.checkpoint_every} is ignored: max_to_keep=None keeps "
         "every step.",
@@ -287,13 +288,13 @@ def test_the_jit_backend_takes_either_param_sharding():
     config.backend = "jit"
     for param_sharding in ("replicated", "fsdp"):
         config.param_sharding = param_sharding
-        config_lib.validate_config(config, num_devices=4)
+        config_checks.validate_config(config, num_devices=4)
 
 
 def test_the_warmup_is_checked_against_steps_only_without_num_epochs():
     config = _experiment("mlp.py")
     config.optimizer.warmup_steps, config.num_epochs = 600, 2
-    config_lib.validate_config(config, num_devices=1)
+    config_checks.validate_config(config, num_devices=1)
 
 
 def test_a_new_schema_entry_is_a_default_is_validated_and_is_checked_on_resume(
@@ -311,10 +312,10 @@ def test_a_new_schema_entry_is_a_default_is_validated_and_is_checked_on_resume(
     )
     config = _experiment("mlp.py")
     assert (config.data.new_option, config.report_every) == (3, 7)
-    config_lib.validate_config(config, num_devices=1)
+    config_checks.validate_config(config, num_devices=1)
     config.data.new_option = 0
     with pytest.raises(ValueError, match=r"config.data.new_option=0 must be a positive integer"):
-        config_lib.validate_config(config, num_devices=1)
+        config_checks.validate_config(config, num_devices=1)
     workdir = str(tmp_path)
     workdir_lib.record_config(workdir, _experiment("mlp.py"), allow_change=False)
     cadence = _experiment("mlp.py")
@@ -333,7 +334,7 @@ def test_every_bad_value_is_named_in_one_error():
     config = _experiment("mlp.py")
     config.steps, config.precision, config.optimizer.momentum = 0, "float64", 1.5
     with pytest.raises(ValueError) as refused:
-        config_lib.validate_config(config, num_devices=4)
+        config_checks.validate_config(config, num_devices=4)
     message = str(refused.value)
     assert message.startswith("The config has 3 problems: (1) config.steps=0 must be a positive")
     assert "(2) Unknown config.precision 'float64'" in message
@@ -345,7 +346,7 @@ def test_every_broken_rule_is_named_in_one_error():
     config = _experiment("mlp.py")
     config.batch_size, config.keep_best_mode, config.profile_steps = 6, "min", (3,)
     with pytest.raises(ValueError) as refused:
-        config_lib.validate_config(config, num_devices=4)
+        config_checks.validate_config(config, num_devices=4)
     message = str(refused.value)
     assert message.startswith("The config has 3 problems: (1) config.batch_size=6 is not")
     assert "(2) config.profile_steps=(3,) must be" in message
@@ -367,7 +368,7 @@ def test_the_defaults_that_follow_the_data_fit_a_small_folder_and_say_so():
     # The default warmup follows a short run given in steps too, which validation lets pass.
     short = _experiment("mlp.py")
     short.steps = 20
-    config_lib.validate_config(short, num_devices=4)
+    config_checks.validate_config(short, num_devices=4)
     fitted, changes = config_lib.fit_to_data(short, num_train_examples=1000, num_devices=4)
     assert (fitted.batch_size, fitted.optimizer.warmup_steps, len(changes)) == (128, 2, 1)
     # Data that allows the defaults leaves the config as it is.
@@ -416,7 +417,7 @@ def test_a_value_set_away_from_its_default_that_the_data_does_not_allow_is_refus
     ],
 )
 def test_an_unknown_key_is_told_the_nearest_key_or_the_models_that_take_it(name, message):
-    assert message in config_lib.unknown_key_error(name, _experiment("mlp.py"))
+    assert message in config_checks.unknown_key_error(name, _experiment("mlp.py"))
 
 
 def test_describe_keys_gives_every_key_its_value_default_range_and_help():

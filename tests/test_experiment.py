@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 import haiku_state as hs
 from haiku_state import config as config_lib
 from haiku_state import data, evaluation, experiment, sharding
-from haiku_state.guards import replicas
+from haiku_state.guards import config_checks, replicas
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,13 +76,13 @@ def test_a_jit_fsdp_experiment_trains_and_evaluates_as_the_pmap_one():
     same = {"model.hidden_sizes": (256,), "model.dropout_rate": 0.0, "data.max_shift": 0}
     pmap_config = mlp_config(**same)
     jit_config = mlp_config(backend="jit", param_sharding="fsdp", **same)
-    config_lib.validate_config(jit_config, jax.device_count())
+    config_checks.validate_config(jit_config, jax.device_count())
     _, pmap_state, pmap_losses, pmap_eval = _train_three_steps_and_evaluate(pmap_config)
     updater, jit_state, jit_losses, jit_eval = _train_three_steps_and_evaluate(jit_config)
 
     assert (updater.backend, updater.param_sharding) == ("jit", "fsdp")
     assert sharding.is_global(jit_state)
-    assert jit_state.params["mlp/linear"]["w"].sharding.spec == P(None, experiment.AXIS_NAME)
+    assert jit_state.params["mlp/linear"]["w"].sharding.spec == P(None, updater.axis_name)
     per_device, total = sharding.bytes_per_device(jit_state)
     assert per_device < total == sharding.bytes_per_device(pmap_state)[1]
     # BatchNorm of the global batch on both: cross-replica under pmap, global under jit.
@@ -101,7 +101,7 @@ def test_the_wide_mlp_exceeds_a_64_mb_budget_replicated_and_fits_it_with_fsdp():
     # Shapes only: tests/test_updater_jit.py trains such a model with fsdp in its budget.
     budget = 64e6  # bytes of params and opt_state per device
     config = config_lib.load_config_file(os.path.join(REPO, "experiments", "wide_mlp.py"))
-    config_lib.validate_config(config, jax.device_count())
+    config_checks.validate_config(config, jax.device_count())
     built = experiment.build_experiment(config)
     assert (built.updater.backend, built.updater.param_sharding) == ("jit", "fsdp")
     image = jax.ShapeDtypeStruct((config.batch_size, *built.dataset.image_shape), np.float32)
@@ -112,7 +112,7 @@ def test_the_wide_mlp_exceeds_a_64_mb_budget_replicated_and_fits_it_with_fsdp():
     )
     trees = (params, jax.eval_shape(built.optimizer.init, params))
     specs = sharding.param_specs(
-        trees, "fsdp", axis_name=experiment.AXIS_NAME, num_shards=jax.device_count()
+        trees, "fsdp", axis_name=built.updater.axis_name, num_shards=jax.device_count()
     )
     leaves = jax.tree.leaves(trees)
     leaf_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))

@@ -22,9 +22,9 @@ from configs import mlp_config
 from image_trees import image_bytes, write_imagefolder
 from PIL import Image
 
-from haiku_state import config as config_lib
 from haiku_state import data, train
 from haiku_state.data import gpu_decode, order, pipeline, preprocess
+from haiku_state.guards import config_checks
 from haiku_state.guards import workdir as workdir_lib
 from haiku_state.replication import DEFAULT_AXIS_NAME
 
@@ -271,7 +271,7 @@ def test_an_unknown_decoder_is_refused_naming_the_choices(split):
     with pytest.raises(ValueError, match="unknown decoder 'tpu'.*'cpu', 'gpu'"):
         data.encoded_train_batches(split, 4, seed=0, decoder="tpu")
     with pytest.raises(ValueError, match=r"config.data.decoder 'tpu'.*\('cpu', 'gpu'\)"):
-        config_lib.validate_config(mlp_config(**{"data.decoder": "tpu"}), jax.device_count())
+        config_checks.validate_config(mlp_config(**{"data.decoder": "tpu"}), jax.device_count())
 
 
 def test_the_decoder_may_change_when_a_run_resumes():

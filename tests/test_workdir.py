@@ -16,6 +16,7 @@ from image_trees import CLASSES, image_bytes, write_imagefolder
 
 from haiku_state import config as config_lib
 from haiku_state import data
+from haiku_state.guards import config_checks
 from haiku_state.guards import workdir as workdir_lib
 
 
@@ -176,7 +177,7 @@ def test_a_resumed_run_may_change_exactly_the_free_keys_and_those_it_ignores(tmp
     node[leaf] = _another_value(key, node[leaf])
     # A key this combination never reads (data.num_classes of digits) may change too.
     ignored = any(
-        line.startswith(f"config.{key.name}=") for line in config_lib.ignored_settings(changed)
+        line.startswith(f"config.{key.name}=") for line in config_checks.ignored_settings(changed)
     )
     if key.free or ignored:
         workdir_lib.record_config(workdir, changed, allow_change=False)
