@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging as std_logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -36,10 +35,10 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from haiku_state import config as config_lib
 from haiku_state import evaluation
 from haiku_state.driver import train_and_evaluate
-from haiku_state.guards import config_checks, processes, signals
+from haiku_state.guards import command_line as command_line_checks
+from haiku_state.guards import processes, signals
 
 __all__ = ["main", "train_and_evaluate"]
 
@@ -118,79 +117,6 @@ def _define_flags() -> _Flags:
     )
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, every mistake refused in one line; --helpconfig lists the config keys.
-
-    The mistakes: an unknown experiment, an unknown config key (with the nearest
-    one), a bad flag or value, a missing --workdir; all before JAX starts.
-    """
-    config_arg = next(
-        (arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")), None
-    )
-    experiments = config_lib.available_experiments()
-    if config_arg is None:
-        rest = _parse_absl_flags(argv)  # --help and --helpfull print and exit here.
-        if flags.FLAGS.helpconfig:
-            _print_config_keys(None, None)
-        sys.exit(f"--config is required: one of {[f'experiments/{n}.py' for n in experiments]}.")
-    config_path = config_arg.split(":")[0]
-    if not os.path.isfile(config_path):
-        sys.exit(
-            f"Unknown experiment config {config_arg!r}; the experiments are {experiments} "
-            f"(files in {config_lib.EXPERIMENTS_DIR})."
-        )
-    if not config_path.endswith(".py"):
-        sys.exit(f"--config={config_arg}: expected a Python file defining get_config().")
-    try:
-        config = config_lib.load_config_file(config_path)
-    except Exception as e:  # Whatever the file does wrong, say where, in one line.
-        sys.exit(f"--config={config_arg} cannot be loaded: {type(e).__name__}: {e}")
-    keys = config_lib.config_keys(config)
-    for override in _config_overrides(argv):
-        if override not in keys:
-            sys.exit(f"--config.{override}: {config_checks.unknown_key_error(override, config)}")
-    try:
-        # The --config flag loads the file again: it may import the files beside it.
-        with config_lib.importable_directory(config_path):
-            rest = _parse_absl_flags(argv)
-    except (AttributeError, KeyError) as e:  # An override the check above let through.
-        message = str(e.args[0] if e.args else e).strip("'\"").splitlines()[0]
-        sys.exit(f"Bad config override: {message}; --helpconfig lists the keys of {config_arg}.")
-    if flags.FLAGS.helpconfig:
-        _print_config_keys(flags.FLAGS.config, config_arg)
-    if flags.FLAGS.workdir is None:
-        sys.exit("--workdir is required: the run's directory (checkpoints, metrics, its config).")
-    return rest
-
-
-def _parse_absl_flags(argv: list[str]) -> list[str]:
-    """`flags.FLAGS(argv)`, a bad flag or value refused in one line."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        sys.exit(f"{e} (--helpfull lists the flags)")
-
-
-def _config_overrides(argv: list[str]) -> list[str]:
-    """The dotted config keys the command line sets: `steps` of `--config.steps=3`."""
-    overrides = (re.match(r"--?(?:no)?config\.([^=]+)", arg) for arg in argv[1:])
-    return [match.group(1) for match in overrides if match]
-
-
-def _print_config_keys(config: Any, config_arg: str | None) -> None:
-    """Prints --helpconfig's list of the config keys (of `config`, else the schema's), exits."""
-    if config is None:
-        print(
-            "The config keys at the defaults every experiment starts from; "
-            "--config=<experiment> --helpconfig shows an experiment's values."
-        )
-    else:
-        print(f"The config keys of {config_arg}, with the values this command line gives them.")
-    print("--config.<key>=<value> sets one (haiku_state/config.py's SCHEMA defines them).")
-    print(config_lib.describe_keys(config))
-    sys.exit(0)
-
-
 # This package's modules: their INFO lines are the run's log; the libraries' are chatter.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -223,11 +149,6 @@ def _quiet_library_logs() -> None:
 # One-line errors: bad input, bad files, a run that cannot go on. Anything else is a bug
 # and keeps its traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, RuntimeError, OSError)
-
-
-def _is_step(value: str | None) -> bool:
-    """Whether `value` is what --step takes: none, a step number or 'best'."""
-    return value is None or value == "best" or value.isdigit()
 
 
 def _step_flag(value: str | None) -> int | str | None:
@@ -284,8 +205,14 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Defines the flags, parses `argv` (default: `sys.argv`) and runs the mode under absl."""
     command_line = _define_flags()
-    flags.register_validator(command_line.step, _is_step, message="must be a step number or 'best'")
-    app.run(functools.partial(_main, command_line), argv=argv, flags_parser=_parse_flags)
+    flags.register_validator(
+        command_line.step, command_line_checks.is_step, message="must be a step number or 'best'"
+    )
+    app.run(
+        functools.partial(_main, command_line),
+        argv=argv,
+        flags_parser=command_line_checks.parse_flags,
+    )
 
 
 if __name__ == "__main__":
