@@ -254,7 +254,7 @@ def measure_steps(check: Check, peak: dict[str, Any] | None, workdir: str) -> li
 
 
 def _step_summary(result: dict[str, Any]) -> dict[str, Any]:
-    """The step's figures a GPU check keeps (the whole result stays under `result`)."""
+    """The step's figures the check keeps (the whole result stays under `result`)."""
     if "error" in result:
         return result
     updater = result["throughput"]["updater"]

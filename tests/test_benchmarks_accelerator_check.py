@@ -1,6 +1,7 @@
-"""The GPU check's pieces at no cost: its budget, its record, the start-up timing around a run.
+"""The accelerator check's pieces at no cost: its budget, record, the start-up timing of a run.
 
-The check itself runs on a GPU host (`make gpu-check VENV=`); `--quick` runs it on a
+The check itself runs on a GPU or TPU host (`make gpu-check VENV=`, `make tpu-check
+VENV=`); `--quick` runs it on a
 CPU in about two minutes, too long for the suite, so its parts are tested here.
 """
 
