@@ -9,7 +9,7 @@ r"""The input pipeline's throughput: decoding alone, and the training loop it fe
    `image_size` squared, by libjpeg-turbo (simplejpeg) and by PIL; the whole
    training example of the CPU decoder (`cpu`), and of the CPU decoder before
    OpenCV resized (`cpu_baseline`, `benchmarks/baseline_decode.py`).
-3. The pipeline alone (`data.encoded_train_batches`): images/s into
+3. The pipeline alone (`pipeline.encoded_train_batches`): images/s into
    `image_size` squared uint8 batches, for 1 worker and for as many workers as
    this process may use cores; per worker, and the scaling between the two.
    Each worker count runs `--repeats` times with the decoder of `--decoder` and
@@ -197,7 +197,7 @@ def pipeline_rate(
     """
     warmup = max(workers, 1)
     batches = _decoded_on_device(
-        data.encoded_train_batches(
+        pipeline.encoded_train_batches(
             split, batch_size, seed=0, num_steps=steps + warmup, workers=workers, decoder=decoder
         ),
         split,

@@ -51,6 +51,7 @@ from haiku_state.experiment import (
     build_experiment,
     placeholder_batch,
 )
+from haiku_state.guards import data_identity
 from haiku_state.updater import TrainState, step_of
 
 
@@ -292,7 +293,7 @@ def _owning(workdir: str) -> Iterator[None]:
 
 def _data_record(experiment: Experiment) -> dict[str, Any]:
     """What the run records of the data as read (sizes, class names, digests), checked on resume."""
-    return data.identity(experiment.dataset)
+    return data_identity.identity(experiment.dataset)
 
 
 def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
@@ -427,7 +428,7 @@ def _run_metadata(config: Any, data_record: dict[str, Any]) -> dict[str, Any]:
 
 def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iterator[Any]:
     """This process's device batches of the steps from `start_step` to the last."""
-    return data.sharded_train_batches(
+    return data.train_batches(
         experiment.dataset.train,
         config.batch_size,
         seed=config.seed,

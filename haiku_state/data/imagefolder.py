@@ -8,29 +8,19 @@ in `.jpeg`, `.jpg` or `.png` in any case; other files (a README, a hidden
 `._x.JPEG` of macOS) are skipped. The extension only selects files: every image
 is decoded by its content.
 
-**The file index** (every file's path and label, a few bytes per file plus the
-names; never pixels) is built by listing the tree once and cached in
-`$HAIKU_STATE_CACHE/imagefolder/<key>/` (`host_cache`), so a read-only data folder
-needs no write access. With it are the tree's pixel statistics, the mean and
-std the network standardises with (`preprocess.pixel_statistics` of a sample of
-the training images), measured when the index is built. A later start checks
-the cache with one `stat` per folder (`train/`, `val/` and every class folder):
+The file index (every file's path and label) and the tree's pixel statistics
+(`preprocess.pixel_statistics` of a sample) are built once and cached outside the
+tree (`host_cache`). A later start checks the cache with one `stat` per folder:
 adding, removing or renaming an image changes its folder's modification time,
-and any such change rebuilds the index. Processes that start together on one
-host may each build it; every build is written apart and committed by renaming
-its manifest, so a reader sees one complete index or none (the files of
-replaced builds are removed once they are a day old). The index arrays are memory-mapped, so the
-decoding workers share one copy.
-
-An image overwritten under its name changes no folder: what identifies the
-files' content is each file's size and modification time
-(`FileRecords.content_digest`, one `stat` per file), read at every start of a
-training run and recorded with the run (`identity`).
+which rebuilds the index. Each build is written apart and committed by renaming
+its manifest, so processes starting together see one complete index or none.
+The index arrays are memory-mapped, so the decoding workers share one copy. An
+image overwritten under its name changes no folder: `FileRecords.content_digest`
+covers that (`guards.data_identity`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -43,16 +33,13 @@ from absl import logging
 
 from haiku_state.data import host_cache, preprocess
 from haiku_state.data.splits import DataError, Dataset, EncodedSplit, MissingDataError
+from haiku_state.guards import data_identity
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 SPLITS = ("train", "val")
 CACHE_ENV = host_cache.CACHE_ENV
 _CACHE_VERSION = 2  # 2: with the pixel statistics.
 _ARRAYS = ("names", "offsets", "labels")
-# `content_digest` stats the files in blocks of this many, this many blocks at once: a
-# network filesystem answers many requests at once faster than one after the other.
-STAT_BLOCK = 4096
-STAT_THREADS = 16
 
 
 class FileIndex(NamedTuple):
@@ -113,33 +100,8 @@ class FileRecords:
         return hasher.hexdigest()
 
     def content_digest(self) -> str:
-        """A digest of every file's size and modification time, in order.
-
-        An image overwritten under its name (or touched) changes it; its pixels are
-        not read, so a start costs one `stat` per file (1.28 M for ImageNet),
-        `STAT_THREADS` at a time.
-
-        Raises:
-          MissingDataError: naming a file of the index that is gone.
-        """
-        blocks = [range(s, min(s + STAT_BLOCK, len(self))) for s in range(0, len(self), STAT_BLOCK)]
-        hasher = hashlib.blake2b(digest_size=16)
-        with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
-            for sizes_and_times in pool.map(self._sizes_and_times, blocks):
-                hasher.update(sizes_and_times)
-        return hasher.hexdigest()
-
-    def _sizes_and_times(self, indices: range) -> np.ndarray:
-        """int64 `[len(indices), 2]`: each file's size and modification time (ns)."""
-        stats = np.empty((len(indices), 2), np.int64)
-        for row, index in enumerate(indices):
-            path = self.path(index)
-            try:
-                stat = os.stat(path)
-            except FileNotFoundError:
-                raise MissingDataError(f"{path} is gone (listed in the file index).") from None
-            stats[row] = stat.st_size, stat.st_mtime_ns
-        return stats
+        """A digest of every file's size and modification time (`data_identity.stat_digest`)."""
+        return data_identity.stat_digest(self.path, len(self))
 
     def name(self, index: int) -> str:
         """The path of example `index` relative to the tree: `train/<class>/<file>`."""
