@@ -1,19 +1,14 @@
 """ArrayRecord shards: the same examples as an ImageFolder tree, in a few large files.
 
-`python -m haiku_state.prepare` writes them. A prepared folder holds
-`dataset.json` (written last: a folder without it is an unfinished conversion)
-and the shards of each split, `train-00000-of-01252.array_record`, ...,
-`val-...`. Example `i` of a split is record `i` of its shards taken in order,
-and the examples are in the order of the source (an ImageFolder's sorted
-index), so both forms of the same data give the same batches.
-
-Each record is one example, the encoded image exactly as the source stored it:
+`python -m haiku_state.prepare` writes a folder of `dataset.json` (written last:
+without it the conversion did not finish) and each split's shards,
+`train-00000-of-01252.array_record`, ..., `val-...`. Example `i` is record `i` of
+the shards in order, in the source's order, so both forms give the same batches.
+A record is one example, the image as the source stored it, little-endian:
 
     int32 label | uint16 n | n bytes: UTF-8 name of the source file | image bytes
 
-all little-endian. Shards are written uncompressed (the images are compressed
-already) with `group_size:1`, the layout grain reads one record at a time.
-
+Shards are uncompressed, `group_size:1` (grain reads one record at a time).
 `dataset.json` records each shard's name, record count, size, modification time
 and SHA-256, which loading checks (`guards.data_identity.verify_shards`).
 """
@@ -94,10 +89,8 @@ def shard_entry(directory: str, name: str, num_examples: int) -> dict[str, Any]:
 class ShardRecords:
     """The examples of one split of a prepared folder: `(image bytes, label)` by index.
 
-    Args:
-      directory: the prepared folder.
-      shards: `[(file name, number of records)]` in order, from `dataset.json`.
-      sha256: each shard's SHA-256, from `dataset.json`; None if it records none.
+    `shards`: `[(file name, record count)]` in order, and `sha256` each one's, from
+    `dataset.json` (None if it records none).
     """
 
     def __init__(
@@ -184,11 +177,11 @@ def read_metadata(data_dir: str) -> dict[str, Any]:
 
 
 def load_arrayrecord(data_dir: str, image_size: int) -> Dataset:
-    """A prepared folder as a `Dataset` of encoded splits; every shard checked against its record.
+    """A prepared folder as a `Dataset` of encoded splits, every shard checked against its record.
 
     Raises:
-      MissingDataError: for a folder that is not a finished conversion, or a shard
-        its `dataset.json` lists that is not there.
+      MissingDataError: for a folder that is not a finished conversion, or a listed
+        shard that is not there.
       DataError: for a shard whose content differs from the one recorded.
     """
     metadata = read_metadata(data_dir)

@@ -27,19 +27,19 @@ from haiku_state.data.splits import AnySplit, Batch, EncodedSplit, Split
 class PipelineOptions(NamedTuple):
     """How the host side of the input runs (`config.data.workers`, `prefetch`, ...).
 
-    None of them changes which batches a run sees, except `skip_corrupt` where an
-    image is unreadable; `decoder` changes the pixels slightly, not the crops.
+    None changes which batches a run sees, except `skip_corrupt` where an image is
+    unreadable; `decoder` changes the pixels slightly, not the crops.
 
     Attributes:
       workers: decoding processes for encoded splits; 0 decodes in the prefetch
         thread; None: `pipeline.default_workers()`.
       prefetch: host batches kept ready on the devices.
       skip_corrupt: replace (training) or leave out (evaluation) unreadable images
-        instead of stopping with an error naming the file.
-      decoder: who computes an encoded split's pixels: `"cpu"`, the workers, or
-        `"gpu"`, the devices (`gpu_decode`).
-      max_corrupt_fraction: with `skip_corrupt`, the training stops once more of an
-        epoch's examples than this fraction (and more than one) were unreadable.
+        instead of stopping with an error naming the file (`guards.corrupt_images`).
+      decoder: `"cpu"`, the workers compute an encoded split's pixels, or `"gpu"`,
+        the devices (`gpu_decode`).
+      max_corrupt_fraction: with `skip_corrupt`, the largest fraction of an epoch
+        that may be unreadable.
     """
 
     workers: int | None = None
@@ -84,17 +84,9 @@ def train_batches(
     """
     if isinstance(split, EncodedSplit):
         host_batches = pipeline.encoded_train_batches(
-            split,
-            batch_size,
-            seed=seed,
-            start_step=start_step,
-            num_steps=num_steps,
-            process=process,
-            workers=options.workers,
-            skip_corrupt=options.skip_corrupt,
-            decoder=options.decoder,
-            max_corrupt_fraction=options.max_corrupt_fraction,
-        )
+            split, batch_size, seed=seed, start_step=start_step, num_steps=num_steps,
+            process=process, **_decoding(options, "max_corrupt_fraction"),
+        )  # fmt: skip
         if options.decoder == "gpu":
             host_load = pipeline.LoadTrainExample(split, seed, options.skip_corrupt)
             host_batches = _on_device(host_batches, split, host_load)
@@ -122,12 +114,7 @@ def eval_batches(
     """
     if isinstance(split, EncodedSplit):
         host_batches = pipeline.encoded_eval_batches(
-            split,
-            batch_size,
-            process=process,
-            workers=options.workers,
-            skip_corrupt=options.skip_corrupt,
-            decoder=options.decoder,
+            split, batch_size, process=process, **_decoding(options)
         )
         if options.decoder == "gpu":
             host_load = pipeline.LoadEvalExample(split, options.skip_corrupt)
@@ -135,6 +122,11 @@ def eval_batches(
     else:
         host_batches = host_eval_batches(split, batch_size, process=process)
     return device.prefetch_to_device(host_batches, size=options.prefetch)
+
+
+def _decoding(options: PipelineOptions, *more: str) -> dict[str, Any]:
+    """The options the decoding workers take: `workers`, `skip_corrupt`, `decoder`, `more`."""
+    return {name: getattr(options, name) for name in ("workers", "skip_corrupt", "decoder", *more)}
 
 
 def _on_device(
@@ -168,17 +160,10 @@ def host_train_batches(
 def host_eval_batches(
     split: Split, batch_size: int, *, process: ProcessSlice = SINGLE_PROCESS
 ) -> Iterator[Batch]:
-    """One ordered pass over every example, in `ceil(N / B)` batches of exactly `batch_size`.
-
-    The last batch is padded by repeating the split's last example, so every batch
-    has one shape (one compilation); `"mask"` is 1.0 for real examples and 0.0 for
-    padding, so metrics weighted by it are exact. Each process yields its own
-    slice of every global batch, as `host_train_batches` does.
-
-    Raises:
-      ValueError: if `batch_size` is not positive or not divisible by the
-        processes (raised here, not at the first `next`).
-    """
+    """One ordered pass over a split in memory, on the host, in `ceil(N / B)` batches of exactly
+    `batch_size`: the last padded by repeating the last example (one shape, one compilation),
+    `"mask"` 0.0 on the padding so that metrics weighted by it are exact. Each process
+    yields its slice of every global batch; the arguments are checked here (ValueError)."""
     order = order_lib.eval_order(len(split.labels), batch_size, process, "eval_batches")
     return _host_eval_batches(split, order)
 

@@ -28,9 +28,7 @@ _END = object()
 CLOSE_TIMEOUT_S = 30.0
 
 
-def prefetch_to_device(
-    batches: Iterator[Batch], *, size: int = 2, axis_name: str = DEFAULT_AXIS_NAME
-) -> Iterator[Batch]:
+def prefetch_to_device(batches: Iterator[Batch], *, size: int = 2) -> Iterator[Batch]:
     """Shards upcoming host batches onto the local devices in a background thread.
 
     Keeps up to `size` batches ready, laid out as `replication.shard` lays them.
@@ -40,10 +38,10 @@ def prefetch_to_device(
     """
     if size < 1:
         raise ValueError(f"prefetch_to_device: size must be positive, got {size}.")
-    return _prefetch_to_device(iter(batches), size, axis_name)
+    return _prefetch_to_device(iter(batches), size)
 
 
-def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> Iterator[Batch]:
+def _prefetch_to_device(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
     ready: queue.Queue = queue.Queue(maxsize=size)
     stop = threading.Event()
 
@@ -59,7 +57,7 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> 
     def produce() -> None:
         try:
             for batch in batches:
-                if not put(shard(batch, axis_name)):
+                if not put(shard(batch)):
                     return
             put(_END)
         except BaseException as error:  # Handed to the consumer, which re-raises it.
@@ -105,7 +103,6 @@ def device_train_batches(
     seed: int,
     start_step: int = 0,
     process: ProcessSlice = SINGLE_PROCESS,
-    axis_name: str = DEFAULT_AXIS_NAME,
     steps_per_gather: int | None = None,
 ) -> Iterator[Batch]:
     """The batches of `batches.host_train_batches`, drawn on the devices from a copy there.
@@ -134,7 +131,7 @@ def device_train_batches(
     if steps_per_gather < 1:
         raise ValueError(f"{where}: steps_per_gather must be positive, got {steps_per_gather}.")
     indices = order_lib.indices_from(order, start_step)
-    return _device_train_batches(split, indices, axis_name, steps_per_gather)
+    return _device_train_batches(split, indices, steps_per_gather)
 
 
 def _default_steps_per_gather(split: Split, per_device_batch: int) -> int:
@@ -149,16 +146,16 @@ def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> l
 
 
 def _device_train_batches(
-    split: Split, indices: Iterator[np.ndarray], axis_name: str, steps_per_gather: int
+    split: Split, indices: Iterator[np.ndarray], steps_per_gather: int
 ) -> Iterator[Batch]:
     num_devices = jax.local_device_count()
-    mesh = replication.local_mesh(axis_name)
+    mesh = replication.local_mesh()
     images, labels = jax.device_put(
         (split.images, split.labels), NamedSharding(mesh, PartitionSpec())
     )
     # Each device's slice of every batch: the layout a pmapped step takes as it is.
-    gather = jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding(axis_name))
-    index_sharding = NamedSharding(mesh, PartitionSpec(None, axis_name))
+    gather = jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding())
+    index_sharding = NamedSharding(mesh, PartitionSpec(None, DEFAULT_AXIS_NAME))
     while True:
         index = np.stack([next(indices) for _ in range(steps_per_gather)]).astype(np.int32)
         index = index.reshape(steps_per_gather, num_devices, -1)
