@@ -61,7 +61,7 @@ from benchmarks.loop import Deadline
 from haiku_state import compilation_cache, data, driver, summaries
 from haiku_state import config as config_lib
 from haiku_state import loop as train_loop
-from haiku_state.data import gpu_decode, imagefolder, pipeline, preprocess
+from haiku_state.data import gpu_decode, host_cache, pipeline, preprocess
 from haiku_state.experiment import build_experiment, placeholder_batch
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="bench_imagefolder_") as root,
         tempfile.TemporaryDirectory(prefix="bench_index_cache_") as cache,
-        mock.patch.dict(os.environ, {imagefolder.CACHE_ENV: cache}),  # Not the user's.
+        mock.patch.dict(os.environ, {host_cache.CACHE_ENV: cache}),  # Not the user's.
     ):
         # The loop shares the bare update's compiles through a cache of this run's own.
         compilation_cache.enable(os.path.join(cache, "jax_compilation_cache"))

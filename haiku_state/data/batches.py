@@ -84,9 +84,14 @@ def train_batches(
     """
     if isinstance(split, EncodedSplit):
         host_batches = pipeline.encoded_train_batches(
-            split, batch_size, seed=seed, start_step=start_step, num_steps=num_steps,
-            process=process, **_decoding(options, "max_corrupt_fraction"),
-        )  # fmt: skip
+            split,
+            batch_size,
+            seed=seed,
+            start_step=start_step,
+            num_steps=num_steps,
+            process=process,
+            **_decoding(options, "max_corrupt_fraction"),
+        )
         if options.decoder == "gpu":
             host_load = pipeline.LoadTrainExample(split, seed, options.skip_corrupt)
             host_batches = _on_device(host_batches, split, host_load)

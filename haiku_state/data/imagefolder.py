@@ -34,7 +34,6 @@ from haiku_state.guards import data_identity
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 SPLITS = ("train", "val")
-CACHE_ENV = host_cache.CACHE_ENV
 _CACHE_VERSION = 2  # 2: with the pixel statistics.
 _ARRAYS = ("names", "offsets", "labels")
 

@@ -48,15 +48,9 @@ IN_PROCESS_EVAL_EXAMPLES = 512
 
 
 class Decoder(NamedTuple):
-    """What a worker computes from an example's bytes, for one `config.data.decoder`.
-
-    Attributes:
-      train: `(bytes, the example's generator, image_size) -> fields` for training.
-      eval: `(bytes, image_size) -> fields` for evaluation.
-      blank: `image_size -> fields` of an evaluation example left out (masked).
-      on_device: the device finishes the decoding; the examples then also carry
-        their `"slot"`, to redo on the host one the device refuses.
-    """
+    """What a worker computes from an example's bytes (`config.data.decoder`): a training
+    example's fields (given its own generator), an evaluation example's, a left-out one's;
+    `on_device`: the device finishes, and the examples carry their `"slot"` to redo one."""
 
     train: Callable[[bytes, np.random.Generator, int], Batch]
     eval: Callable[[bytes, int], Batch]
@@ -172,7 +166,7 @@ class LoadTrainExample(_Load):
                 fields = self._decoder.train(data, np.random.default_rng(example_seed), size)
             except Exception as e:  # Any failure to read or decode is the file's.
                 count = self._count_unreadable()
-                corrupt_images.replace_or_raise(self._split, candidate, step, e, attempt, count)
+                corrupt_images.skip_or_raise(self._split, candidate, e, count, step, attempt)
                 continue
             _check_label(self._split, candidate, label)
             example = {**fields, "label": np.int32(label)}
@@ -197,7 +191,7 @@ class LoadEvalExample(_Load):
             data, label = records[index]
             fields = self._decoder.eval(data, size)
         except Exception as e:  # Any failure to read or decode is the file's.
-            corrupt_images.leave_out_or_raise(self._split, index, e, self._count_unreadable())
+            corrupt_images.skip_or_raise(self._split, index, e, self._count_unreadable())
             fields, label, mask = self._decoder.blank(size), 0, 0.0
         else:
             _check_label(self._split, index, label)
@@ -208,10 +202,8 @@ class LoadEvalExample(_Load):
 
 
 def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iterator[Batch]:
-    """Batches of `local_size` loaded slots, decoded by `workers` processes (0: this one).
-
-    Never more workers than batches: each worker decodes whole batches.
-    """
+    """Batches of `local_size` loaded slots by `workers` processes (0: this one), never more
+    workers than batches (each decodes whole batches)."""
     dataset = grain.MapDataset.source(slots).map(load).batch(local_size)
     workers = min(workers, len(dataset))
     if workers == 0:

@@ -48,11 +48,9 @@ class Records(Protocol):
 
     def __getitem__(self, index: int) -> tuple[bytes, int]:
         """The encoded image (JPEG, PNG, ...) and the label of example `index`."""
-        ...
 
     def describe(self, index: int) -> str:
         """Where example `index` comes from (a file path, a record of a shard), for errors."""
-        ...
 
 
 class EncodedSplit(NamedTuple):

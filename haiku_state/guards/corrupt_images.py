@@ -24,61 +24,47 @@ MAX_REPLACEMENTS = 64
 LOGGED_IN_FULL = 5
 LOG_EVERY = 1000
 _LOG_NOTE = f" (the first {LOGGED_IN_FULL} are logged, then every {LOG_EVERY}th)"
+_ADVICE = {  # By whether the image is an evaluation's.
+    True: "leave unreadable evaluation images out (counted in the log)",
+    False: "replace unreadable training images deterministically (counted as corrupt_fraction)",
+}
 
 
-def _logged(count: int) -> bool:
-    """Whether a worker logs its `count`-th unreadable image: not a line per image."""
-    return count <= LOGGED_IN_FULL or count % LOG_EVERY == 0
-
-
-def corrupt_error(
-    split: EncodedSplit, index: int, when: str, error: Exception
-) -> CorruptImageError:
-    """The error naming the unreadable example `index`, `when` ("for step 3", "in evaluation")."""
-    if when == "in evaluation":
-        advice = "leave unreadable evaluation images out (counted in the log)"
-    else:
-        advice = "replace unreadable training images deterministically (counted as "
-        advice += "corrupt_fraction)"
-    return CorruptImageError(
-        f"Cannot decode the image {split.records.describe(index)} (example {index}) {when}: "
-        f"{type(error).__name__}: {error}. Set config.data.skip_corrupt=True to {advice}."
-    )
-
-
-def replace_or_raise(
-    split: EncodedSplit, index: int, step: int, error: Exception, attempt: int, count: int | None
+def skip_or_raise(
+    split: EncodedSplit,
+    index: int,
+    error: Exception,
+    count: int | None,
+    step: int | None = None,
+    attempt: int = 0,
 ) -> None:
-    """Logs the `count`-th training image a worker replaces; raises if not skipping (None).
+    """Logs the `count`-th unreadable image a worker skips: replaced at training `step`, left
+    out of an evaluation (`step` None); one line for the first few, then one in `LOG_EVERY`.
 
     Raises:
-      CorruptImageError: without `skip_corrupt`, or after `MAX_REPLACEMENTS` attempts.
+      CorruptImageError: without `skip_corrupt` (`count` None), or after
+        `MAX_REPLACEMENTS` attempts, naming the file, the example and the step.
     """
     if count is None or attempt == MAX_REPLACEMENTS:
-        raise corrupt_error(split, index, f"for step {step + 1}", error) from None
-    if _logged(count):
-        logging.warning(
-            "Step %d: replacing unreadable %s (%s); %d replaced by this worker%s.",
-            step + 1,
-            split.records.describe(index),
-            error,
-            count,
-            _LOG_NOTE,
+        when = "in evaluation" if step is None else f"for step {step + 1}"
+        raise CorruptImageError(
+            f"Cannot decode the image {split.records.describe(index)} (example {index}) {when}: "
+            f"{type(error).__name__}: {error}. Set config.data.skip_corrupt=True to "
+            f"{_ADVICE[step is None]}."
+        ) from None
+    if count <= LOGGED_IN_FULL or count % LOG_EVERY == 0:
+        what, done = (
+            ("Evaluation leaves out", "left out")
+            if step is None
+            else (f"Step {step + 1}: replacing", "replaced")
         )
-
-
-def leave_out_or_raise(
-    split: EncodedSplit, index: int, error: Exception, count: int | None
-) -> None:
-    """Logs the `count`-th evaluation image a worker leaves out; raises if not skipping (None)."""
-    if count is None:
-        raise corrupt_error(split, index, "in evaluation", error) from None
-    if _logged(count):
         logging.warning(
-            "Evaluation leaves out unreadable %s (%s); %d left out by this worker%s.",
+            "%s unreadable %s (%s); %d %s by this worker%s.",
+            what,
             split.records.describe(index),
             error,
             count,
+            done,
             _LOG_NOTE,
         )
 
