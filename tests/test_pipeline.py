@@ -104,7 +104,7 @@ def test_resuming_at_a_step_sees_the_batches_of_an_uninterrupted_run(dataset, st
     _assert_same_batches(_train(dataset.train, steps=3, start_step=start_step), uninterrupted)
 
 
-def test_sharded_train_batches_of_an_encoded_split_are_the_host_batches_on_the_devices(dataset):
+def test_train_batches_of_an_encoded_split_are_the_host_batches_on_the_devices(dataset):
     expected = _train(dataset.train, batch_size=8, steps=2)
     options = data.PipelineOptions(workers=0)
     batches = data.train_batches(dataset.train, 8, seed=3, num_steps=2, options=options)

@@ -12,7 +12,7 @@ from haiku_state.data import batches as batches_lib
 
 
 @pytest.mark.parametrize("fits", [True, False])
-def test_sharded_train_batches_are_the_train_batches_by_either_pipeline(monkeypatch, fits):
+def test_train_batches_are_the_host_batches_by_either_pipeline(monkeypatch, fits):
     monkeypatch.setattr(data.device, "fits_on_device", lambda split: fits)
     split = toy_split(20)
     host = batches_lib.host_train_batches(split, 8, seed=3, start_step=1)
