@@ -158,12 +158,11 @@ def stat_digest(path: Callable[[int], str], count: int) -> str:
     def sizes_and_times(indices: range) -> np.ndarray:
         stats = np.empty((len(indices), 2), np.int64)
         for row, index in enumerate(indices):
+            file = path(index)
             try:
-                stat = os.stat(path(index))
+                stat = os.stat(file)
             except FileNotFoundError:
-                raise MissingDataError(
-                    f"{path(index)} is gone (listed in the file index)."
-                ) from None
+                raise MissingDataError(f"{file} is gone (listed in the file index).") from None
             stats[row] = stat.st_size, stat.st_mtime_ns
         return stats
 
