@@ -345,12 +345,12 @@ def measure_loops(check: Check, root: str, workers: int) -> dict[str, Any]:
 def run_check(check: Check) -> None:
     """Every phase, in order; the record is complete unless a phase was skipped."""
     plan = check.plan
-    from haiku_state.data import imagefolder
+    from haiku_state.data import host_cache
 
     workers = max(len(os.sched_getaffinity(0)) - 1, 1)
     with (
         tempfile.TemporaryDirectory(prefix="accelerator_check_") as scratch,
-        mock.patch.dict(os.environ, {imagefolder.CACHE_ENV: scratch}),  # Not the user's cache.
+        mock.patch.dict(os.environ, {host_cache.CACHE_ENV: scratch}),  # Not the user's cache.
     ):
         root = os.path.join(scratch, "jpegs")
         if check.phase("data", 10.0, lambda: _jpeg_tree(check, root)) is None:

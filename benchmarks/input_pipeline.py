@@ -9,7 +9,7 @@ r"""The input pipeline's throughput: decoding alone, and the training loop it fe
    `image_size` squared, by libjpeg-turbo (simplejpeg) and by PIL; the whole
    training example of the CPU decoder (`cpu`), and of the CPU decoder before
    OpenCV resized (`cpu_baseline`, `benchmarks/baseline_decode.py`).
-3. The pipeline alone (`data.encoded_train_batches`): images/s into
+3. The pipeline alone (`pipeline.encoded_train_batches`): images/s into
    `image_size` squared uint8 batches, for 1 worker and for as many workers as
    this process may use cores; per worker, and the scaling between the two.
    Each worker count runs `--repeats` times with the decoder of `--decoder` and
@@ -60,7 +60,7 @@ from benchmarks.compiles import CompileEvents
 from benchmarks.loop import Deadline
 from haiku_state import compilation_cache, data, driver, summaries
 from haiku_state import config as config_lib
-from haiku_state.data import gpu_decode, imagefolder, pipeline, preprocess
+from haiku_state.data import gpu_decode, host_cache, pipeline, preprocess
 from haiku_state.experiment import build_experiment, placeholder_batch
 from haiku_state.guards import config_checks, signals
 
@@ -197,7 +197,7 @@ def pipeline_rate(
     """
     warmup = max(workers, 1)
     batches = _decoded_on_device(
-        data.encoded_train_batches(
+        pipeline.encoded_train_batches(
             split, batch_size, seed=0, num_steps=steps + warmup, workers=workers, decoder=decoder
         ),
         split,
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="bench_imagefolder_") as root,
         tempfile.TemporaryDirectory(prefix="bench_index_cache_") as cache,
-        mock.patch.dict(os.environ, {imagefolder.CACHE_ENV: cache}),  # Not the user's.
+        mock.patch.dict(os.environ, {host_cache.CACHE_ENV: cache}),  # Not the user's.
     ):
         # The loop shares the bare update's compiles through a cache of this run's own.
         compilation_cache.enable(os.path.join(cache, "jax_compilation_cache"))

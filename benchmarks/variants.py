@@ -32,6 +32,7 @@ from benchmarks import baselines
 from benchmarks.settings import FLAX_PEERS, Settings
 from benchmarks.timing import Variant
 from haiku_state import data, optim, replication
+from haiku_state.data import device
 from haiku_state.experiment import Experiment, make_network
 from haiku_state.updater import Updater
 
@@ -53,16 +54,16 @@ def host_batches(dataset: data.Dataset, batch_size: int, count: int) -> list[dic
 def training_input(dataset: data.Dataset, batch_size: int, seed: int) -> tuple[str, Iterator[Any]]:
     """The input pipeline `driver.train_and_evaluate` uses for `dataset`, and its name.
 
-    `data.sharded_train_batches`: a split that fits on the devices is kept there and
-    batched by a jitted gather (`data.device_train_batches`); a larger one is batched
-    on the host and sharded by `data.prefetch_to_device`'s thread.
+    `data.train_batches`: a split that fits on the devices is kept there and batched
+    by a jitted gather (`device.device_train_batches`); a larger one is batched on
+    the host and sharded by `device.prefetch_to_device`'s thread.
     """
     name = (
         "device_train_batches"
-        if data.fits_on_device(dataset.train)
+        if device.fits_on_device(dataset.train)
         else "train_batches+prefetch_to_device"
     )
-    return name, data.sharded_train_batches(dataset.train, batch_size, seed=seed)
+    return name, data.train_batches(dataset.train, batch_size, seed=seed)
 
 
 def hand_written_per_device(experiment: Experiment) -> baselines.StepFn:

@@ -29,7 +29,14 @@ from haiku_state import checkpoint, compilation_cache, data, loop, sharding, sum
 from haiku_state.config import keep_best_mode
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
-from haiku_state.guards import config_checks, divergence, processes, replicas, signals
+from haiku_state.guards import (
+    config_checks,
+    data_identity,
+    divergence,
+    processes,
+    replicas,
+    signals,
+)
 from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, step_of
 
@@ -62,7 +69,7 @@ def train_and_evaluate(
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     first_state = _first_train_state(experiment, config, workdir)
-    data_record = data.identity(experiment.dataset)
+    data_record = data_identity.identity(experiment.dataset)
 
     with (
         _stop_request(stop) as stop,
@@ -350,7 +357,7 @@ def _run_metadata(config: Any, data_record: dict[str, Any]) -> dict[str, Any]:
 
 def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iterator[Any]:
     """This process's device batches of the steps from `start_step` to the last."""
-    return data.sharded_train_batches(
+    return data.train_batches(
         experiment.dataset.train,
         config.batch_size,
         seed=config.seed,

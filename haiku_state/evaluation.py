@@ -61,7 +61,7 @@ def evaluate_split(
     does not wait for a whole evaluation.
     """
     per_batch = []
-    batches = data.sharded_eval_batches(
+    batches = data.eval_batches(
         split, batch_size, process=data.ProcessSlice.current(), options=options
     )
     try:

@@ -9,6 +9,8 @@ import pytest
 from toy_splits import toy_split
 
 from haiku_state import data, replication
+from haiku_state.data import batches as batches_lib
+from haiku_state.data import device as device_lib
 
 NUM_DEVICES = 4
 
@@ -19,8 +21,8 @@ NUM_DEVICES = 4
 def test_prefetch_to_device_yields_sharded_copies_of_the_host_batches():
     assert jax.local_device_count() == NUM_DEVICES
     split = toy_split(16)
-    host_batches = list(data.eval_batches(split, 8))
-    device_batches = list(data.prefetch_to_device(iter(host_batches), size=2))
+    host_batches = list(batches_lib.host_eval_batches(split, 8))
+    device_batches = list(device_lib.prefetch_to_device(iter(host_batches), size=2))
     assert len(device_batches) == len(host_batches)
     for host, device in zip(host_batches, device_batches, strict=True):
         assert set(device) == set(host)
@@ -33,17 +35,17 @@ def test_prefetch_to_device_yields_sharded_copies_of_the_host_batches():
 
 def test_prefetch_to_device_reraises_an_error_of_the_source():
     def failing_source():
-        yield next(data.eval_batches(toy_split(8), 8))
+        yield next(batches_lib.host_eval_batches(toy_split(8), 8))
         raise RuntimeError("source failed")
 
-    batches = data.prefetch_to_device(failing_source())
+    batches = device_lib.prefetch_to_device(failing_source())
     next(batches)
     with pytest.raises(RuntimeError, match="source failed"):
         next(batches)
 
 
 def test_prefetch_to_device_reraises_an_error_of_shard():
-    batches = data.prefetch_to_device(data.eval_batches(toy_split(6), 6))
+    batches = device_lib.prefetch_to_device(batches_lib.host_eval_batches(toy_split(6), 6))
     with pytest.raises(ValueError, match="not divisible"):
         next(batches)
 
@@ -54,7 +56,9 @@ def _prefetch_threads() -> list[threading.Thread]:
 
 def test_prefetch_to_device_thread_stops_when_the_consumer_closes_early():
     before = len(_prefetch_threads())
-    batches = data.prefetch_to_device(data.train_batches(toy_split(16), 8, seed=0), size=1)
+    batches = device_lib.prefetch_to_device(
+        batches_lib.host_train_batches(toy_split(16), 8, seed=0), size=1
+    )
     next(batches)
     assert len(_prefetch_threads()) == before + 1
     batches.close()
@@ -78,8 +82,10 @@ def test_device_train_batches_are_the_train_batches_sharded_across_epochs(
     batch_size = 8 * process_count
     split = toy_split(20 * process_count)
     process = data.ProcessSlice(process_index, process_count)
-    host = data.train_batches(split, batch_size, seed=3, start_step=start_step, process=process)
-    on_device = data.device_train_batches(
+    host = batches_lib.host_train_batches(
+        split, batch_size, seed=3, start_step=start_step, process=process
+    )
+    on_device = device_lib.device_train_batches(
         split,
         batch_size,
         seed=3,
@@ -99,16 +105,16 @@ def test_device_train_batches_are_the_train_batches_sharded_across_epochs(
 
 def test_device_train_batches_refuse_what_train_batches_refuse_and_an_uneven_split():
     with pytest.raises(ValueError, match="between 1 and the 10 examples"):
-        data.device_train_batches(toy_split(10), 12, seed=0)
+        device_lib.device_train_batches(toy_split(10), 12, seed=0)
     with pytest.raises(ValueError, match="start_step"):
-        data.device_train_batches(toy_split(10), 4, seed=0, start_step=-1)
+        device_lib.device_train_batches(toy_split(10), 4, seed=0, start_step=-1)
     with pytest.raises(ValueError, match="not divisible by the 4 local devices"):
-        data.device_train_batches(toy_split(10), 6, seed=0)
+        device_lib.device_train_batches(toy_split(10), 6, seed=0)
     with pytest.raises(ValueError, match="steps_per_gather"):
-        data.device_train_batches(toy_split(10), 4, seed=0, steps_per_gather=0)
+        device_lib.device_train_batches(toy_split(10), 4, seed=0, steps_per_gather=0)
 
 
 def test_fits_on_device_counts_images_and_labels():
     split = toy_split(10)  # 10 * 4 float32 pixels + 10 int32 labels = 200 bytes.
-    assert data.fits_on_device(split, max_bytes=200)
-    assert not data.fits_on_device(split, max_bytes=199)
+    assert device_lib.fits_on_device(split, max_bytes=200)
+    assert not device_lib.fits_on_device(split, max_bytes=199)

@@ -44,7 +44,9 @@ def _plain(batch):
 
 def _gpu_batches(split, steps=3, **kwargs):
     kwargs.setdefault("workers", 0)
-    batches = data.encoded_train_batches(split, 8, seed=3, num_steps=steps, decoder="gpu", **kwargs)
+    batches = pipeline.encoded_train_batches(
+        split, 8, seed=3, num_steps=steps, decoder="gpu", **kwargs
+    )
     return [_plain(b) for b in batches]
 
 
@@ -83,7 +85,9 @@ def test_what_the_device_does_not_decode_is_decoded_in_the_worker_as_the_cpu_dec
 
 def test_gpu_batches_hold_the_cpu_decoders_examples_boxes_and_flips_for_any_worker_count(split):
     runs = {workers: _gpu_batches(split, workers=workers) for workers in (0, 2)}
-    cpu = [_plain(b) for b in data.encoded_train_batches(split, 8, seed=3, num_steps=3, workers=0)]
+    cpu = [
+        _plain(b) for b in pipeline.encoded_train_batches(split, 8, seed=3, num_steps=3, workers=0)
+    ]
     split_order = order.batch_order(len(split.records), 8, 3)
     for step, batch in enumerate(runs[0]):
         assert set(batch) == {"encoded", "box", "flip", "image", "slot", "label"}
@@ -150,7 +154,9 @@ def test_device_decoder_decodes_every_region_on_its_device_and_keeps_the_rest(sp
     host_load = pipeline.LoadTrainExample(split, 3, False)
     decoder = gpu_decode.DeviceDecoder(IMAGE_SIZE, host_load, regions=_region_from_pil)
     requests = _gpu_batches(split, steps=2)
-    cpu = [_plain(b) for b in data.encoded_train_batches(split, 8, seed=3, num_steps=2, workers=0)]
+    cpu = [
+        _plain(b) for b in pipeline.encoded_train_batches(split, 8, seed=3, num_steps=2, workers=0)
+    ]
     for request, expected in zip(requests, cpu, strict=True):
         batch = decoder(request)
         assert set(batch) == {"image", "label"}
@@ -191,7 +197,7 @@ def test_an_image_the_device_refuses_is_loaded_again_as_the_cpu_decoder_loads_it
         regions=_refusing({request["encoded"][refused]}),
     )
     pixels = np.asarray(decoder(dict(request))["image"])
-    cpu = _plain(next(data.encoded_train_batches(split, 8, seed=3, num_steps=1, workers=0)))
+    cpu = _plain(next(pipeline.encoded_train_batches(split, 8, seed=3, num_steps=1, workers=0)))
     np.testing.assert_array_equal(pixels[refused], cpu["image"][refused])
 
 
@@ -218,7 +224,7 @@ def _step_of(split, index, batch_size=4):
 def _device_decoded(split, steps, skip_corrupt, refused):
     host_load = pipeline.LoadTrainExample(split, 3, skip_corrupt)
     decoder = gpu_decode.DeviceDecoder(IMAGE_SIZE, host_load, regions=_refusing(refused))
-    host = data.encoded_train_batches(
+    host = pipeline.encoded_train_batches(
         split, 4, seed=3, num_steps=steps, workers=0, decoder="gpu", skip_corrupt=skip_corrupt
     )
     return [_plain(b) for b in gpu_decode.decoded_batches(host, decoder)]
@@ -236,7 +242,7 @@ def test_with_skip_corrupt_it_is_replaced_as_the_cpu_decoder_replaces_it(tmp_pat
     split, path, index = _with_broken_jpeg(tmp_path)
     step = _step_of(split, index)
     gpu = _device_decoded(split, step + 1, True, {split.records[index][0]})[step]
-    cpu = data.encoded_train_batches(
+    cpu = pipeline.encoded_train_batches(
         split, 4, seed=3, num_steps=step + 1, workers=0, skip_corrupt=True
     )
     cpu = [_plain(b) for b in cpu][step]
@@ -254,7 +260,9 @@ def test_eval_requests_are_centre_crops_and_a_left_out_image_is_blank(tmp_path):
     split = data.load_dataset("imagefolder", data_dir=root, image_size=IMAGE_SIZE).test
     batches = [
         _plain(b)
-        for b in data.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True, decoder="gpu")
+        for b in pipeline.encoded_eval_batches(
+            split, 4, workers=0, skip_corrupt=True, decoder="gpu"
+        )
     ]
     requests = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
     for position, index in enumerate(requests["slot"][:, 0]):
@@ -269,7 +277,7 @@ def test_eval_requests_are_centre_crops_and_a_left_out_image_is_blank(tmp_path):
 
 def test_an_unknown_decoder_is_refused_naming_the_choices(split):
     with pytest.raises(ValueError, match="unknown decoder 'tpu'.*'cpu', 'gpu'"):
-        data.encoded_train_batches(split, 4, seed=0, decoder="tpu")
+        pipeline.encoded_train_batches(split, 4, seed=0, decoder="tpu")
     with pytest.raises(ValueError, match=r"config.data.decoder 'tpu'.*\('cpu', 'gpu'\)"):
         config_checks.validate_config(mlp_config(**{"data.decoder": "tpu"}), jax.device_count())
 

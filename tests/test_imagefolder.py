@@ -8,7 +8,7 @@ import pytest
 from image_trees import CLASSES, image_bytes, write_imagefolder
 
 from haiku_state import data
-from haiku_state.data import imagefolder
+from haiku_state.data import host_cache, imagefolder
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_the_second_start_reads_the_cached_index_without_listing_the_tree(tree, 
 def test_the_cache_is_keyed_by_the_trees_real_path_outside_the_tree(tree):
     data.load_dataset("imagefolder", data_dir=tree, image_size=16)
     directory = imagefolder.cache_dir(os.path.realpath(tree))
-    assert directory.startswith(os.environ[imagefolder.CACHE_ENV])
+    assert directory.startswith(os.environ[host_cache.CACHE_ENV])
     assert os.path.isfile(os.path.join(directory, "manifest.json"))
     assert not any(name.endswith(".npy") for _, _, files in os.walk(tree) for name in files)
 
@@ -78,7 +78,7 @@ def test_a_changed_class_folder_rebuilds_the_index(tree, change):
 def test_an_unwritable_cache_keeps_the_index_in_memory(tree, monkeypatch, tmp_path):
     blocker = tmp_path / "a file, not a folder"
     blocker.write_text("")
-    monkeypatch.setenv(imagefolder.CACHE_ENV, str(blocker))
+    monkeypatch.setenv(host_cache.CACHE_ENV, str(blocker))
     dataset = data.load_dataset("imagefolder", data_dir=tree, image_size=16)
     assert data.num_examples(dataset.train) == 18
     assert dataset.train.records[0][1] == 0

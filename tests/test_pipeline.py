@@ -21,6 +21,7 @@ from image_trees import CORRUPTIONS, add_corrupt_file, write_imagefolder
 
 from haiku_state import data, replication
 from haiku_state.data import order, pipeline
+from haiku_state.guards import corrupt_images
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +46,7 @@ def _plain(batch):
 
 def _train(split, batch_size=6, *, steps=4, **kwargs):
     kwargs.setdefault("workers", 0)
-    batches = data.encoded_train_batches(split, batch_size, seed=3, num_steps=steps, **kwargs)
+    batches = pipeline.encoded_train_batches(split, batch_size, seed=3, num_steps=steps, **kwargs)
     return [_plain(batch) for batch in batches]
 
 
@@ -103,10 +104,10 @@ def test_resuming_at_a_step_sees_the_batches_of_an_uninterrupted_run(dataset, st
     _assert_same_batches(_train(dataset.train, steps=3, start_step=start_step), uninterrupted)
 
 
-def test_sharded_train_batches_of_an_encoded_split_are_the_host_batches_on_the_devices(dataset):
+def test_train_batches_of_an_encoded_split_are_the_host_batches_on_the_devices(dataset):
     expected = _train(dataset.train, batch_size=8, steps=2)
     options = data.PipelineOptions(workers=0)
-    batches = data.sharded_train_batches(dataset.train, 8, seed=3, num_steps=2, options=options)
+    batches = data.train_batches(dataset.train, 8, seed=3, num_steps=2, options=options)
     for want, batch in zip(expected, batches, strict=True):
         for name, leaf in batch.items():
             assert leaf.sharding == replication.device_axis_sharding()
@@ -120,7 +121,7 @@ def test_evaluation_covers_every_example_once_on_any_process_count(dataset, proc
     per_process = [
         [
             _plain(b)
-            for b in data.encoded_eval_batches(
+            for b in pipeline.encoded_eval_batches(
                 dataset.test, 4, process=data.ProcessSlice(p, process_count), workers=0
             )
         ]
@@ -135,7 +136,7 @@ def test_evaluation_covers_every_example_once_on_any_process_count(dataset, proc
     np.testing.assert_array_equal(labels[masks == 1], [records[i][1] for i in range(9)])
     assert masks.sum() == 9 and images.shape[1:] == (IMAGE_SIZE, IMAGE_SIZE, 3)
     # Evaluation crops are the centre: the same every pass.
-    again = [_plain(b) for b in data.encoded_eval_batches(dataset.test, 4, workers=0)]
+    again = [_plain(b) for b in pipeline.encoded_eval_batches(dataset.test, 4, workers=0)]
     np.testing.assert_array_equal(np.concatenate([b["image"] for b in again]), images)
 
 
@@ -178,8 +179,10 @@ def test_evaluation_with_skip_corrupt_masks_the_unreadable_image_out(tmp_path):
     path = add_corrupt_file(root, "zero-bytes", split="val")
     split = data.load_dataset("imagefolder", data_dir=root, image_size=IMAGE_SIZE).test
     with pytest.raises(data.CorruptImageError, match=f"{path}.*in evaluation"):
-        list(data.encoded_eval_batches(split, 4, workers=0))
-    batches = [_plain(b) for b in data.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True)]
+        list(pipeline.encoded_eval_batches(split, 4, workers=0))
+    batches = [
+        _plain(b) for b in pipeline.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True)
+    ]
     masks = np.concatenate([b["mask"] for b in batches])
     assert masks.sum() == len(split.records) - 1
 
@@ -209,18 +212,18 @@ def test_skip_corrupt_stops_once_more_than_max_corrupt_fraction_of_an_epoch_is_u
         batches = _train(split, steps=6, skip_corrupt=True, max_corrupt_fraction=0.5)
     replaced = sum(int(b["replaced"].sum()) for b in batches)
     logged = [r for r in caplog.records if "replacing unreadable" in r.getMessage()]
-    assert replaced > len(logged) == pipeline.LOGGED_IN_FULL
+    assert replaced > len(logged) == corrupt_images.LOGGED_IN_FULL
 
 
 def test_an_unreadable_evaluation_image_is_named_as_one_and_counted_when_skipped(tmp_path, caplog):
     root = write_imagefolder(tmp_path / "tree", per_class=(2, 2))
     split = _with_unreadable(root, 2, split="val").test
     with pytest.raises(data.CorruptImageError) as error:
-        list(data.encoded_eval_batches(split, 4, workers=0))
+        list(pipeline.encoded_eval_batches(split, 4, workers=0))
     assert "to leave unreadable evaluation images out" in str(error.value)
     assert "training" not in str(error.value)
     with caplog.at_level(logging.WARNING):
-        list(data.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True))
+        list(pipeline.encoded_eval_batches(split, 4, workers=0, skip_corrupt=True))
     assert "Evaluation left out 2 unreadable of this process's 8 images" in caplog.text
 
 
@@ -232,7 +235,7 @@ def test_default_workers_leave_a_core_to_the_training_loop(dataset, monkeypatch)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert data.default_workers() == 0
     with pytest.raises(ValueError, match="workers must be >= 0"):
-        data.encoded_train_batches(dataset.train, 4, seed=0, workers=-1)
+        pipeline.encoded_train_batches(dataset.train, 4, seed=0, workers=-1)
 
 
 def test_a_decoding_worker_leaves_ctrl_c_to_the_training_process():
@@ -297,8 +300,8 @@ def _running(pid: int) -> bool:
 
 def test_a_small_evaluation_is_decoded_in_process_whatever_the_workers(dataset):
     # Workers start anew for every pass, in seconds; 9 images decode in milliseconds.
-    expected = [_plain(b) for b in data.encoded_eval_batches(dataset.test, 4, workers=0)]
-    with contextlib.closing(data.encoded_eval_batches(dataset.test, 4, workers=2)) as batches:
+    expected = [_plain(b) for b in pipeline.encoded_eval_batches(dataset.test, 4, workers=0)]
+    with contextlib.closing(pipeline.encoded_eval_batches(dataset.test, 4, workers=2)) as batches:
         got = [_plain(next(batches))]
         assert multiprocessing.active_children() == []
         got += [_plain(b) for b in batches]

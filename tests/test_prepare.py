@@ -14,7 +14,8 @@ from image_trees import write_cifar10_batch, write_imagefolder
 from PIL import Image
 
 from haiku_state import data, prepare
-from haiku_state.data import arrayrecord, preprocess
+from haiku_state.data import arrayrecord, pipeline, preprocess
+from haiku_state.guards import data_identity
 from haiku_state.guards import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,7 @@ def test_the_shards_hold_every_example_in_the_order_of_the_tree(tree, prepared):
     shards = data.load_dataset("arrayrecord", data_dir=prepared, image_size=IMAGE_SIZE)
     assert (shards.num_classes, shards.mean, shards.std) == (3, folder.mean, folder.std)
     # The run's record identifies the shards: class names, and their names and sizes.
-    identity = data.identity(shards)
+    identity = data_identity.identity(shards)
     assert identity["classes"] == ["cat", "dog", "eel"] and identity["train_digest"]
     assert identity["train_digest"] != identity["test_digest"]
     for split in ("train", "test"):
@@ -72,11 +73,11 @@ def test_an_imagefolder_and_its_shards_give_identical_batches(tree, prepared):
 
     def train(dataset):
         return _batches(
-            data.encoded_train_batches(dataset.train, 6, seed=5, num_steps=5, workers=0)
+            pipeline.encoded_train_batches(dataset.train, 6, seed=5, num_steps=5, workers=0)
         )
 
     def evaluate(dataset):
-        return _batches(data.encoded_eval_batches(dataset.test, 4, workers=0))
+        return _batches(pipeline.encoded_eval_batches(dataset.test, 4, workers=0))
 
     expected_batches = train(folder) + evaluate(folder)
     for expected, got in zip(expected_batches, train(shards) + evaluate(shards), strict=True):
@@ -200,7 +201,7 @@ def test_a_record_with_a_label_outside_the_classes_is_refused_naming_it(tree, tm
     with pytest.raises(
         data.DataError, match=rf"record 1 of {out}/{name} \(val/x/1\): label 7 outside \[0, 3\)"
     ):
-        list(data.encoded_eval_batches(split, 2, workers=0))
+        list(pipeline.encoded_eval_batches(split, 2, workers=0))
 
 
 def test_the_command_line_names_a_bad_source_in_one_line(tmp_path):
@@ -287,7 +288,7 @@ def test_a_run_does_not_resume_on_shards_of_another_short_side(prepared, tmp_pat
     full = str(tmp_path / "full")
     prepare.convert("digits", full, examples_per_shard=500)
     records = {
-        out: data.identity(data.load_dataset("arrayrecord", data_dir=out, image_size=8))
+        out: data_identity.identity(data.load_dataset("arrayrecord", data_dir=out, image_size=8))
         for out in (full, short)
     }
     workdir = str(tmp_path / "run")
@@ -387,12 +388,16 @@ def test_a_replaced_shard_is_refused_naming_it(tree, prepared, tmp_path, replace
 def test_a_copy_without_its_times_is_read_once_and_then_recognised(prepared, tmp_path, monkeypatch):
     copy = _copy(prepared, tmp_path / "copy", keep_times=False)
     read = []
-    file_sha256 = arrayrecord.file_sha256
-    monkeypatch.setattr(arrayrecord, "file_sha256", lambda p: read.append(p) or file_sha256(p))
-    first = data.identity(data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE))
+    file_sha256 = data_identity.file_sha256
+    monkeypatch.setattr(data_identity, "file_sha256", lambda p: read.append(p) or file_sha256(p))
+    first = data_identity.identity(
+        data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE)
+    )
     assert len(read) == 5  # Every shard: 3 train, 2 val.
-    second = data.identity(data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE))
-    original = data.identity(
+    second = data_identity.identity(
+        data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE)
+    )
+    original = data_identity.identity(
         data.load_dataset("arrayrecord", data_dir=prepared, image_size=IMAGE_SIZE)
     )
     assert len(read) == 5 and first == second == original
@@ -415,4 +420,4 @@ def test_shards_of_an_older_prepare_load_with_a_warning_naming_what_is_not_check
         shards = data.load_dataset("arrayrecord", data_dir=copy, image_size=IMAGE_SIZE)
     assert f"{path} records no SHA-256 of 5 shard(s)" in caplog.text
     assert "checked by name, record count and size only" in caplog.text
-    assert data.identity(shards)["train_content"] is None
+    assert data_identity.identity(shards)["train_content"] is None

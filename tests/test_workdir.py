@@ -16,7 +16,7 @@ from image_trees import CLASSES, image_bytes, write_imagefolder
 
 from haiku_state import config as config_lib
 from haiku_state import data
-from haiku_state.guards import config_checks
+from haiku_state.guards import config_checks, data_identity
 from haiku_state.guards import workdir as workdir_lib
 
 
@@ -257,12 +257,12 @@ def test_data_identity_changes_name_the_class_and_older_records_compare_what_the
 
 def test_an_imagefolder_with_a_renamed_class_folder_is_other_data(tmp_path):
     tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
-    before = data.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
+    before = data_identity.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
     for split in ("train", "val"):
         os.rename(os.path.join(tree, split, CLASSES[0]), os.path.join(tree, split, "zz"))
-    after = data.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
+    after = data_identity.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
     assert before["train_examples"] == after["train_examples"]  # Same sizes: counts alone pass.
-    changes = data.identity_changes(before, after)
+    changes = data_identity.identity_changes(before, after)
     assert changes[0] == f"dataset.classes: class 0 was {CLASSES[0]!r}, now {CLASSES[1]!r}"
     assert any("the train examples differ" in change for change in changes)
 
@@ -280,7 +280,9 @@ def _imagefolder(tree):
     """The config and data record of a run on the ImageFolder `tree`."""
     config = _config(**{"data.name": "imagefolder"})
     config.data.dir = str(tree)
-    return config, data.identity(data.load_dataset("imagefolder", data_dir=tree, image_size=8))
+    return config, data_identity.identity(
+        data.load_dataset("imagefolder", data_dir=tree, image_size=8)
+    )
 
 
 def test_an_image_overwritten_under_its_name_is_other_data(tmp_path):
@@ -352,8 +354,8 @@ def test_a_record_without_the_newer_keys_says_what_it_does_not_check(tmp_path, c
 def test_keys_unknown_on_both_sides_are_not_named_as_unchecked():
     recorded = {"train_examples": 10, "train_content": None}
     current = {"train_examples": 10, "train_content": None, "test_content": None, "mean": [1.0]}
-    assert data.unchecked_keys(recorded, current) == ["mean"]
-    assert data.unchecked_keys({**recorded, "train_content": "a"}, current) == [
+    assert data_identity.unchecked_keys(recorded, current) == ["mean"]
+    assert data_identity.unchecked_keys({**recorded, "train_content": "a"}, current) == [
         "mean",
         "train_content",
     ]

@@ -1,28 +1,16 @@
 """ArrayRecord shards: the same examples as an ImageFolder tree, in a few large files.
 
-`python -m haiku_state.prepare` writes them. A prepared folder holds
-`dataset.json` (written last: a folder without it is an unfinished conversion)
-and the shards of each split, `train-00000-of-01252.array_record`, ...,
-`val-...`. Example `i` of a split is record `i` of its shards taken in order,
-and the examples are in the order of the source (an ImageFolder's sorted
-index), so both forms of the same data give the same batches.
-
-Each record is one example, the encoded image exactly as the source stored it:
+`python -m haiku_state.prepare` writes a folder of `dataset.json` (written last:
+without it the conversion did not finish) and each split's shards,
+`train-00000-of-01252.array_record`, ..., `val-...`. Example `i` is record `i` of
+the shards in order, in the source's order, so both forms give the same batches.
+A record is one example, the image as the source stored it, little-endian:
 
     int32 label | uint16 n | n bytes: UTF-8 name of the source file | image bytes
 
-all little-endian. Shards are written uncompressed (the images are compressed
-already) with `group_size:1`, the layout grain reads one record at a time.
-
-`dataset.json` records each shard's name and record count, and (since
-`prepare` records them) its size, modification time and SHA-256. Loading the
-folder checks every shard against them (`verify_shards`): a shard whose size and
-modification time are those recorded costs one `stat`; any other (a copied
-folder, or a shard replaced by one of another conversion) is read once and its
-SHA-256 compared, and a match is remembered on this host (`host_cache`), so a
-copy is read on its first start only. A shard whose content differs is refused,
-naming it. Shards without a SHA-256 (an older `prepare`) are checked by name,
-count and size only, with a warning saying so.
+Shards are uncompressed, `group_size:1` (grain reads one record at a time).
+`dataset.json` records each shard's name, record count, size, modification time
+and SHA-256, which loading checks (`guards.data_identity.verify_shards`).
 """
 
 from __future__ import annotations
@@ -34,17 +22,13 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from absl import logging
-
-from haiku_state.data import host_cache
 from haiku_state.data.splits import DataError, Dataset, EncodedSplit, MissingDataError
+from haiku_state.guards import data_identity
 
 FORMAT = "haiku_state.arrayrecord/1"
 DATASET_FILE = "dataset.json"
 SPLITS = ("train", "val")
 WRITER_OPTIONS = "group_size:1,uncompressed"
-# In this host's cache of a folder: the shards read and found to match `dataset.json`.
-VERIFIED_FILE = "verified.json"
 _HEADER = struct.Struct("<iH")
 
 
@@ -89,12 +73,6 @@ def write_shard(path: str, records: Iterable[bytes]) -> int:
     return count
 
 
-def file_sha256(path: str) -> str:
-    """The SHA-256 of a file's bytes, in hex (about 0.7 GB/s on one core)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def shard_entry(directory: str, name: str, num_examples: int) -> dict[str, Any]:
     """What `dataset.json` records of a written shard: name, count, size, time, SHA-256."""
     path = os.path.join(directory, name)
@@ -104,17 +82,15 @@ def shard_entry(directory: str, name: str, num_examples: int) -> dict[str, Any]:
         "num_examples": num_examples,
         "bytes": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
-        "sha256": file_sha256(path),
+        "sha256": data_identity.file_sha256(path),
     }
 
 
 class ShardRecords:
     """The examples of one split of a prepared folder: `(image bytes, label)` by index.
 
-    Args:
-      directory: the prepared folder.
-      shards: `[(file name, number of records)]` in order, from `dataset.json`.
-      sha256: each shard's SHA-256, from `dataset.json`; None if it records none.
+    `shards`: `[(file name, record count)]` in order, and `sha256` each one's, from
+    `dataset.json` (None if it records none).
     """
 
     def __init__(
@@ -200,91 +176,12 @@ def read_metadata(data_dir: str) -> dict[str, Any]:
     return metadata
 
 
-def verify_shards(data_dir: str, entries: list[dict[str, Any]]) -> None:
-    """Refuses a shard whose content is not the one `dataset.json` records for it.
-
-    A shard with the recorded size and modification time costs a `stat`; another
-    is read once (its SHA-256) and, if it matches, remembered in this host's
-    cache with its size and time. Shards without a recorded SHA-256 are named in
-    a warning: they are not checked.
-
-    Raises:
-      DataError: naming the first shard whose size or SHA-256 differs.
-    """
-    cache = os.path.join(
-        host_cache.cache_dir("arrayrecord", os.path.realpath(data_dir)), VERIFIED_FILE
-    )
-    verified = _read_verified(cache)
-    unrecorded = [entry["file"] for entry in entries if "sha256" not in entry]
-    newly_verified = {}
-    for entry in entries:
-        if "sha256" not in entry:
-            continue
-        path = os.path.join(data_dir, entry["file"])
-        stat = os.stat(path)
-        seen = [stat.st_size, stat.st_mtime_ns]
-        if seen == [entry["bytes"], entry["mtime_ns"]]:
-            continue  # As prepare wrote it.
-        if verified.get(entry["file"]) == [*seen, entry["sha256"]]:
-            continue  # Read and found right by an earlier start on this host.
-        if not newly_verified:
-            logging.info(
-                "Reading the shards of %s whose modification time is not the one %s records "
-                "(a copy?), once, to check their content.",
-                data_dir,
-                DATASET_FILE,
-            )
-        if stat.st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
-            what = "size" if stat.st_size != entry["bytes"] else "SHA-256"
-            raise DataError(
-                f"{path} is not the shard {os.path.join(data_dir, DATASET_FILE)} records: its "
-                f"{what} differs (replaced by a shard of another conversion, or damaged). Put "
-                "the right shard back, or convert the folder again."
-            )
-        newly_verified[entry["file"]] = [*seen, entry["sha256"]]
-    if newly_verified:
-        _record_verified(cache, {**verified, **newly_verified})
-    if unrecorded:
-        logging.warning(
-            "%s records no SHA-256 of %d shard(s) (written by an older prepare), e.g. %s: "
-            "they are checked by name, record count and size only, so a shard replaced by "
-            "another of the same size goes unnoticed. Running the same prepare command "
-            "again records them (it reads each shard once).",
-            os.path.join(data_dir, DATASET_FILE),
-            len(unrecorded),
-            unrecorded[0],
-        )
-
-
-def _read_verified(path: str) -> dict[str, list]:
-    try:
-        with open(path) as f:
-            verified = json.load(f)
-        return verified if isinstance(verified, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _record_verified(path: str, verified: dict[str, list]) -> None:
-    """Writes the cache of verified shards whole (a temporary file renamed), if it can."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
-            json.dump(verified, f)
-        os.replace(temporary, path)
-    except OSError as e:
-        logging.warning(
-            "Cannot record the shards checked in %s (%s): the next start reads them again.", path, e
-        )
-
-
 def load_arrayrecord(data_dir: str, image_size: int) -> Dataset:
-    """A prepared folder as a `Dataset` of encoded splits; every shard checked (`verify_shards`).
+    """A prepared folder as a `Dataset` of encoded splits, every shard checked against its record.
 
     Raises:
-      MissingDataError: for a folder that is not a finished conversion, or a shard
-        its `dataset.json` lists that is not there.
+      MissingDataError: for a folder that is not a finished conversion, or a listed
+        shard that is not there.
       DataError: for a shard whose content differs from the one recorded.
     """
     metadata = read_metadata(data_dir)
@@ -300,7 +197,8 @@ def load_arrayrecord(data_dir: str, image_size: int) -> Dataset:
             )
         sha256 = [s["sha256"] for s in entries] if all("sha256" in s for s in entries) else None
         records[split] = ShardRecords(data_dir, shards, sha256)
-    verify_shards(data_dir, [s for split in SPLITS for s in metadata["splits"][split]["shards"]])
+    entries = [s for split in SPLITS for s in metadata["splits"][split]["shards"]]
+    data_identity.verify_shards(data_dir, entries, DATASET_FILE)
     num_classes = metadata["num_classes"]
     return Dataset(
         train=EncodedSplit(records["train"], image_size, num_classes),

@@ -1,10 +1,8 @@
 """Batches onto the devices: a background thread for host batches, a gather for small splits.
 
-`prefetch_to_device` shards host batches (numpy) onto the local devices in a
-background thread, a few steps ahead. A split small enough to keep a copy on
-every device (`fits_on_device`) skips the host instead: `device_train_batches`
-draws the batches of `batches.train_batches` there with one jitted gather per
-several steps.
+`prefetch_to_device` shards host batches onto the local devices a few steps
+ahead; a split small enough to keep a copy on every device (`fits_on_device`)
+skips the host: `device_train_batches` gathers its batches there.
 """
 
 from __future__ import annotations
@@ -30,37 +28,20 @@ _END = object()
 CLOSE_TIMEOUT_S = 30.0
 
 
-def prefetch_to_device(
-    batches: Iterator[Batch], *, size: int = 2, axis_name: str = DEFAULT_AXIS_NAME
-) -> Iterator[Batch]:
+def prefetch_to_device(batches: Iterator[Batch], *, size: int = 2) -> Iterator[Batch]:
     """Shards upcoming host batches onto the local devices in a background thread.
 
-    While the devices run step `k`, the thread slices and transfers the batches of
-    the next steps, keeping up to `size` of them queued. Each yielded batch has
-    leaves `[local_devices, B // local_devices, ...]` laid out as `replication.shard`
-    lays them, ready for a pmapped step.
-
-    The result is a generator: it ends when `batches` ends, re-raises in the
-    consumer any exception the source or `shard` raised, and `close()` on it (or
-    its garbage collection) stops the thread, which polls a stop flag while it
-    waits on the full queue and is a daemon in any case. The thread closes
-    `batches` when it stops (a generator of decoding workers stops them), and
-    `close()` waits for that, up to `CLOSE_TIMEOUT_S`.
-
-    Args:
-      batches: host batches, e.g. from `train_batches` or `eval_batches`.
-      size: how many device batches to keep ready.
-      axis_name: the pmap axis name the batches are sharded along.
-
-    Returns:
-      An iterator of device batches.
+    Keeps up to `size` batches ready, laid out as `replication.shard` lays them.
+    The generator re-raises any exception of the source or `shard`; closing it
+    stops the thread, which closes `batches` (stopping decoding workers), waiting
+    up to `CLOSE_TIMEOUT_S` for that.
     """
     if size < 1:
         raise ValueError(f"prefetch_to_device: size must be positive, got {size}.")
-    return _prefetch_to_device(iter(batches), size, axis_name)
+    return _prefetch_to_device(iter(batches), size)
 
 
-def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> Iterator[Batch]:
+def _prefetch_to_device(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
     ready: queue.Queue = queue.Queue(maxsize=size)
     stop = threading.Event()
 
@@ -76,7 +57,7 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> 
     def produce() -> None:
         try:
             for batch in batches:
-                if not put(shard(batch, axis_name)):
+                if not put(shard(batch)):
                     return
             put(_END)
         except BaseException as error:  # Handed to the consumer, which re-raises it.
@@ -100,9 +81,8 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int, axis_name: str) -> 
         thread.join(CLOSE_TIMEOUT_S)
 
 
-# `sharded.sharded_train_batches` keeps a training split of at most this many bytes (images
-# and labels) on every device and draws its batches there (`device_train_batches`); larger
-# splits go through the host pipeline (`train_batches` + `prefetch_to_device`).
+# `batches.train_batches` keeps a training split of at most this many bytes (images and
+# labels) on every device (`device_train_batches`); larger ones go through the host.
 DEVICE_RESIDENT_MAX_BYTES = 128 * 2**20
 # `device_train_batches` gathers the batches of several steps per launch: at most this many
 # bytes of them per device, and at most this many steps (the gather's compile time grows
@@ -123,44 +103,20 @@ def device_train_batches(
     seed: int,
     start_step: int = 0,
     process: ProcessSlice = SINGLE_PROCESS,
-    axis_name: str = DEFAULT_AXIS_NAME,
     steps_per_gather: int | None = None,
 ) -> Iterator[Batch]:
-    """The batches of `train_batches`, drawn on device from a device-resident split.
+    """The batches of `batches.host_train_batches`, drawn on the devices from a copy there.
 
-    The split is transferred once, a full copy to every local device. Then, for
-    every `steps_per_gather` steps, the host transfers their example indices (the
-    order `train_batches` draws, this process's slice of each batch) and one
-    jitted gather, dispatched asynchronously, builds their batches, each device
-    its own slice of each batch: no host gather, no copy of images, no thread to
-    compete with the step for the cores, and the gather's dispatch cost is paid
-    once per several steps.
-
-    Batch `k` holds exactly the examples of batch `k` of `train_batches` with the
-    same arguments, in the same order, laid out as `prefetch_to_device` lays them
-    out, so a run gives the same results with either pipeline. Use it for splits
-    that fit in device memory next to the model (`fits_on_device`).
-
-    Args:
-      split: the examples to draw from.
-      batch_size: the global batch size, over all processes; this process's share
-        must be a multiple of its local device count.
-      seed: fixes the shuffle of every epoch, as in `train_batches`.
-      start_step: the first step to yield.
-      process: the slice of every global batch this process loads.
-      axis_name: the pmap axis name the batches are sharded along.
-      steps_per_gather: how many steps' batches one gather builds (and holds on
-        the devices until they are consumed); None: as many as take at most
-        `GATHER_BYTES` per device, between 1 and `MAX_STEPS_PER_GATHER`.
-
-    Returns:
-      An iterator of device batches `{"image": [devices, B / P / devices, H, W, C],
-      "label": [devices, B / P / devices]}`.
+    The split is transferred once to every local device; then one jitted gather per
+    `steps_per_gather` steps (None: at most `GATHER_BYTES` per device, at most
+    `MAX_STEPS_PER_GATHER`) builds their batches from the indices the host sends:
+    no host gather, no thread competing with the step. Batch `k` is batch `k` of
+    the host pipeline with the same arguments, laid out as `prefetch_to_device`
+    lays it out.
 
     Raises:
-      ValueError: for the arguments `train_batches` refuses, a process share not
-        divisible by the local device count, or a `steps_per_gather` that is not
-        positive (raised here, not at the first `next`).
+      ValueError: for the arguments the host pipeline refuses, a process share not
+        divisible by the local device count, or a `steps_per_gather` below 1.
     """
     where, num_examples = "device_train_batches", len(split.labels)
     order = order_lib.batch_order(num_examples, batch_size, seed, start_step, process, where)
@@ -175,7 +131,7 @@ def device_train_batches(
     if steps_per_gather < 1:
         raise ValueError(f"{where}: steps_per_gather must be positive, got {steps_per_gather}.")
     indices = order_lib.indices_from(order, start_step)
-    return _device_train_batches(split, indices, axis_name, steps_per_gather)
+    return _device_train_batches(split, indices, steps_per_gather)
 
 
 def _default_steps_per_gather(split: Split, per_device_batch: int) -> int:
@@ -190,16 +146,16 @@ def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> l
 
 
 def _device_train_batches(
-    split: Split, indices: Iterator[np.ndarray], axis_name: str, steps_per_gather: int
+    split: Split, indices: Iterator[np.ndarray], steps_per_gather: int
 ) -> Iterator[Batch]:
     num_devices = jax.local_device_count()
-    mesh = replication.local_mesh(axis_name)
+    mesh = replication.local_mesh()
     images, labels = jax.device_put(
         (split.images, split.labels), NamedSharding(mesh, PartitionSpec())
     )
     # Each device's slice of every batch: the layout a pmapped step takes as it is.
-    gather = jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding(axis_name))
-    index_sharding = NamedSharding(mesh, PartitionSpec(None, axis_name))
+    gather = jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding())
+    index_sharding = NamedSharding(mesh, PartitionSpec(None, DEFAULT_AXIS_NAME))
     while True:
         index = np.stack([next(indices) for _ in range(steps_per_gather)]).astype(np.int32)
         index = index.reshape(steps_per_gather, num_devices, -1)

@@ -1,30 +1,15 @@
 """The GPU decoder (`config.data.decoder="gpu"`): nvJPEG through nvImageCodec, on the device.
 
-The host still draws every crop box and flip, from `(seed, step, position)`
-as the CPU decoder does (`preprocess.train_plan`); only the pixels move. A
-decoding worker reads an example's bytes and header, draws its plan and hands
-over a *request* (`train_request`, `eval_request`): the bytes, the box and the
-flip. In the training process, `DeviceDecoder` decodes each JPEG's region of
-interest on its device with nvJPEG (nvImageCodec's ROI decoding), and resizes
-the exact box to `image_size` with antialiased bilinear weights
-(`jax.image.scale_and_translate`, as PIL's bilinear resize), mirrors it, and
-hands over uint8 device arrays. Batches are the same function of `(seed, step)`
-as with the CPU decoder, whatever the worker or process count; the pixels
-differ slightly (another IDCT, no DCT scaling, the exact box).
-
-Where the device cannot or does not decode, the host does, with the CPU
-decoder's code and results: PNGs, CMYK JPEGs and JPEGs without an end marker
-(truncated files) are decoded in the worker (same box and flip), and an image
-nvImageCodec refuses is loaded again on the host from its slot, which stops
-with the file's name or replaces it (`skip_corrupt`) exactly as the CPU decoder
-would. The request functions run in the workers and import nothing of
-nvImageCodec; `DeviceDecoder` imports it when built.
-
-The region each image decodes is its box rounded out to whole pixels, padded
-to a square whose side is a multiple of `CANVAS_QUANTUM` (beyond the image,
-filled with zeros); a device batch is resized in chunks of `CHUNK` such
-canvases of one side (the images sorted by size). The resize then compiles
-once per side, not per image, and launches once per chunk.
+The host still draws every crop box and flip (`preprocess.train_plan`); a worker
+hands over a request (`train_request`, `eval_request`): the bytes, the box, the
+flip. `DeviceDecoder` decodes each JPEG's region on its device, resizes the exact
+box with antialiased bilinear weights (as PIL) and mirrors it. The batches are
+the same function of `(seed, step)` as the CPU decoder's; the pixels differ
+slightly (another IDCT, no DCT scaling, the exact box). PNGs, CMYK and truncated
+JPEGs are decoded in the worker as the CPU decoder does, and an image nvImageCodec
+refuses is loaded again on the host from its slot (stopping or replaced as the CPU
+decoder would). Regions are padded to squares of a multiple of `CANVAS_QUANTUM`
+and resized `CHUNK` at a time, so the resize compiles once per side.
 """
 
 from __future__ import annotations
@@ -40,7 +25,7 @@ import numpy as np
 
 from haiku_state.data import preprocess
 from haiku_state.data.splits import Batch
-from haiku_state.replication import DEFAULT_AXIS_NAME, local_mesh
+from haiku_state.replication import device_axis_sharding
 
 # Decoded regions are padded to a multiple of this many pixels along each side.
 CANVAS_QUANTUM = 128
@@ -53,7 +38,7 @@ REQUEST_FIELDS = ("encoded", "box", "flip", "slot")
 
 
 def unavailable_reason() -> str | None:
-    """Why `config.data.decoder="gpu"` cannot run here (no GPU, no nvImageCodec); None if it can."""
+    """Why `config.data.decoder="gpu"` cannot run here; None if it can."""
     platforms = sorted({device.platform for device in jax.local_devices()})
     if "gpu" not in platforms:
         return f"this machine has no GPU (JAX's devices: {', '.join(platforms)})"
@@ -85,11 +70,7 @@ def _request(data: bytes, plan: preprocess.Plan, image_size: int) -> Batch:
 
 
 def train_request(data: bytes, rng: np.random.Generator, image_size: int) -> Batch:
-    """A training example's request: its plan drawn as the CPU decoder draws it.
-
-    Raises:
-      Whatever reading the header raises for bytes that are not an image.
-    """
+    """A training example's request: its plan drawn as the CPU decoder draws it."""
     return _request(data, preprocess.train_plan(*preprocess.encoded_size(data), rng), image_size)
 
 
@@ -110,11 +91,7 @@ def blank_request(image_size: int) -> Batch:
 
 
 def region(box: Sequence[float], quantum: int = CANVAS_QUANTUM) -> tuple[int, int, int, int]:
-    """The region decoded for `box`: `(top, left, height, width)`, the box rounded out, padded.
-
-    The box lies at `box - (left, top)` in the decoded region; `height` and
-    `width` are multiples of `quantum`.
-    """
+    """The region decoded for `box`: `(top, left, height, width)`, rounded out and padded."""
     left, top = math.floor(box[0]), math.floor(box[1])
     height = math.ceil(box[3]) - top
     width = math.ceil(box[2]) - left
@@ -123,11 +100,7 @@ def region(box: Sequence[float], quantum: int = CANVAS_QUANTUM) -> tuple[int, in
 
 @functools.partial(jax.jit, static_argnames="image_size")
 def crop_resize(canvas: jax.Array, box: jax.Array, flip: jax.Array, image_size: int) -> jax.Array:
-    """`box` (left, top, right, bottom, in pixels of `canvas`) resized to `image_size`, uint8.
-
-    Antialiased bilinear weights over the exact box, as PIL's bilinear resize;
-    mirrored left to right where `flip`.
-    """
+    """`box` of `canvas` resized to `image_size` (antialiased bilinear, as PIL), maybe mirrored."""
     left, top, right, bottom = box[0], box[1], box[2], box[3]
     scale = jnp.stack([image_size / (bottom - top), image_size / (right - left)])
     translation = -jnp.stack([top, left]) * scale
@@ -179,13 +152,9 @@ def nvimgcodec_regions() -> RegionDecoder:
 class DeviceDecoder:
     """Host batches of requests -> batches whose `"image"` was decoded on the local devices.
 
-    Args:
-      image_size: the side of the output.
-      host_load: `slot -> example` of the CPU decoder (`pipeline.LoadTrainExample`
-        or `LoadEvalExample` with the CPU decoder): what an image the device
-        refuses becomes, exactly as with the CPU decoder.
-      regions: the region decoder; None: nvImageCodec's (`nvimgcodec_regions`).
-      axis_name: the device axis the batches are sharded along.
+    `host_load` is the CPU decoder's `slot -> example` (`pipeline.LoadTrainExample`,
+    `LoadEvalExample`): what an image the device refuses becomes. `regions`: None for
+    nvImageCodec's (`nvimgcodec_regions`).
     """
 
     def __init__(
@@ -193,13 +162,10 @@ class DeviceDecoder:
         image_size: int,
         host_load: Callable[[tuple[int, ...]], Batch],
         regions: RegionDecoder | None = None,
-        axis_name: str = DEFAULT_AXIS_NAME,
     ):
         self._image_size, self._host_load = image_size, host_load
         self._regions = nvimgcodec_regions() if regions is None else regions
-        self._sharding = jax.sharding.NamedSharding(
-            local_mesh(axis_name), jax.sharding.PartitionSpec(axis_name)
-        )
+        self._sharding = device_axis_sharding()
 
     def __call__(self, batch: Batch) -> Batch:
         """The batch with `"image"` a uint8 `[B, S, S, 3]` array sharded over the devices."""
@@ -215,12 +181,8 @@ class DeviceDecoder:
         return {name: leaf for name, leaf in batch.items() if name not in REQUEST_FIELDS}
 
     def _device_images(self, batch: Batch, rows: range, device: Any) -> jax.Array:
-        """`[len(rows), S, S, 3]` on `device`: the requests' images, decoded there if they can be.
-
-        The regions are decoded in one call, then resized in chunks of `CHUNK`
-        canvases of one shape (the examples sorted by size, so a chunk's canvas
-        is about its images' size).
-        """
+        """`[len(rows), S, S, 3]` on `device`: the regions decoded in one call, resized in chunks
+        of `CHUNK` canvases of one side (sorted by size); the rest decoded on the host."""
         todo = sorted((i for i in rows if batch["encoded"][i]), key=lambda i: _side(batch, i))
         chunks = [todo[start : start + CHUNK] for start in range(0, len(todo), CHUNK)]
         regions = {}

@@ -1,10 +1,8 @@
 """What this host keeps about data folders, outside them, so that they may be read-only.
 
-`$HAIKU_STATE_CACHE/<kind>/<key>/` (default `~/.cache/haiku_state`, or under
-`$XDG_CACHE_HOME`), where `<key>` is a hash of the folder's absolute real path:
-an ImageFolder tree's file index and pixel statistics (`imagefolder`), the
-shards of an ArrayRecord folder whose content was read and found to match its
-`dataset.json` (`arrayrecord`). Anything there may be deleted; it is rebuilt.
+`$HAIKU_STATE_CACHE/<kind>/<hash of the folder's real path>/` (default under
+`$XDG_CACHE_HOME` or `~/.cache`): an ImageFolder's file index and statistics, the
+ArrayRecord shards found to match their record. Anything there may be deleted.
 """
 
 from __future__ import annotations

@@ -1,36 +1,23 @@
 """ImageFolder trees: `DIR/train/<class>/*` and `DIR/val/<class>/*`, indexed once and cached.
 
-The class index of an image is the position of its folder's name among the
-sorted class folders of `train/` (`val/` must have the same ones), as
-`torchvision.datasets.ImageFolder` numbers them and as ILSVRC-2012 is usually
-extracted. Images are the files directly inside a class folder whose names end
-in `.jpeg`, `.jpg` or `.png` in any case; other files (a README, a hidden
-`._x.JPEG` of macOS) are skipped. The extension only selects files: every image
-is decoded by its content.
+An image's label is its folder's place among the sorted class folders of `train/`
+(`val/` must have the same), as torchvision's `ImageFolder` numbers them. Images
+are the files of a class folder named `.jpeg`, `.jpg` or `.png` in any case
+(hidden files skipped), decoded by their content.
 
-**The file index** (every file's path and label, a few bytes per file plus the
-names; never pixels) is built by listing the tree once and cached in
-`$HAIKU_STATE_CACHE/imagefolder/<key>/` (`host_cache`), so a read-only data folder
-needs no write access. With it are the tree's pixel statistics, the mean and
-std the network standardises with (`preprocess.pixel_statistics` of a sample of
-the training images), measured when the index is built. A later start checks
-the cache with one `stat` per folder (`train/`, `val/` and every class folder):
+The file index (every file's path and label) and the tree's pixel statistics
+(`preprocess.pixel_statistics` of a sample) are built once and cached outside the
+tree (`host_cache`). A later start checks the cache with one `stat` per folder:
 adding, removing or renaming an image changes its folder's modification time,
-and any such change rebuilds the index. Processes that start together on one
-host may each build it; every build is written apart and committed by renaming
-its manifest, so a reader sees one complete index or none (the files of
-replaced builds are removed once they are a day old). The index arrays are memory-mapped, so the
-decoding workers share one copy.
-
-An image overwritten under its name changes no folder: what identifies the
-files' content is each file's size and modification time
-(`FileRecords.content_digest`, one `stat` per file), read at every start of a
-training run and recorded with the run (`identity`).
+which rebuilds the index. Each build is written apart and committed by renaming
+its manifest, so processes starting together see one complete index or none.
+The index arrays are memory-mapped, so the decoding workers share one copy. An
+image overwritten under its name changes no folder: `FileRecords.content_digest`
+covers that (`guards.data_identity`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -43,26 +30,18 @@ from absl import logging
 
 from haiku_state.data import host_cache, preprocess
 from haiku_state.data.splits import DataError, Dataset, EncodedSplit, MissingDataError
+from haiku_state.guards import data_identity
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 SPLITS = ("train", "val")
-CACHE_ENV = host_cache.CACHE_ENV
 _CACHE_VERSION = 2  # 2: with the pixel statistics.
 _ARRAYS = ("names", "offsets", "labels")
-# `content_digest` stats the files in blocks of this many, this many blocks at once: a
-# network filesystem answers many requests at once faster than one after the other.
-STAT_BLOCK = 4096
-STAT_THREADS = 16
 
 
 class FileIndex(NamedTuple):
-    """The files of one split: their paths relative to the split folder, and labels.
-
-    Attributes:
-      names: uint8, the UTF-8 paths `<class>/<file>` one after another.
-      offsets: int64 `[N + 1]`: path `i` is `names[offsets[i]:offsets[i + 1]]`.
-      labels: int32 `[N]`.
-    """
+    """The files of one split: `names`, uint8, the UTF-8 paths `<class>/<file>` one after
+    another; int64 `offsets` `[N + 1]` (path `i` is `names[offsets[i]:offsets[i + 1]]`);
+    int32 `labels` `[N]`."""
 
     names: np.ndarray
     offsets: np.ndarray
@@ -79,13 +58,10 @@ def pack_index(names: list[str], labels: list[int]) -> FileIndex:
 
 
 class FileRecords:
-    """The examples of one split of an ImageFolder tree: `(file bytes, label)` by index.
+    """The examples of one split of an ImageFolder tree (`folder`): `(file bytes, label)`.
 
-    Args:
-      folder: the split's folder (`DIR/train`).
-      index: its file index.
-      cache_files: where the index arrays are stored, if they are: workers then
-        memory-map them instead of receiving a copy.
+    `cache_files`: where the index arrays are stored, if they are: the workers then
+    memory-map them instead of receiving a copy.
     """
 
     def __init__(self, folder: str, index: FileIndex, cache_files: dict[str, str] | None = None):
@@ -113,33 +89,8 @@ class FileRecords:
         return hasher.hexdigest()
 
     def content_digest(self) -> str:
-        """A digest of every file's size and modification time, in order.
-
-        An image overwritten under its name (or touched) changes it; its pixels are
-        not read, so a start costs one `stat` per file (1.28 M for ImageNet),
-        `STAT_THREADS` at a time.
-
-        Raises:
-          MissingDataError: naming a file of the index that is gone.
-        """
-        blocks = [range(s, min(s + STAT_BLOCK, len(self))) for s in range(0, len(self), STAT_BLOCK)]
-        hasher = hashlib.blake2b(digest_size=16)
-        with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
-            for sizes_and_times in pool.map(self._sizes_and_times, blocks):
-                hasher.update(sizes_and_times)
-        return hasher.hexdigest()
-
-    def _sizes_and_times(self, indices: range) -> np.ndarray:
-        """int64 `[len(indices), 2]`: each file's size and modification time (ns)."""
-        stats = np.empty((len(indices), 2), np.int64)
-        for row, index in enumerate(indices):
-            path = self.path(index)
-            try:
-                stat = os.stat(path)
-            except FileNotFoundError:
-                raise MissingDataError(f"{path} is gone (listed in the file index).") from None
-            stats[row] = stat.st_size, stat.st_mtime_ns
-        return stats
+        """A digest of every file's size and modification time (`data_identity.stat_digest`)."""
+        return data_identity.stat_digest(self.path, len(self))
 
     def name(self, index: int) -> str:
         """The path of example `index` relative to the tree: `train/<class>/<file>`."""
@@ -156,14 +107,8 @@ class FileRecords:
 
 
 class ImageTree(NamedTuple):
-    """An indexed ImageFolder tree.
-
-    Attributes:
-      classes: the class names, in label order.
-      records: the examples of each split (`train`, `val`).
-      mean: the per-channel pixel mean of the training images (`tree_statistics`).
-      std: the matching standard deviations.
-    """
+    """An indexed ImageFolder tree: class names in label order, each split's records, and the
+    training images' per-channel pixel mean and std (`tree_statistics`)."""
 
     classes: list[str]
     records: dict[str, FileRecords]
@@ -172,17 +117,8 @@ class ImageTree(NamedTuple):
 
 
 def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
-    """An ImageFolder tree as a `Dataset` of encoded splits, checked before anything is read.
-
-    Args:
-      data_dir: the folder holding `train/` and `val/`.
-      image_size: the side of the square crops the pipeline makes.
-
-    Raises:
-      MissingDataError: for a missing `data_dir`, `train/` or `val/`.
-      DataError: for a class folder without images, or class folders that differ
-        between `train/` and `val/`.
-    """
+    """The tree at `data_dir` (holding `train/` and `val/`) as a `Dataset` of encoded splits,
+    checked before anything is read (`index_tree`)."""
     tree = index_tree(data_dir)
     return Dataset(
         train=EncodedSplit(tree.records["train"], image_size, len(tree.classes)),
@@ -262,20 +198,14 @@ def build_index(split_dir: str, classes: list[str]) -> FileIndex:
     return pack_index(names, labels)
 
 
-# -- The cache ------------------------------------------------------------------------------
-
-
 def cache_dir(root: str) -> str:
     """Where the index of the tree at `root` (a real absolute path) is cached."""
     return host_cache.cache_dir("imagefolder", root)
 
 
 def tree_statistics(train: FileRecords) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The per-channel mean and std of a sample of the training images (`pixel_statistics`).
-
-    Raises:
-      DataError: when none of the sampled images decodes.
-    """
+    """The per-channel mean and std of a sample of the training images; DataError if none
+    of them decodes."""
     sample = preprocess.statistics_sample(len(train))
     try:
         return preprocess.pixel_statistics(train[i][0] for i in sample)
@@ -342,11 +272,8 @@ def _write_cache(root: str, tree: ImageTree, indexes: dict[str, FileIndex], mtim
 
 
 def _remove_other_builds(directory: str, build: str) -> None:
-    """Removes the files of earlier builds, once they are a day old.
-
-    Not younger ones: a process that started at the same time may be about to
-    commit its own build, or be reading the one it built.
-    """
+    """Removes the files of earlier builds once a day old: a younger one may be about to be
+    committed, or read, by a process that started at the same time."""
     day_ago = time.time() - 24 * 3600
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
@@ -357,6 +284,14 @@ def _remove_other_builds(directory: str, build: str) -> None:
                 os.remove(path)
         except OSError:
             pass  # Another process removed it first.
+
+
+def _mapped_records(root: str, files: dict[str, dict[str, str]]) -> dict[str, FileRecords]:
+    """The records of each split, their index memory-mapped from the cached `files`."""
+    return {
+        split: FileRecords(os.path.join(root, split), _map_index(files[split]), files[split])
+        for split in SPLITS
+    }
 
 
 def index_tree(data_dir: str) -> ImageTree:
@@ -371,11 +306,7 @@ def index_tree(data_dir: str) -> ImageTree:
     manifest = _read_cache(root)
     if manifest is not None:
         logging.info("ImageFolder %s: file index from the cache %s.", root, cache_dir(root))
-        files = manifest["files"]
-        records = {
-            split: FileRecords(os.path.join(root, split), _map_index(files[split]), files[split])
-            for split in SPLITS
-        }
+        records = _mapped_records(root, manifest["files"])
         return ImageTree(
             manifest["classes"], records, tuple(manifest["mean"]), tuple(manifest["std"])
         )
@@ -389,8 +320,4 @@ def index_tree(data_dir: str) -> ImageTree:
     except OSError as e:
         logging.warning("Cannot cache the file index of %s (%s); it stays in memory.", root, e)
         return tree
-    records = {
-        split: FileRecords(os.path.join(root, split), _map_index(files[split]), files[split])
-        for split in SPLITS
-    }
-    return tree._replace(records=records)
+    return tree._replace(records=_mapped_records(root, files))

@@ -1,8 +1,7 @@
 """The datasets held in host memory: the embedded digits, CIFAR-10's python release, synthetic.
 
-Digits and CIFAR-10 are kept as uint8 pixels, as stored (a quarter of the
-memory float32 would take); `Dataset.mean` and `Dataset.std` carry the
-statistics the network standardises them with on the device.
+Digits and CIFAR-10 are kept as uint8 pixels, as stored; `Dataset.mean` and `.std`
+carry the statistics the network standardises them with on the device.
 """
 
 from __future__ import annotations
@@ -24,12 +23,8 @@ CIFAR10_STD = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32)
 
 
 def load_digits() -> Dataset:
-    """The 1,797 8x8 scikit-learn digits, 360 held out by a permutation fixed by seed 0.
-
-    Pixels are the integers 0..16, stored as uint8. The network standardises them
-    with the scalar mean and std of the training split, so the test split sees the
-    training statistics only.
-    """
+    """The 1,797 8x8 scikit-learn digits (pixels 0..16), 360 held out by a permutation of
+    seed 0; standardised with the training split's scalar mean and std."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     digits = sklearn_digits()
@@ -52,9 +47,8 @@ def load_digits() -> Dataset:
 def load_cifar10(data_dir: str) -> Dataset:
     """CIFAR-10 from the python-pickle release, as uint8 NHWC pixels.
 
-    The network standardises them with the standard CIFAR-10 training-set mean and
-    std (`CIFAR10_MEAN`, `CIFAR10_STD`) rather than statistics of the files read,
-    so the same pixel always maps to the same value whatever subset is on disk.
+    Standardised with the standard training-set mean and std (`CIFAR10_MEAN`, `_STD`),
+    not the files', so a pixel maps to one value whatever subset is on disk.
     """
     expected = CIFAR10_TRAIN_FILES + (CIFAR10_TEST_FILE,)
     if not os.path.isdir(data_dir):
@@ -82,12 +76,8 @@ def load_cifar10(data_dir: str) -> Dataset:
 
 
 class _Cifar10Unpickler(pickle.Unpickler):
-    """Unpickles plain containers, scalars and numpy arrays; refuses every other class.
-
-    `pickle.load` calls whatever a file names, so a file planted in the data
-    folder could run any code; the CIFAR-10 batches need only dicts, lists,
-    bytes, ints and one uint8 array, which these globals rebuild.
-    """
+    """Unpickles plain containers, scalars and numpy arrays; refuses every other class: a
+    file planted in the data folder could otherwise run any code."""
 
     ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
@@ -135,11 +125,8 @@ def _read_cifar10_batches(paths: list[str]) -> Split:
 def make_synthetic(
     image_shape: tuple[int, int, int], num_classes: int, num_train: int, num_test: int, seed: int
 ) -> Dataset:
-    """Standard-normal float32 images with uniform random labels: for throughput, not accuracy.
-
-    Stored already standardised (`mean` and `std` are None), so the network takes
-    them as they are.
-    """
+    """Standard-normal float32 images, uniform random labels: for throughput, not accuracy.
+    Stored already standardised (`mean` and `std` None)."""
     rng = np.random.default_rng(seed)
 
     def split(num_examples: int) -> Split:

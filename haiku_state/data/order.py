@@ -1,18 +1,13 @@
 """Which examples every step sees: the batch order, each process's slice, evaluation padding.
 
-The order is a pure function of `(seed, step)`: epoch `e` visits the examples in
-the order `default_rng([seed, e]).permutation(N)`, in `N // batch_size` full
-batches (the remainder is dropped), and step `k` is batch `k % steps_per_epoch`
-of epoch `k // steps_per_epoch`. Starting at any step computes only that
-epoch's permutation, so a run resumed at step `k` sees exactly the batches an
-uninterrupted run would have seen, without replaying the earlier ones.
-
-In a multi-process run each process takes its contiguous slice of every global
-batch (`ProcessSlice`: process `p` gets positions `[p * B / P, (p + 1) * B / P)`)
-and nothing else, so global device `g` sees the same examples whatever the
-process count.
-Every position of a global batch has a fixed place in this scheme, which is
-what the host preprocessing seeds its randomness from (`example_seed`).
+Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(N)`,
+in `N // batch_size` full batches (the remainder dropped); step `k` is batch
+`k % steps_per_epoch` of epoch `k // steps_per_epoch`. A resumed run computes only
+its epoch's permutation and sees exactly the batches of an uninterrupted one.
+Process `p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of every global
+batch (`ProcessSlice`), so a global device sees the same examples whatever the
+process count; the host preprocessing seeds each example by its place
+(`example_seed`).
 """
 
 from __future__ import annotations
@@ -42,8 +37,6 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
 class ProcessSlice:
     """Which slice of every global batch a process loads: that of process `index` of `count`.
 
-    Process `p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of a global
-    batch of `B` examples, so the processes together load each global batch once.
     `ProcessSlice()` is the one process of a single-process run: the whole batch.
     """
 
@@ -63,11 +56,7 @@ class ProcessSlice:
         return cls(jax.process_index(), jax.process_count())
 
     def size(self, batch_size: int, where: str = "ProcessSlice") -> int:
-        """The examples of this process in a global batch of `batch_size`.
-
-        Raises:
-          ValueError: naming `where`, if the processes do not divide `batch_size`.
-        """
+        """The examples of this process in a global batch; ValueError naming `where` if uneven."""
         if batch_size % self.count:
             raise ValueError(
                 f"{where}: batch_size={batch_size} is not divisible by the {self.count} "
@@ -84,15 +73,8 @@ SINGLE_PROCESS = ProcessSlice()
 
 
 class BatchOrder(NamedTuple):
-    """The training order of one process: its slice of every global batch.
-
-    Attributes:
-      num_examples: the size of the split.
-      batch_size: the global batch size.
-      seed: fixes the permutation of every epoch.
-      offset: the position of this process's slice in the global batch.
-      local_size: the size of this process's slice.
-    """
+    """The training order of one process: the split's size, the global batch size, the seed,
+    and the `offset` and `local_size` of this process's slice of every global batch."""
 
     num_examples: int
     batch_size: int
@@ -117,13 +99,8 @@ def batch_order(
         )
     if start_step < 0:
         raise ValueError(f"{where}: start_step must be >= 0, got {start_step}.")
-    return BatchOrder(
-        num_examples,
-        batch_size,
-        seed,
-        process.offset(batch_size, where),
-        process.size(batch_size, where),
-    )
+    offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
+    return BatchOrder(num_examples, batch_size, seed, offset, local_size)
 
 
 @functools.lru_cache(maxsize=2)
@@ -149,20 +126,14 @@ def indices_from(order: BatchOrder, start_step: int) -> Iterator[np.ndarray]:
 
 
 def example_seed(seed: int, step: int, position: int) -> list[int]:
-    """The seed of the host preprocessing of one example: its step and place in the global batch.
-
-    Not a worker's or a process's state: the crop an example gets is the same
-    whichever worker of whichever process decodes it.
-    """
+    """The seed of the host preprocessing of one example: its step and place in the global
+    batch, so its crop is the same whichever worker of whichever process decodes it."""
     return [seed, step, position, _EXAMPLE_STREAM]
 
 
 class EvalOrder(NamedTuple):
-    """One ordered pass over a split in global batches of `batch_size`, this process's slices.
-
-    The last global batch is padded by repeating the split's last example;
-    `mask` tells real examples from padding.
-    """
+    """One ordered pass in global batches of `batch_size`, this process's slices; the last
+    batch is padded by repeating the split's last example (`eval_positions`' mask)."""
 
     num_examples: int
     batch_size: int
@@ -183,12 +154,8 @@ def eval_order(
     """Validates the arguments of an evaluation pass (now) and returns its order."""
     if batch_size < 1:
         raise ValueError(f"{where}: batch_size must be positive, got {batch_size}.")
-    return EvalOrder(
-        num_examples,
-        batch_size,
-        process.offset(batch_size, where),
-        process.size(batch_size, where),
-    )
+    offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
+    return EvalOrder(num_examples, batch_size, offset, local_size)
 
 
 def eval_positions(order: EvalOrder, batch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,30 +1,18 @@
 """The reading and decoding workers: grain over the "slots" of this process's batches.
 
-A training run of this process is a sequence of slots, one per example of its
-slice of every global batch from the start step on: slot `j` is position
-`offset + j % local_size` of global step `start_step + j // local_size`. A slot
-names everything its example depends on: the example index (from the epoch
-permutation, `order.step_indices`) and the seed of its random crop and flip
-(`order.example_seed(seed, step, position)`). A grain `MapDataset` over the
-slots reads, decodes and crops each one, and batches `local_size` of them.
+Slot `j` of a training run is position `offset + j % local_size` of global step
+`start_step + j // local_size`; it names everything its example depends on: the
+example index (`order.step_indices`) and the seed of its crop and flip
+(`order.example_seed`). A grain `MapDataset` over the slots loads each one and
+batches `local_size` of them; `mp_prefetch` deals whole batches to the workers
+and hands them back in order. A batch being a pure function of its slots, the
+batches do not depend on the worker or process count, nor on a resume.
 
-grain's `mp_prefetch` deals whole batches round-robin to `workers` processes
-and hands them back in order. Since a batch is a pure function of its slots,
-what comes out does not depend on the number of workers (0, 1 or 16), on the
-number of processes, or on whether the run was resumed: resuming at step `k`
-starts the slots at step `k`, with nothing replayed and nothing to checkpoint.
-
-The workers are started with `spawn`: everything they run is defined at
-module level here and in `preprocess`, and they receive the split's records
-(a small picklable object) rather than data.
-
-Host memory is bounded by the batches in flight: each worker holds about
-`READ_AHEAD + 1` batches, whatever the size of the dataset.
-
-What a worker computes from an example's bytes depends on the decoder
-(`DECODERS`, `config.data.decoder`): the pixels (`"cpu"`, `preprocess`), or the
-bytes with the crop box and flip the host drew, for the device to decode
-(`"gpu"`, `gpu_decode`). Either way the host draws every box and flip.
+The workers are started with `spawn` and receive the split's records (a small
+picklable object); each holds about `READ_AHEAD + 1` batches. What a worker
+computes from an example's bytes is the decoder's (`DECODERS`): the pixels
+(`"cpu"`, `preprocess`), or the bytes with the box and flip the host drew
+(`"gpu"`, `gpu_decode`).
 """
 
 from __future__ import annotations
@@ -37,26 +25,19 @@ from typing import Any, NamedTuple
 import cv2
 import grain
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
 from haiku_state.data import gpu_decode, preprocess
 from haiku_state.data import order as order_lib
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
-from haiku_state.data.splits import Batch, CorruptImageError, DataError, EncodedSplit
-from haiku_state.guards import orphans
+from haiku_state.data.splits import Batch, DataError, EncodedSplit
+from haiku_state.guards import corrupt_images, orphans
 
 MAX_DEFAULT_WORKERS = 16
 # Batches a worker decodes ahead of the one it is handing over.
 READ_AHEAD = 1
-# A corrupt training image is replaced by the next example of the split that reads; after
-# this many unreadable ones in a row, the split is taken to be broken.
-MAX_REPLACEMENTS = 64
-# `skip_corrupt`'s default ceiling (`config.data.max_corrupt_fraction`): the run stops once
-# more of an epoch's training examples than this fraction were unreadable.
+# `skip_corrupt`'s default ceiling (`config.data.max_corrupt_fraction`, `corrupt_images`).
 MAX_CORRUPT_FRACTION = 0.001
-# A worker logs each of its first few unreadable images, then one line every this many.
-LOGGED_IN_FULL = 5
-LOG_CORRUPT_EVERY = 1000
 # Slots of an iterator with no last step: far more than any run takes.
 _ENDLESS_STEPS = 2**40
 # An evaluation pass of at most this many examples (this process's share) is decoded in
@@ -66,16 +47,9 @@ IN_PROCESS_EVAL_EXAMPLES = 512
 
 
 class Decoder(NamedTuple):
-    """What a worker computes from an example's bytes, for one `config.data.decoder`.
-
-    Attributes:
-      train: `(bytes, generator, image_size) -> fields` of a training example;
-        the generator is the example's own (`order.example_seed`).
-      eval: `(bytes, image_size) -> fields` of an evaluation example.
-      blank: `image_size -> fields` of an evaluation example left out (masked).
-      on_device: the device finishes the decoding after the workers; the examples
-        then also carry their `"slot"`, to redo on the host one the device refuses.
-    """
+    """What a worker computes from an example's bytes (`config.data.decoder`): a training
+    example's fields (given its own generator), an evaluation example's, a left-out one's;
+    `on_device`: the device finishes, and the examples carry their `"slot"` to redo one."""
 
     train: Callable[[bytes, np.random.Generator, int], Batch]
     eval: Callable[[bytes, int], Batch]
@@ -99,8 +73,6 @@ def cpu_blank_example(image_size: int) -> Batch:
 
 
 CPU_DECODER = Decoder(cpu_train_example, cpu_eval_example, cpu_blank_example)
-# `config.data.decoder`: the pixels computed in the workers ("cpu"), or the bytes with
-# the box and flip the host drew, decoded on the device (`gpu_decode`) after them.
 DECODERS = {
     "cpu": CPU_DECODER,
     "gpu": Decoder(
@@ -154,47 +126,46 @@ def _check_label(split: EncodedSplit, index: int, label: int) -> None:
         )
 
 
-class LoadTrainExample:
+class _Load:
+    """A worker's loader of examples by slot; `skip_corrupt` as `corrupt_images` says."""
+
+    def __init__(self, split: EncodedSplit, skip_corrupt: bool, decoder: Decoder):
+        self._split, self._skip_corrupt, self._decoder = split, skip_corrupt, decoder
+        self._unreadable = 0  # Met by this worker.
+
+    def _count_unreadable(self) -> int | None:
+        """This worker's count of unreadable images so far; None when not skipping them."""
+        if not self._skip_corrupt:
+            return None
+        self._unreadable += 1
+        return self._unreadable
+
+
+class LoadTrainExample(_Load):
     """Slot -> `{"image": uint8 [S, S, 3], "label": int32}` (and `"replaced"` if skipping).
 
-    Args:
-      split: the records and the crop size.
-      seed: the run's seed.
-      skip_corrupt: replace an unreadable image by the next readable example of the
-        split (the same one whichever worker reads it) instead of stopping.
-      decoder: what the example's fields are computed by (`DECODERS`): the
-        pixels, `"image"`, or what the device decodes them from.
+    An unreadable image is replaced by the next readable example (`skip_corrupt`);
+    `decoder` computes the example's fields (`DECODERS`).
     """
 
     def __init__(
         self, split: EncodedSplit, seed: int, skip_corrupt: bool, decoder: Decoder = CPU_DECODER
     ):
-        self._split, self._seed, self._skip_corrupt = split, seed, skip_corrupt
-        self._decoder = decoder
-        self._unreadable = 0  # Met by this worker.
+        super().__init__(split, skip_corrupt, decoder)
+        self._seed = seed
 
     def __call__(self, slot: tuple[int, int, int]) -> dict[str, np.ndarray]:
         step, position, index = slot
         example_seed = order_lib.example_seed(self._seed, step, position)
         records, size = self._split.records, self._split.image_size
-        for attempt in range(MAX_REPLACEMENTS + 1):
+        for attempt in range(corrupt_images.MAX_REPLACEMENTS + 1):
             candidate = (index + attempt) % len(records)
             try:
                 data, label = records[candidate]
                 fields = self._decoder.train(data, np.random.default_rng(example_seed), size)
             except Exception as e:  # Any failure to read or decode is the file's.
-                if not self._skip_corrupt or attempt == MAX_REPLACEMENTS:
-                    raise _corrupt(self._split, candidate, f"for step {step + 1}", e) from None
-                self._unreadable += 1
-                if _logged(self._unreadable):
-                    logging.warning(
-                        "Step %d: replacing unreadable %s (%s); %d replaced by this worker%s.",
-                        step + 1,
-                        records.describe(candidate),
-                        e,
-                        self._unreadable,
-                        _LOG_NOTE,
-                    )
+                count = self._count_unreadable()
+                corrupt_images.skip_or_raise(self._split, candidate, e, count, step, attempt)
                 continue
             _check_label(self._split, candidate, label)
             example = {**fields, "label": np.int32(label)}
@@ -206,15 +177,11 @@ class LoadTrainExample:
         raise AssertionError("unreachable")
 
 
-class LoadEvalExample:
-    """Slot -> `{"image", "label", "mask"}`; an unreadable image is masked out if skipping.
-
-    `decoder` is `LoadTrainExample`'s.
-    """
+class LoadEvalExample(_Load):
+    """Slot -> `{"image", "label", "mask"}`; an unreadable image is masked out if skipping."""
 
     def __init__(self, split: EncodedSplit, skip_corrupt: bool, decoder: Decoder = CPU_DECODER):
-        self._split, self._skip_corrupt, self._decoder = split, skip_corrupt, decoder
-        self._unreadable = 0  # Met by this worker.
+        super().__init__(split, skip_corrupt, decoder)
 
     def __call__(self, slot: tuple[int, float]) -> dict[str, np.ndarray]:
         index, mask = slot
@@ -223,17 +190,7 @@ class LoadEvalExample:
             data, label = records[index]
             fields = self._decoder.eval(data, size)
         except Exception as e:  # Any failure to read or decode is the file's.
-            if not self._skip_corrupt:
-                raise _corrupt(self._split, index, "in evaluation", e) from None
-            self._unreadable += 1
-            if _logged(self._unreadable):
-                logging.warning(
-                    "Evaluation leaves out unreadable %s (%s); %d left out by this worker%s.",
-                    records.describe(index),
-                    e,
-                    self._unreadable,
-                    _LOG_NOTE,
-                )
+            corrupt_images.skip_or_raise(self._split, index, e, self._count_unreadable())
             fields, label, mask = self._decoder.blank(size), 0, 0.0
         else:
             _check_label(self._split, index, label)
@@ -243,75 +200,9 @@ class LoadEvalExample:
         return example
 
 
-_LOG_NOTE = f" (the first {LOGGED_IN_FULL} are logged, then every {LOG_CORRUPT_EVERY}th)"
-
-
-def _logged(count: int) -> bool:
-    """Whether a worker logs its `count`-th unreadable image: not a line per image."""
-    return count <= LOGGED_IN_FULL or count % LOG_CORRUPT_EVERY == 0
-
-
-def _corrupt(split: EncodedSplit, index: int, when: str, error: Exception) -> CorruptImageError:
-    if when == "in evaluation":
-        advice = "leave unreadable evaluation images out (counted in the log)"
-    else:
-        advice = "replace unreadable training images deterministically (counted as "
-        advice += "corrupt_fraction)"
-    return CorruptImageError(
-        f"Cannot decode the image {split.records.describe(index)} (example {index}) {when}: "
-        f"{type(error).__name__}: {error}. Set config.data.skip_corrupt=True to {advice}."
-    )
-
-
-def _within_corrupt_ceiling(
-    batches: Iterator[Batch],
-    split: EncodedSplit,
-    order: order_lib.BatchOrder,
-    start_step: int,
-    max_fraction: float,
-) -> Iterator[Batch]:
-    """`batches`, stopped once an epoch's replaced examples pass `max_fraction` of it.
-
-    Counts this process's slice of each epoch: the `"replaced"` examples stand in for
-    unreadable ones. At least one unreadable image per epoch is always tolerated.
-
-    Raises:
-      CorruptImageError: naming how many of how many were unreadable, with examples.
-    """
-    per_epoch = order_lib.steps_per_epoch(order.num_examples, order.batch_size)
-    epoch_examples = per_epoch * order.local_size
-    allowed = max(1, int(max_fraction * epoch_examples))
-    epoch, read, unreadable, named = None, 0, 0, []
-    try:
-        for step, batch in enumerate(batches, start_step):
-            if step // per_epoch != epoch:
-                epoch, read, unreadable, named = step // per_epoch, 0, 0, []
-            read += order.local_size
-            replaced = np.flatnonzero(np.asarray(batch["replaced"]))
-            if replaced.size:
-                unreadable += replaced.size
-                indices = order_lib.step_indices(order, step)
-                named += [
-                    split.records.describe(int(indices[i])) for i in replaced[: 3 - len(named)]
-                ]
-                if unreadable > allowed:
-                    raise CorruptImageError(
-                        f"{unreadable} of the {read} training images read in epoch {epoch + 1} (up "
-                        f"to step {step + 1}) were unreadable, more than "
-                        f"config.data.max_corrupt_fraction={max_fraction:g} of the epoch's "
-                        f"{epoch_examples} allows ({allowed}); e.g. {named}. Repair or remove "
-                        "them, or raise max_corrupt_fraction."
-                    )
-            yield batch
-    finally:
-        batches.close()  # Stops the workers now, however the iterator ends.
-
-
 def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iterator[Batch]:
-    """Batches of `local_size` loaded slots, decoded by `workers` processes (0: this one).
-
-    Never more workers than batches: each worker decodes whole batches.
-    """
+    """Batches of `local_size` loaded slots by `workers` processes (0: this one), never more
+    workers than batches (each decodes whole batches)."""
     dataset = grain.MapDataset.source(slots).map(load).batch(local_size)
     workers = min(workers, len(dataset))
     if workers == 0:
@@ -336,16 +227,10 @@ def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iter
 def exit_with_parent(worker_index: int, worker_count: int) -> None:
     """grain's `worker_init_fn`: the worker exits when the training process is gone.
 
-    `orphans.exit_with_parent` watches the parent through the pipe
-    `multiprocessing` gives every child it starts (its `parent_process()`), which
-    also tells of a parent that died while this worker was still starting,
-    before this runs (`kill -9`: nothing else would stop the worker).
-
-    Ctrl-C reaches every process of the terminal's group: a worker ignores it
-    and leaves the stop to the training process, which closes the pipeline.
-
-    A worker decodes on one core: OpenCV's own threads would compete with the
-    other workers for theirs.
+    `orphans.exit_with_parent` also sees a parent killed while this worker was
+    starting (`kill -9`). A worker ignores Ctrl-C, which reaches the whole process
+    group: the training process stops the pipeline. One OpenCV thread per worker:
+    more would compete with the other workers for their cores.
     """
     del worker_index, worker_count  # The same for every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -388,22 +273,10 @@ def encoded_train_batches(
 ) -> Iterator[Batch]:
     """This process's training batches of an encoded split, decoded and cropped on the host.
 
-    Args:
-      split: the encoded examples.
-      batch_size: the global batch size, over all processes.
-      seed: fixes the order of every epoch and every example's crop and flip.
-      start_step: the first step to yield.
-      num_steps: how many steps to yield; None: until closed.
-      process: the slice of every global batch this process decodes.
-      workers: decoding processes; 0 decodes in the thread that iterates; None:
-        `default_workers()`.
-      skip_corrupt: replace unreadable images (see `LoadTrainExample`); the batches
-        then carry `"replaced"`, 1.0 where an example stands in for a corrupt one.
-        Once more than `max_corrupt_fraction` of an epoch's examples (and more than
-        one) were replaced, the iterator raises `CorruptImageError`.
-      decoder: `"cpu"`: the workers decode; `"gpu"`: the batches carry each
-        example's bytes, crop box and flip, for `gpu_decode.decoded_batches`
-        (`DECODERS`); or a `Decoder` of the caller's (importable by the workers).
+    The arguments are `batches.train_batches`' and its options'; `workers=0` decodes
+    in the thread that iterates; `decoder` may also be a `Decoder` of the caller's
+    (importable by the workers). With `skip_corrupt` the batches carry `"replaced"`,
+    1.0 where an example stands in for an unreadable one (`corrupt_images`).
 
     Returns:
       A generator of `{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}`;
@@ -420,7 +293,9 @@ def encoded_train_batches(
     load = LoadTrainExample(split, seed, skip_corrupt, _check_decoder(decoder, where))
     batches = _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
     if skip_corrupt:
-        batches = _within_corrupt_ceiling(batches, split, order, start_step, max_corrupt_fraction)
+        batches = corrupt_images.within_ceiling(
+            batches, split, order, start_step, max_corrupt_fraction
+        )
     return batches
 
 
@@ -435,10 +310,9 @@ def encoded_eval_batches(
 ) -> Iterator[Batch]:
     """One pass over an encoded split in centre crops, padded and masked as `eval_batches` is.
 
-    With `skip_corrupt`, an unreadable image is masked out (and logged) instead
-    of stopping the evaluation. `workers` and `decoder` as in
-    `encoded_train_batches`, but a pass this small is decoded in this process
-    (`eval_workers`).
+    With `skip_corrupt`, an unreadable image is masked out (and logged). `workers`
+    and `decoder` as in `encoded_train_batches`; a small pass is decoded in this
+    process (`eval_workers`).
     """
     where = "encoded_eval_batches"
     order = order_lib.eval_order(len(split.records), batch_size, process, where)
@@ -446,36 +320,13 @@ def encoded_eval_batches(
     slots = EvalSlots(order)
     workers = eval_workers(len(slots), _check_workers(workers, where))
     batches = _grain_batches(slots, load, order.local_size, workers)
-    return _counting_left_out(batches, order) if skip_corrupt else batches
+    return corrupt_images.counting_left_out(batches, order) if skip_corrupt else batches
 
 
 def eval_workers(examples: int, workers: int) -> int:
     """The decoding processes worth starting for an evaluation pass of `examples` slots.
 
-    0 (decode in this process) for a pass of at most `IN_PROCESS_EVAL_EXAMPLES`,
-    whose workers would take longer to start than this process takes to decode
-    it: 24 images took 0.02-0.1 s in-process, 4.5-5 s with one worker. The batches
-    are the same either way.
+    0 (this process) for at most `IN_PROCESS_EVAL_EXAMPLES`: 24 images took
+    0.02-0.1 s in-process, 4.5-5 s with one worker. The batches are the same.
     """
     return 0 if examples <= IN_PROCESS_EVAL_EXAMPLES else workers
-
-
-def _counting_left_out(batches: Iterator[Batch], order: order_lib.EvalOrder) -> Iterator[Batch]:
-    """`batches`, and a line after the pass if it left unreadable images out (`skip_corrupt`)."""
-    left_out = examples = 0
-    try:
-        for number, batch in enumerate(batches):
-            _, is_real = order_lib.eval_positions(order, number)
-            examples += int(is_real.sum())
-            left_out += int(is_real.sum() - np.asarray(batch["mask"]).sum())
-            yield batch
-    finally:
-        batches.close()
-    if left_out:
-        logging.warning(
-            "Evaluation left out %d unreadable of this process's %d images: its metrics are "
-            "over the other %d.",
-            left_out,
-            examples,
-            examples - left_out,
-        )

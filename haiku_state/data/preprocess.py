@@ -1,32 +1,16 @@
 """Host preprocessing of encoded images: decode by content, crop, resize, flip; uint8 out.
 
-Training takes an Inception-style random crop (area 8-100% of the image, aspect
-ratio 3/4-4/3, as `torchvision.transforms.RandomResizedCrop` draws it) resized
-to `image_size` squared, mirrored with probability 1/2. Evaluation takes the
-centred square of side `0.875 x` the short side, resized to `image_size`: the
-usual "resize the short side to `image_size / 0.875`, centre-crop `image_size`"
-with one resampling instead of two.
-
-The crop and the flip are drawn from the image's size alone (read from its
-header), before the pixels are decoded (`train_plan`), from the generator the
-caller passes, seeded by the example's place in the global batch (see
-`order.example_seed`), never from a worker's state. So the host decides every
-box and flip, whichever decoder computes the pixels (this module on the CPU,
-or `gpu_decode` on the device).
-
-The CPU decoder:
-- JPEGs in RGB or grayscale go through libjpeg-turbo (`simplejpeg`), at the
-  largest DCT scale (1/2, 1/4 or 1/8) that keeps the crop at least `image_size`
-  wide: large photos cost a fraction of a full decode. Everything else (PNG,
-  CMYK JPEGs, a PNG named `.JPEG`, files libjpeg-turbo refuses) goes through PIL
-  (with the same DCT scaling for JPEGs). All come out RGB.
-- The box, rounded to whole pixels of the decoded image, is resized by OpenCV's
-  bilinear interpolation (`cv2.INTER_LINEAR`: fixed-point, no antialiasing,
-  what TensorFlow's `resize_bilinear` computes). The DCT scaling leaves a JPEG
-  crop less than twice `image_size` along its short side; a crop still larger
-  than that (a large PNG) is area-averaged instead (`cv2.INTER_AREA`), so it
-  does not alias.
-- The mirror image is taken of the resized crop (`cv2.flip`).
+Training takes an Inception-style random crop (area 8-100%, aspect 3/4-4/3, as
+torchvision's `RandomResizedCrop` draws it) resized to `image_size`, mirrored
+with probability 1/2; evaluation the centred square of `0.875 x` the short side.
+The crop and flip are drawn from the image's size (its header) with the
+generator the caller seeds by the example's place in the global batch
+(`order.example_seed`), so the host decides them whichever decoder computes the
+pixels. RGB and grey JPEGs go through libjpeg-turbo (`simplejpeg`) at the
+largest DCT scale that keeps the crop `image_size` wide; the rest through PIL
+(same DCT scaling for JPEGs). The box is resized by OpenCV's bilinear
+interpolation (as TensorFlow's `resize_bilinear`), or area-averaged when still
+twice `image_size` or more, so it does not alias.
 """
 
 from __future__ import annotations
@@ -60,12 +44,8 @@ STATISTICS_SIZE = 128
 
 
 class Plan(NamedTuple):
-    """What the host draws for one training example before any pixel is decoded.
-
-    Attributes:
-      box: the crop, `(left, top, right, bottom)` in pixels of the full image.
-      flip: whether the resized crop is mirrored left to right.
-    """
+    """What the host draws for a training example before decoding: the crop `box` (in pixels
+    of the full image) and whether the resized crop is mirrored (`flip`)."""
 
     box: Box
     flip: bool
@@ -74,9 +54,8 @@ class Plan(NamedTuple):
 def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
     """A random box of 8-100% of the area and aspect 3/4-4/3; the centre if 10 draws miss.
 
-    As `RandomResizedCrop.get_params` in torchvision (and Inception's
-    `distorted_bounding_box_crop`): the area fraction is uniform, the log of the
-    aspect ratio is uniform, and a box that does not fit is drawn again.
+    As torchvision's `RandomResizedCrop.get_params`: uniform area fraction, uniform
+    log aspect ratio, a box that does not fit drawn again.
     """
     log_aspect = (math.log(ASPECT_RANGE[0]), math.log(ASPECT_RANGE[1]))
     for _ in range(CROP_ATTEMPTS):
@@ -112,11 +91,7 @@ def train_plan(width: int, height: int, rng: np.random.Generator) -> Plan:
 
 
 def encoded_size(data: bytes) -> tuple[int, int]:
-    """`(width, height)` from the header of an encoded image.
-
-    Raises:
-      Whatever PIL raises for bytes that are not an image it knows.
-    """
+    """`(width, height)` from the header of an encoded image; raises as PIL does."""
     size = _turbo_size(data)
     if size is not None:
         return size
@@ -125,20 +100,10 @@ def encoded_size(data: bytes) -> tuple[int, int]:
 
 
 def decode_crop(data: bytes, crop: CropFn, image_size: int, flip: bool = False) -> np.ndarray:
-    """Decodes an encoded image and resizes the box `crop` picks to `image_size` squared.
+    """Decodes an encoded image and resizes the box `crop(width, height)` picks to `image_size`.
 
-    Args:
-      data: the file's bytes: JPEG, PNG, or anything else PIL reads.
-      crop: `(width, height) -> box`, called once with the image's full size.
-      image_size: the side of the output.
-      flip: mirror the output left to right.
-
-    Returns:
-      uint8 `[image_size, image_size, 3]`, RGB, C-contiguous.
-
-    Raises:
-      Whatever PIL raises for bytes it cannot read (`PIL.UnidentifiedImageError`,
-      `OSError` for a truncated file, ...).
+    Returns uint8 `[image_size, image_size, 3]`, RGB, mirrored if `flip`; raises
+    whatever PIL raises for bytes it cannot read.
     """
     pixels, box = _decode(data, crop, image_size)
     return resize_crop(pixels, box, image_size, flip)
@@ -167,15 +132,8 @@ def statistics_sample(num_examples: int, sample: int = STATISTICS_SAMPLE) -> lis
 
 
 def pixel_statistics(images: Iterable[bytes]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The per-channel (RGB) mean and std of the pixels of `images`, in pixel units (0..255).
-
-    Measured over each image's evaluation crop (`eval_image`) at `STATISTICS_SIZE`:
-    the pixels a network sees, at a size that decodes fast. The network
-    standardises its input with them. Images that cannot be decoded are left out.
-
-    Raises:
-      ValueError: when not one image could be decoded.
-    """
+    """The per-channel (RGB) mean and std, in pixel units, of the evaluation crops of `images` at
+    `STATISTICS_SIZE`, leaving out those that do not decode; ValueError if none does."""
     total, total_of_squares, count = np.zeros(3), np.zeros(3), 0
     for data in images:
         try:
@@ -229,10 +187,7 @@ def _dct_scale(box: Box, image_size: int) -> int:
 
 
 def _decode(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box]:
-    """The decoded pixels (DCT-scaled for the crop) and `crop`'s box in their pixels.
-
-    `crop` is called once, with the full size, whichever library decodes.
-    """
+    """The decoded pixels (DCT-scaled for the crop) and `crop`'s box in their pixels."""
     size = _turbo_size(data)
     if size is None:
         return _decode_pil(data, crop, image_size)

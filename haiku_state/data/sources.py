@@ -1,9 +1,4 @@
-"""`load_dataset`: every source by name, with its arguments checked before anything is read.
-
-`SOURCES` is the registry: a name, the function that loads it, and whether it
-is read as encoded images (decoded by the pipeline's workers, cropped to
-`image_size`) or held in memory as arrays. Adding a source is one entry there.
-"""
+"""`load_dataset`: every source by name (`SOURCES`), its arguments checked before reading."""
 
 from __future__ import annotations
 
@@ -28,22 +23,11 @@ class SourceArgs(NamedTuple):
 
 
 class Source(NamedTuple):
-    """How a dataset is loaded, and whether it is read as encoded images.
-
-    Attributes:
-      load: `SourceArgs -> Dataset`.
-      encoded: True for splits of encoded images (an `EncodedSplit`), which
-        need `image_size`; False for splits held in memory, which keep their
-        own size.
-    """
+    """How a dataset is loaded (`SourceArgs -> Dataset`), and whether it is read as encoded
+    images (an `EncodedSplit`, cropped to `image_size`) or held in memory at its own size."""
 
     load: Callable[[SourceArgs], Dataset]
     encoded: bool
-
-
-def _digits(args: SourceArgs) -> Dataset:
-    del args  # Fixed: the same split whatever the seed.
-    return in_memory.load_digits()
 
 
 def _cifar10(args: SourceArgs) -> Dataset:
@@ -61,20 +45,16 @@ def _synthetic(args: SourceArgs) -> Dataset:
     )
 
 
-def _imagefolder(args: SourceArgs) -> Dataset:
-    return imagefolder.load_imagefolder(args.data_dir, args.image_size)
-
-
-def _arrayrecord(args: SourceArgs) -> Dataset:
-    return arrayrecord.load_arrayrecord(args.data_dir, args.image_size)
-
-
 SOURCES = {
-    "digits": Source(_digits, encoded=False),
+    "digits": Source(lambda args: in_memory.load_digits(), encoded=False),
     "cifar10": Source(_cifar10, encoded=False),
     "synthetic": Source(_synthetic, encoded=False),
-    "imagefolder": Source(_imagefolder, encoded=True),
-    "arrayrecord": Source(_arrayrecord, encoded=True),
+    "imagefolder": Source(
+        lambda args: imagefolder.load_imagefolder(args.data_dir, args.image_size), encoded=True
+    ),
+    "arrayrecord": Source(
+        lambda args: arrayrecord.load_arrayrecord(args.data_dir, args.image_size), encoded=True
+    ),
 }
 DATASETS = tuple(SOURCES)
 ENCODED_DATASETS = tuple(name for name, source in SOURCES.items() if source.encoded)
@@ -95,27 +75,18 @@ def load_dataset(
 
     Args:
       name: one of `DATASETS`.
-      data_dir: for `cifar10`, the `cifar-10-batches-py` folder itself; for
-        `imagefolder`, the folder holding `train/` and `val/`; for `arrayrecord`,
-        a folder `python -m haiku_state.prepare` wrote. Unused otherwise.
+      data_dir: for `cifar10`, the `cifar-10-batches-py` folder; for `imagefolder`,
+        the folder holding `train/` and `val/`; for `arrayrecord`, a folder
+        `python -m haiku_state.prepare` wrote.
       image_size: for `imagefolder` and `arrayrecord` (required), the side of the
-        square crops the devices see. The other sources keep their own size: None,
-        or that size.
-      image_shape: for `synthetic`, the `(H, W, C)` of every image.
-      num_classes: for `synthetic`, labels are drawn from `[0, num_classes)`.
-      num_train: for `synthetic`, the number of training examples.
-      num_test: for `synthetic`, the number of test examples.
-      seed: for `synthetic`, the seed of the images and labels. The `digits` split
-        is fixed and does not depend on it, so runs with different seeds are
-        evaluated on the same test set.
-
-    Returns:
-      The dataset.
+        square crops; the other sources keep their own size (None, or that size).
+      image_shape, num_classes, num_train, num_test, seed: for `synthetic`. The
+        `digits` split is fixed, the same whatever the seed.
 
     Raises:
       ValueError: for an unknown `name`, a missing `data_dir` or `image_size`, or an
         `image_size` a source held in memory does not have.
-      FileNotFoundError: (a `MissingDataError`) for a folder or file that is not there.
+      MissingDataError: (a `FileNotFoundError`) for a folder or file that is not there.
       DataError: for data that cannot be trained on, naming the file or folder.
     """
     if name not in SOURCES:

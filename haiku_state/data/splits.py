@@ -1,11 +1,9 @@
 """What a dataset is: splits held in memory or read on demand, and the errors bad input raises.
 
-A `Split` holds its images in host memory (digits, CIFAR-10, synthetic); an
-`EncodedSplit` reads encoded images (JPEG or PNG bytes) one example at a time
-from an ImageFolder tree or ArrayRecord shards, so its size is not bounded by
-memory. Either way images reach the devices as they are stored (uint8 pixels,
-or float32 already standardised for synthetic data) and `Dataset.mean` /
-`Dataset.std` say how the network standardises them on the device.
+A `Split` holds its images in host memory; an `EncodedSplit` reads encoded images
+one example at a time (ImageFolder, ArrayRecord), so its size is not bounded by
+memory. Images reach the devices as stored; `Dataset.mean` and `.std` say how
+the network standardises them there.
 """
 
 from __future__ import annotations
@@ -32,13 +30,8 @@ class CorruptImageError(DataError):
 
 
 class Split(NamedTuple):
-    """One split of a dataset, held in host memory.
-
-    Attributes:
-      images: `[N, H, W, C]`, uint8 pixels (float32, already standardised, for
-        synthetic data).
-      labels: int32 `[N]`, in `[0, num_classes)`.
-    """
+    """One split held in host memory: `images` `[N, H, W, C]` (uint8, or float32 already
+    standardised for synthetic data) and int32 `labels` `[N]` in `[0, num_classes)`."""
 
     images: np.ndarray
     labels: np.ndarray
@@ -47,30 +40,22 @@ class Split(NamedTuple):
 class Records(Protocol):
     """Random access to the encoded examples of a split (an ImageFolder index, ArrayRecord shards).
 
-    Implementations are picklable: the decoding workers receive a copy. They may
-    also offer `digest() -> str`, a digest of what decides their examples, which
-    the run's record of its data holds (`identity.identity`).
+    Picklable: the decoding workers receive a copy. They may also offer `digest()`
+    and `content_digest()` (`guards.data_identity`).
     """
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> tuple[bytes, int]:
         """The encoded image (JPEG, PNG, ...) and the label of example `index`."""
-        ...
 
     def describe(self, index: int) -> str:
         """Where example `index` comes from (a file path, a record of a shard), for errors."""
-        ...
 
 
 class EncodedSplit(NamedTuple):
-    """One split of encoded images, decoded on demand by the input pipeline's workers.
-
-    Attributes:
-      records: the examples.
-      image_size: the side of the square crops the pipeline makes (`data.image_size`).
-      num_classes: labels must lie in `[0, num_classes)`; a record outside is refused.
-    """
+    """One split of encoded images: the `records`, the side of the square crops the pipeline
+    makes (`image_size`), and `num_classes` (a label outside `[0, num_classes)` is refused)."""
 
     records: Records
     image_size: int
@@ -84,18 +69,12 @@ class Dataset(NamedTuple):
     """A train and a test split, with what a model needs to know about them.
 
     Attributes:
-      train: the training split.
-      test: the evaluation split (ImageFolder's `val/`).
-      num_classes: the size of the logits.
       image_shape: `(H, W, C)` of every image the devices see.
       name: the source (`digits`, `imagefolder`, ...).
       mean: per-channel (or scalar) mean the network subtracts on the device, in the
-        units of the stored pixels; None for images stored already standardised.
-      std: the matching standard deviation; None with `mean`.
-      short_side: the short side the images were re-encoded to (`prepare
-        --short_side`); None for images as their source stored them.
-      class_names: the name of each label's class (an ImageFolder's class
-        folders), where the source names them; None otherwise.
+        units of the stored pixels; None (with `std`) for images stored standardised.
+      short_side: the short side `prepare --short_side` re-encoded the images to.
+      class_names: each label's class name, where the source names them.
     """
 
     train: AnySplit
@@ -122,11 +101,8 @@ def num_examples(split: AnySplit) -> int:
 
 
 def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
-    """Refuses labels outside `[0, num_classes)`, naming where they come from.
-
-    A label out of range would not fail: one-hot encoding maps it to a zero row,
-    and the run trains on without learning those examples.
-    """
+    """Refuses labels outside `[0, num_classes)`, naming `where`: one-hot encoding would map
+    one to a zero row, and the run would train on without learning those examples."""
     labels = np.asarray(labels)
     bad = (labels < 0) | (labels >= num_classes)
     if np.any(bad):

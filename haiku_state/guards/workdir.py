@@ -42,8 +42,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from haiku_state import config as config_lib
-from haiku_state import data as data_lib
-from haiku_state.guards import processes
+from haiku_state.guards import data_identity, processes
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
@@ -219,13 +218,13 @@ def moved_data(
 ) -> tuple[str, str] | None:
     """`(old data.dir, new data.dir)` if the data moved and is the data the record describes.
 
-    The data is recognised when its identity (`data.identity`: sizes, class
+    The data is recognised when its identity (`data_identity.identity`: sizes, class
     names, statistics, the digests of both splits' examples and content, none of
     which depends on where the data lies) is the recorded one, with the digests
     of both splits known. None if `data.dir` did not change, or the data did.
     """
     old_dir, new_dir = flatten(recorded).get("data.dir"), flatten(_as_json(config)).get("data.dir")
-    if old_dir == new_dir or data_lib.identity_changes(recorded_data, data):
+    if old_dir == new_dir or data_identity.identity_changes(recorded_data, data):
         return None
     digests = ("train_digest", "test_digest")
     if not all(recorded_data.get(key) and recorded_data[key] == data.get(key) for key in digests):
@@ -307,7 +306,7 @@ def check_config(
 
     The record is `config.json`, else the latest checkpoint's metadata
     (`checkpoint_metadata`, which holds the config and data too). `data` is the
-    data as read (`data.identity`): changed files change the batches as surely as
+    data as read (`data_identity.identity`): changed files change the batches as surely as
     a changed config; the same data at another `data.dir` resumes. A workdir
     without a checkpoint binds nothing. Returns the record to `write()` once the
     run has resumed; raises WorkdirError for a change of the trajectory unless
@@ -366,8 +365,8 @@ def _changes_since(
         )
     changes = trajectory_changes(previous["config"], config, ("data.dir",) if moved else ())
     # The batch order depends on the data as read: compared like trajectory keys.
-    changes += data_lib.identity_changes(recorded_data, data)
-    unchecked = data_lib.unchecked_keys(recorded_data, data)
+    changes += data_identity.identity_changes(recorded_data, data)
+    unchecked = data_identity.unchecked_keys(recorded_data, data)
     if unchecked:
         logging.warning(
             "%s records no %s of the data (written by an older version, or not known then): "

@@ -1,0 +1,259 @@
+"""What identifies the data a run reads, so that a resume on other data is refused.
+
+A run's record (`config.json`, every checkpoint's metadata) holds `identity(dataset)`:
+split sizes, class count and names, the mean and std the network standardises
+with, and two digests per split. `<split>_digest` covers what decides the order
+of the examples (an ImageFolder's file index, the shards' names, counts and
+sizes, or the pixels of a split in memory); `<split>_content` covers an encoded
+split's content (every file's size and modification time, `stat_digest`; the
+shards' SHA-256s, checked against the files when loaded, `verify_shards`).
+`identity_changes` names what changed; nothing depends on where the data lies.
+
+A value of None is not known (no content digest for a split in memory, no SHA-256
+from an older `prepare`): a key None in either record, or missing from an older
+one, is not compared, and `unchecked_keys` names it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from haiku_state.data import host_cache
+from haiku_state.data.splits import (
+    AnySplit,
+    DataError,
+    Dataset,
+    EncodedSplit,
+    MissingDataError,
+    num_examples,
+)
+
+# Keys compared only when both records know them (`unchecked_keys`).
+_MAY_BE_UNKNOWN = ("train_content", "test_content")
+# `stat_digest` stats the files in blocks of this many, this many blocks at once: a
+# network filesystem answers many requests at once faster than one after the other.
+STAT_BLOCK = 4096
+STAT_THREADS = 16
+# In this host's cache of an ArrayRecord folder: the shards read and found to match.
+VERIFIED_FILE = "verified.json"
+
+
+def _records_digest(split: AnySplit, name: str) -> str | None:
+    digest = getattr(split.records, name, None)
+    return digest() if digest is not None else None
+
+
+def split_digest(split: AnySplit) -> str | None:
+    """A digest of what decides the examples of `split`; None for records that offer none."""
+    if isinstance(split, EncodedSplit):
+        return _records_digest(split, "digest")
+    hasher = hashlib.blake2b(digest_size=16)
+    for array in (split.images, split.labels):
+        array = np.ascontiguousarray(array)
+        hasher.update(f"{array.dtype.str}{array.shape}".encode())
+        hasher.update(array)
+    return hasher.hexdigest()
+
+
+def content_digest(split: AnySplit) -> str | None:
+    """A digest of the content of an encoded split's examples; None where not known."""
+    if not isinstance(split, EncodedSplit):
+        return None  # `split_digest` covers the pixels.
+    return _records_digest(split, "content_digest")
+
+
+def identity(dataset: Dataset) -> dict[str, Any]:
+    """The record of `dataset` as read: sizes, class names, statistics, digests."""
+    return {
+        "train_examples": num_examples(dataset.train),
+        "test_examples": num_examples(dataset.test),
+        "num_classes": dataset.num_classes,
+        "short_side": dataset.short_side,  # The pixels of shards re-encoded smaller differ.
+        "classes": list(dataset.class_names) if dataset.class_names is not None else None,
+        "mean": _floats(dataset.mean),
+        "std": _floats(dataset.std),
+        "train_digest": split_digest(dataset.train),
+        "test_digest": split_digest(dataset.test),
+        "train_content": content_digest(dataset.train),
+        "test_content": content_digest(dataset.test),
+    }
+
+
+def _floats(values: Any) -> list[float] | None:
+    return None if values is None else [float(v) for v in values]
+
+
+def unchecked_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The keys `identity_changes` cannot compare: missing from an older record (where
+    `current` knows them), or a content digest only one of the two knows."""
+    return sorted(
+        key
+        for key, value in current.items()
+        if (key not in recorded and value is not None)
+        or (
+            key in _MAY_BE_UNKNOWN
+            and key in recorded
+            and (recorded[key] is None) != (value is None)
+        )
+    )
+
+
+def identity_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """How `current` differs from `recorded`, one line per difference, e.g.
+    `dataset.classes: class 3 was 'n01440764', now 'n01443537'`.
+
+    Only the keys both records hold and know are compared (`unchecked_keys`).
+    """
+    changes = []
+    for key in sorted(set(recorded) & set(current)):
+        old, new = recorded[key], current[key]
+        if old == new or (key in _MAY_BE_UNKNOWN and None in (old, new)):
+            continue
+        if key == "classes" and old is not None and new is not None:
+            changes.append(_class_change(list(old), list(new)))
+        elif key.endswith("_digest"):
+            split = key.removesuffix("_digest")
+            changes.append(
+                f"dataset.{key}: the {split} examples differ (files added, removed or renamed, "
+                f"or other shards): {old} -> {new}"
+            )
+        elif key.endswith("_content"):
+            split = key.removesuffix("_content")
+            changes.append(
+                f"dataset.{key}: the content of the {split} examples differs (an image "
+                "overwritten or touched, the tree copied without its modification times, or "
+                f"shards of another conversion): {old} -> {new}"
+            )
+        else:
+            changes.append(f"dataset.{key}: {old!r} -> {new!r}")
+    return changes
+
+
+def _class_change(old: list[str], new: list[str]) -> str:
+    """The first class whose name (and so whose label) differs."""
+    for label, (was, now) in enumerate(zip(old, new, strict=False)):
+        if was != now:
+            return f"dataset.classes: class {label} was {was!r}, now {now!r}"
+    return f"dataset.classes: {len(old)} classes -> {len(new)}"
+
+
+def stat_digest(path: Callable[[int], str], count: int) -> str:
+    """A digest of the size and modification time of files `path(0..count-1)`, in order.
+
+    An image overwritten under its name (or touched) changes it; no pixel is read:
+    one `stat` per file, `STAT_THREADS` at a time.
+
+    Raises:
+      MissingDataError: naming a file that is gone.
+    """
+
+    def sizes_and_times(indices: range) -> np.ndarray:
+        stats = np.empty((len(indices), 2), np.int64)
+        for row, index in enumerate(indices):
+            file = path(index)
+            try:
+                stat = os.stat(file)
+            except FileNotFoundError:
+                raise MissingDataError(f"{file} is gone (listed in the file index).") from None
+            stats[row] = stat.st_size, stat.st_mtime_ns
+        return stats
+
+    blocks = [range(s, min(s + STAT_BLOCK, count)) for s in range(0, count, STAT_BLOCK)]
+    hasher = hashlib.blake2b(digest_size=16)
+    with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
+        for block in pool.map(sizes_and_times, blocks):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes, in hex (about 0.7 GB/s on one core)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: str) -> None:
+    """Refuses a shard whose content is not the one `dataset_file` records for it.
+
+    A shard with the recorded size and modification time costs a `stat`; another
+    (a copy) is read once and, if its SHA-256 matches, remembered in this host's
+    cache (`host_cache`). Shards without a recorded SHA-256 (an older `prepare`)
+    are named in a warning: they are checked by name, count and size only.
+
+    Raises:
+      DataError: naming the first shard whose size or SHA-256 differs.
+    """
+    cache = os.path.join(
+        host_cache.cache_dir("arrayrecord", os.path.realpath(data_dir)), VERIFIED_FILE
+    )
+    verified = _read_verified(cache)
+    unrecorded = [entry["file"] for entry in entries if "sha256" not in entry]
+    newly_verified = {}
+    for entry in entries:
+        if "sha256" not in entry:
+            continue
+        path = os.path.join(data_dir, entry["file"])
+        stat = os.stat(path)
+        seen = [stat.st_size, stat.st_mtime_ns]
+        if seen == [entry["bytes"], entry["mtime_ns"]]:
+            continue  # As prepare wrote it.
+        if verified.get(entry["file"]) == [*seen, entry["sha256"]]:
+            continue  # Read and found right by an earlier start on this host.
+        if not newly_verified:
+            logging.info(
+                "Reading the shards of %s whose modification time is not the one %s records "
+                "(a copy?), once, to check their content.",
+                data_dir,
+                dataset_file,
+            )
+        if stat.st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+            what = "size" if stat.st_size != entry["bytes"] else "SHA-256"
+            raise DataError(
+                f"{path} is not the shard {os.path.join(data_dir, dataset_file)} records: its "
+                f"{what} differs (replaced by a shard of another conversion, or damaged). Put "
+                "the right shard back, or convert the folder again."
+            )
+        newly_verified[entry["file"]] = [*seen, entry["sha256"]]
+    if newly_verified:
+        _record_verified(cache, {**verified, **newly_verified})
+    if unrecorded:
+        logging.warning(
+            "%s records no SHA-256 of %d shard(s) (written by an older prepare), e.g. %s: "
+            "they are checked by name, record count and size only, so a shard replaced by "
+            "another of the same size goes unnoticed. Running the same prepare command "
+            "again records them (it reads each shard once).",
+            os.path.join(data_dir, dataset_file),
+            len(unrecorded),
+            unrecorded[0],
+        )
+
+
+def _read_verified(path: str) -> dict[str, list]:
+    try:
+        with open(path) as f:
+            verified = json.load(f)
+        return verified if isinstance(verified, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_verified(path: str, verified: dict[str, list]) -> None:
+    """Writes the cache of verified shards whole (a temporary file renamed), if it can."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(verified, f)
+        os.replace(temporary, path)
+    except OSError as e:
+        logging.warning(
+            "Cannot record the shards checked in %s (%s): the next start reads them again.", path, e
+        )
