@@ -1,9 +1,10 @@
 """Which checkpoints to keep: the newest, milestones, and the best by an eval metric.
 
-An Orbax preservation policy. Only countable steps (the one being saved, or
-complete on disk in a format version this code reads) take part: a step that
-is not countable is always preserved, the user's to inspect or remove, and
-never takes the place of a good one.
+An Orbax preservation policy, hand-written because Orbax's own (`LatestN`,
+`EveryNSteps`, `BestN`) count every step Orbax lists and rank by metrics in its
+`_CHECKPOINT_METADATA`: here only countable steps (the one being saved, or complete
+in a format version read here) count, ranked by the metrics of our `metadata`
+item; any other step is always preserved, never taking the place of a good one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from absl import logging
 
-from haiku_state.checkpoint import format
+from haiku_state.checkpoint import step_format
 
 Metrics = Mapping[str, float]
 
@@ -25,8 +26,8 @@ class Retention:
       max_to_keep: the newest countable steps to keep; None keeps all.
       is_complete: whether a step's directory is complete on disk.
       read_metrics: the eval metrics recorded with a step, or None (read once per
-        step); raises `format.UnsupportedFormatError` for a step of a format
-        version this code does not read, which then never counts.
+        step); raises `step_format.UnsupportedFormatError` for a step of a format
+        version not read here, which then never counts.
       keep_every_steps: steps divisible by this are milestones, kept forever; 0: none.
       keep_best_by: the eval metric that ranks steps; "": none.
       keep_best_mode: "max" or "min": which end of the ranking is best.
@@ -117,7 +118,7 @@ class Retention:
         if step not in self._metrics:
             try:
                 self._metrics[step] = self._read_metrics(step)
-            except format.UnsupportedFormatError:
+            except step_format.UnsupportedFormatError:
                 self._metrics[step] = None
                 self._unsupported.add(step)
             except Exception:  # An unreadable metadata item ranks nowhere.

@@ -1,4 +1,4 @@
-"""Warm starts: a fresh run's params and state taken from another run's checkpoint.
+"""`warm_start` (config key `init_from`): a fresh run's params and state from another run.
 
 Only params and state move (not opt_state, step or keys: the new run's own
 optimizer starts afresh). Leaves whose name matches `skip` keep their fresh
@@ -22,7 +22,7 @@ from absl import logging
 
 from haiku_state import replication, sharding
 from haiku_state.checkpoint.checkpointer import Checkpointer
-from haiku_state.checkpoint.format import leaf_name
+from haiku_state.guards.checkpoint_integrity import leaf_name
 from haiku_state.updater import TrainState
 
 WARM_STARTED_TREES = ("params", "state")
