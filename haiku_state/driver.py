@@ -371,12 +371,9 @@ def _resume(
 
 def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any] | None:
     """The run metadata of the newest complete checkpoint whose metadata can be read."""
-    for step in reversed(checkpointer.all_steps()):
-        try:
-            return checkpointer.metadata(step)
-        except ValueError:  # Damaged, or of another format: the restore says which.
-            continue
-    return None
+    # Damaged, or of another format, is passed over: the restore says which.
+    found = checkpointer.newest_readable(checkpointer.metadata)
+    return None if found is None else found[1]
 
 
 def _outcome_so_far(checkpointer: checkpoint.Checkpointer, step: int) -> divergence.Outcome:
