@@ -1,22 +1,12 @@
 """The `Checkpointer`: asynchronous saves of a `TrainState`, exact resumes, safe fallbacks.
 
-The one door to checkpoints for the rest of the library. What a step holds is
-`step_format`'s, which steps to keep `retention`'s; damaged and unfinished steps
-are set aside by `guards.damaged_steps`. `directory` (conventionally
-`WORKDIR/checkpoints`) holds one Orbax step directory per saved step.
-
-Multi-process runs: every process calls `save` and `restore` at the same steps.
-A per-device train state is written once, by process 0, from host copies (the
-keys gathered from every process first); a `jit` one as its global arrays, each
-process writing the shards it holds. Either restores on any process count,
-mesh and backend. Writes run in our own thread (Orbax's async mode starts its
-threads in the caller's and blocks the loop longer), so Orbax's barriers go
-through the `jax.distributed` client rather than device collectives.
-
-`restore()` falls back over damaged steps (unreadable, unlike their
-fingerprints, or non-finite params) to the newest good one; a step of a format
-version not read here raises `step_format.UnsupportedFormatError` instead (no
-fallback past it) and is never moved or deleted.
+The library's one door to checkpoints: one Orbax step directory per saved step.
+What a step holds is `step_format`'s, which steps to keep `retention`'s;
+`guards.damaged_steps` sets aside damaged and unfinished steps. In a
+multi-process run every process calls `save` and `restore` at the same steps.
+Writes run in our own thread (Orbax's async mode starts its threads in the
+caller's, blocking the loop longer), so Orbax's barriers go through the
+`jax.distributed` client rather than device collectives.
 """
 
 from __future__ import annotations
@@ -40,10 +30,7 @@ T = TypeVar("T")
 
 
 def complete_steps(directory: str | os.PathLike) -> list[int]:
-    """The complete steps under a checkpoint directory, ascending; [] if it does not exist.
-
-    Touches nothing on disk: for a caller that must not create the directory.
-    """
+    """The complete steps under `directory`, ascending; [] if it does not exist (nor is made)."""
     return damaged_steps.StepDirectories(epath.Path(directory)).complete_steps()
 
 
@@ -57,8 +44,7 @@ class Checkpointer:
       keep_best_by: an eval metric passed to `save(metrics=)`; the step with the
         best value is kept too. "": none.
       keep_best_mode: "max" or "min" for `keep_best_by`.
-      async_save: write in a background thread: `save` returns once the arrays
-        are copied to host memory.
+      async_save: write in a background thread, once the arrays are in host memory.
       axis_name: the device axis name of the `Updater` the states belong to.
       read_only: for an evaluator beside a training run: never writes, moves or
         deletes anything.
@@ -140,21 +126,12 @@ class Checkpointer:
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> bool:
-        """Starts writing `train_state` as the checkpoint of its step.
+        """Starts writing `train_state` (any backend's) as the checkpoint of its step.
 
-        The caller may donate `train_state` as soon as this returns. A save in
-        flight is waited for first. In a multi-process run every process calls it.
-
-        Args:
-          train_state: a `TrainState` of any backend; its step names the checkpoint.
-          metadata: JSON-serialisable extras (e.g. the experiment config).
-          metrics: the eval metrics of this step, for `keep_best_by`.
-
-        Returns:
-          Whether a checkpoint was started: a complete step is never overwritten.
-
-        Raises:
-          TypeError: if `metadata` is not JSON-serialisable.
+        The caller may donate `train_state` once this returns; a save in flight is
+        waited for first. `metadata`: JSON-serialisable extras (e.g. the config),
+        or TypeError; `metrics`: this step's eval metrics, for `keep_best_by`.
+        Returns whether a checkpoint was started: a complete step is never rewritten.
         """
         if self._read_only:
             raise PermissionError(f"Checkpointer of {self._directory} is read-only.")
@@ -174,25 +151,18 @@ class Checkpointer:
         return True
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
-        """Restores a checkpoint as a `TrainState` in the layout and shardings of `like`.
+        """Restores `step` as a `TrainState` in the layout and shardings of `like`, or None.
 
-        Args:
-          like: a `TrainState` of the current configuration and backend (e.g.
-            `Updater.abstract_init`): its structure, shapes, dtypes and, under
-            `jit`, shardings; its values are not used.
-          step: the step to restore; None: the newest complete step, falling back
-            over damaged ones (set aside, with a warning for each).
-
-        Returns:
-          The restored state (keys re-derived if the device count or the key
-          layout changed), or None if there is no complete checkpoint.
+        `like` (e.g. `Updater.abstract_init`) gives structure, shapes, dtypes and,
+        under `jit`, shardings. `step` None: the newest complete step, falling back
+        over damaged ones (set aside, with a warning each); None if there is none.
+        Keys are re-derived if the device count or the key layout changed.
 
         Raises:
           step_format.UnsupportedFormatError: at the first step tried (newest
             first) of a format version not read here; it is left as it is.
-          ValueError: if the checkpoint does not fit `like`, naming the first
-            mismatching path (nothing restored or touched), or the requested
-            `step` is damaged.
+          ValueError: if the checkpoint does not fit `like` (naming the first
+            mismatching path; nothing is touched), or the requested `step` is damaged.
           FileNotFoundError: if the requested `step` is not a complete checkpoint.
           RuntimeError: if every complete checkpoint is damaged, or there is none
             but steps set aside as damaged; nothing is moved.
@@ -225,12 +195,7 @@ class Checkpointer:
         self.retention.protected.add(step)
 
     def read_trees(self, step: int) -> dict[str, Any]:
-        """The saved trees of `step` as host arrays in their saved shapes (for warm starts).
-
-        Raises:
-          step_format.UnsupportedFormatError: if its format version is not read here.
-          ValueError: if the step is damaged.
-        """
+        """The saved trees of `step` as host arrays in their saved shapes; raises as `metadata`."""
         return self._read(step_format.read_saved_trees, step)
 
     def set_aside(self, step: int, reason: str) -> epath.Path | None:
@@ -238,11 +203,10 @@ class Checkpointer:
         return self._steps.set_aside(step, reason)
 
     def metadata(self, step: int | None = None) -> dict | None:
-        """The `metadata` item of `step` (default: the newest complete one), or None.
+        """The `metadata` item of `step` (default: the newest), or None.
 
-        Raises:
-          step_format.UnsupportedFormatError: if its format version is not read here.
-          ValueError: if the item cannot be read.
+        Raises ValueError if it is damaged, `UnsupportedFormatError` (a ValueError)
+        if its format version is not read here.
         """
         step = self.latest_step() if step is None else step
         return None if step is None else self._read(step_format.read_metadata, step)
@@ -298,11 +262,8 @@ class Checkpointer:
 
 
 def _check_layout(train_state: TrainState, where: str) -> None:
-    """A per-device train state must have its device axis; a jit one is global arrays on a mesh.
-
-    One key alone does not make a jit train state: an unreplicated per-device one
-    (`hs.unreplicate`) has one key too, but its arrays are not on a mesh.
-    """
+    """A per-device train state must have its device axis; a jit one is global arrays on a mesh
+    (an unreplicated per-device one, `hs.unreplicate`, has one key too, but no mesh)."""
     on_a_mesh = all(
         isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
         and isinstance(leaf.sharding, jax.sharding.NamedSharding)
@@ -313,29 +274,26 @@ def _check_layout(train_state: TrainState, where: str) -> None:
 
 
 def _writer_thread(async_save: bool) -> concurrent.futures.ThreadPoolExecutor | None:
-    """The one thread writes run in, or None to write synchronously."""
+    """The one thread writes run in, or None to write synchronously.
+
+    Orbax's default barrier, a device collective, called from the writer thread
+    could interleave with the step's collectives in a different order on each
+    process and deadlock: its `jax.distributed` client barriers are chosen by an
+    absl flag, which takes effect only once flags are parsed.
+    """
     if not async_save:
         return None
-    if jax.process_count() > 1 and not _use_client_barriers():
-        logging.warning(
-            "Multi-process run without parsed absl flags: Orbax's barriers would be "
-            "device collectives, which must not run in a background thread. Checkpoints "
-            "are written synchronously; run under absl.app to write them asynchronously."
-        )
-        return None
+    if jax.process_count() > 1:
+        try:
+            flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+            client_barriers = bool(flags.FLAGS.experimental_orbax_use_distributed_barrier)
+        except flags.UnparsedFlagAccessError:  # Raised by the read.
+            client_barriers = False
+        if not client_barriers:
+            logging.warning(
+                "Multi-process run without parsed absl flags: Orbax's barriers would be "
+                "device collectives, which must not run in a background thread. Checkpoints "
+                "are written synchronously; run under absl.app to write them asynchronously."
+            )
+            return None
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint_writer")
-
-
-def _use_client_barriers() -> bool:
-    """Whether Orbax will synchronise processes through the `jax.distributed` client.
-
-    Its default barrier, a device collective, called from the writer thread while
-    the main thread dispatches steps could interleave with the step's collectives
-    in a different order on each process and deadlock. Orbax reads the choice
-    from an absl flag, so it takes effect only once flags are parsed.
-    """
-    try:
-        flags.FLAGS.experimental_orbax_use_distributed_barrier = True
-        return bool(flags.FLAGS.experimental_orbax_use_distributed_barrier)
-    except flags.UnparsedFlagAccessError:
-        return False

@@ -62,8 +62,8 @@ class Retention:
     def record(self, step: int, metrics: Metrics | None) -> None:
         """The eval metrics of a step being saved, so they need not be read back.
 
-        Metrics without `keep_best_by` rank nowhere: the first such step is named
-        in a warning, so a misnamed metric does not keep nothing silently.
+        The first metrics without `keep_best_by` are named in a warning: a misnamed
+        metric would rank nothing, silently.
         """
         if self.keep_best_by and metrics and self.keep_best_by not in metrics:
             if not self._told_unranked:
@@ -77,24 +77,15 @@ class Retention:
         self._metrics[step] = metrics
         self._unsupported.discard(step)
 
-    def is_countable(self, step: int) -> bool:
-        if step == self.saving_step:
-            return True
-        if not self._is_complete(step):
-            return False
-        self._metric_of(step)  # Reads the step's format version once.
-        return step not in self._unsupported
-
-    def steps_to_keep(self, steps: Sequence[int]) -> set[int]:
-        """The countable `steps` this policy keeps."""
-        countable = sorted(step for step in steps if self.is_countable(step))
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        """Orbax's preservation-policy interface: a step not countable is always preserved."""
+        del context  # Unused.
+        countable = sorted(info.step for info in checkpoints if self._is_countable(info.step))
         keep = set(countable if self.max_to_keep is None else countable[-self.max_to_keep :])
         if self.keep_every_steps:
             keep.update(step for step in countable if step % self.keep_every_steps == 0)
-        best = self.best_step(countable)
-        if best is not None:
-            keep.add(best)
-        return keep | (self.protected & set(countable))
+        keep |= {self.best_step(countable)} | (self.protected & set(countable))
+        return [info.step in keep or not self._is_countable(info.step) for info in checkpoints]
 
     def best_step(self, steps: Sequence[int]) -> int | None:
         """The step of `steps` with the best recorded `keep_best_by`, the newest on a tie."""
@@ -108,11 +99,13 @@ class Retention:
                 ranked.append((value if self.keep_best_mode == "max" else -value, step))
         return max(ranked)[1] if ranked else None
 
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
-        """Orbax's preservation-policy interface."""
-        del context  # Unused.
-        keep = self.steps_to_keep([info.step for info in checkpoints])
-        return [info.step in keep or not self.is_countable(info.step) for info in checkpoints]
+    def _is_countable(self, step: int) -> bool:
+        if step == self.saving_step:
+            return True
+        if not self._is_complete(step):
+            return False
+        self._metric_of(step)  # Reads the step's format version once.
+        return step not in self._unsupported
 
     def _metric_of(self, step: int) -> Metrics | None:
         if step not in self._metrics:

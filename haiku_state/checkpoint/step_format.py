@@ -25,10 +25,10 @@ Version 2 (written) holds three items:
 * `metadata`: JSON with `package_versions`, `device_count`, the step's eval
   `metrics` (for keeping the best) and the caller's extras (the config).
 
-Version 1 (read; written by releases before 2026-12-04, whose users may still
-hold such steps) is version 2 from a per-device train state without
-`key_layout`, with `checksums` (CRC-32 of each array's bytes) for
-`fingerprints`; it fits one device, so it is verified on the host.
+Version 1 (read: runs wrote it from 2026-12-03 to 12-04, across landed releases) is
+version 2 from a per-device train state without `key_layout`, with `checksums`
+(CRC-32 of each array's bytes) for `fingerprints`; it fits one device, so it is
+verified on the host.
 
 A restore (`restore_step`) reads each array straight into its target sharding,
 that of the `like` leaf (`jit`) or every local device (per-device backends).
@@ -70,16 +70,7 @@ PyTree = Any
 TRAIN_STATE, STEP, METADATA = "train_state", "step", "metadata"  # The items.
 _JSON_FILE = "metadata"  # The file a JSON item is written to, in the item's directory.
 REPLICATED_TREES = ("params", "state", "opt_state")  # Saved unreplicated.
-_VERSIONED_PACKAGES = (
-    "jax",
-    "jaxlib",
-    "dm-haiku",
-    "optax",
-    "chex",
-    "orbax-checkpoint",
-    "numpy",
-    "haiku_state",
-)
+_VERSIONED_PACKAGES = "jax jaxlib dm-haiku optax chex orbax-checkpoint numpy haiku_state".split()
 _MAX_REASON_CHARS = 400
 
 
@@ -131,11 +122,8 @@ def package_versions() -> dict[str, str]:
 def orbax_manager(
     directory: epath.Path, preservation_policy: Any, read_only: bool
 ) -> ocp.CheckpointManager:
-    """An Orbax `CheckpointManager` of these items that writes synchronously when asked.
-
-    Saves run in the `Checkpointer`'s own writer thread, so Orbax's async mode is
-    off; `preservation_policy` decides which steps Orbax may delete.
-    """
+    """An Orbax `CheckpointManager` of these items, synchronous (the `Checkpointer` has its
+    own writer thread); `preservation_policy` decides which steps Orbax may delete."""
     handlers = {TRAIN_STATE: ocp.StandardCheckpointHandler()}
     handlers.update({name: ocp.JsonCheckpointHandler(_JSON_FILE) for name in (STEP, METADATA)})
     options = ocp.CheckpointManagerOptions(
@@ -154,15 +142,11 @@ def orbax_manager(
 
 
 def encode(train_state: TrainState) -> Encoded:
-    """Copies of `train_state` in host memory, and the fingerprints of its arrays.
+    """Copies of `train_state` in host memory (donatable once this returns), and fingerprints.
 
-    A per-device train state gives fresh numpy copies of device 0's params,
-    state and opt_state and of every device's key (gathered from every process).
-    A `jit` train state gives its global arrays copied shard by shard to host
-    memory, in their shardings: each process copies the shards it holds and
-    nothing is gathered. Either way the caller may donate `train_state` to the
-    next step as soon as this returns. In a multi-process run every process
-    must call it.
+    Per-device: numpy copies of device 0's replica and of every device's key,
+    gathered from every process. `jit`: its global arrays copied shard by shard to
+    host memory, nothing gathered. In a multi-process run every process calls it.
     """
     key_impl = str(jax.random.key_impl(train_state.rng))
     step = step_of(train_state)
@@ -192,10 +176,7 @@ def _trees(train_state: TrainState, key_data: Any) -> dict[str, PyTree]:
 
 
 def _to_host_memory(leaf: jax.Array) -> jax.Array:
-    """A copy of a global array in host memory, each shard beside the device that holds it.
-
-    Where the platform has no host memory space, a copy on the devices.
-    """
+    """A copy of a global array in host memory (else on the devices), shard by shard."""
     device = next(iter(leaf.sharding.device_set))
     kinds = {memory.kind for memory in device.addressable_memories()}
     target = leaf.sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else None
@@ -265,9 +246,6 @@ def restore_step(
     manager: ocp.CheckpointManager, step: int, like: TrainState, axis_name: str
 ) -> TrainState:
     """Restores one step as a `TrainState` in the layout and shardings of `like`.
-
-    Every array is read straight into its place (see the module docstring), and
-    the keys are converted between layouts by the module's rule.
 
     Raises:
       UnsupportedFormatError: if the step is of a version this code does not read.
@@ -378,12 +356,8 @@ _STEP_ITEM_FIELDS = {
 
 
 def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
-    """Why the `step` item's fields are not those of the version it states, or None.
-
-    Names the version the item says (or that it records none), the fields of that
-    version it lacks, and the version whose fields it holds instead, if any: a step
-    whose version was rewritten by hand, or written by a tool that got it wrong.
-    """
+    """Why the `step` item's fields are not those of the version it states, or None: its
+    version, the fields it lacks and the version whose fields it holds (a hand-edited step)."""
     missing = [field for field in _STEP_ITEM_FIELDS[version] if field not in item]
     if not missing:
         return None
@@ -458,10 +432,7 @@ def _saved_shapes(header: StepHeader) -> dict[str, PyTree]:
 
 
 def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
-    """Where each saved array goes: by the leaves of `like` (jit), or every local device.
-
-    Per-device layouts then stack the replicas and derive the keys (`_decode`).
-    """
+    """Where each saved array goes: by the leaves of `like` (jit), or every local device."""
     if sharding.is_global(like):
         shardings = jax.tree.map(lambda x: x.sharding, like._replace(rng=()))
         return _trees(shardings, like.rng.sharding)
@@ -471,7 +442,7 @@ def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
 
 def _abstract(shapes: PyTree, shardings: PyTree | jax.sharding.Sharding) -> PyTree:
     """Abstract arrays for Orbax to read into: explicit targets, so a checkpoint written on
-    other hardware (GPU) restores here (CPU)."""
+    other hardware restores here."""
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, shapes)
     return jax.tree.map(
@@ -512,11 +483,7 @@ def _decode(
 
 
 def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sharding) -> jax.Array:
-    """The one typed key of a jit train state: the saved one, or global device 0's.
-
-    A step of per-device keys (a pmap or shard_map run) gives the key of global
-    device 0, the key from which another device count re-derives them too.
-    """
+    """The one typed key of a jit train state: the saved one, or global device 0's."""
     per_device = header.key_layout == PER_DEVICE
     if per_device:
         logging.info(
@@ -534,15 +501,11 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
 
 
 def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax.Array:
-    """This process's typed per-device keys: the saved ones, or derived for this run.
+    """This process's typed per-device keys: its rows of the saved ones, or derived.
 
-    With a key per global device of this run's count, this process takes the rows
-    of its own devices. Otherwise each device's key is `per_device_keys(base key,
-    ...)`, `fold_in` of the global device index, as `Updater.init` derives them
-    from the run key. The base key is the one key of a jit run (its per-device
-    continuation), or the saved key of device 0 of a run on another device
-    count: deterministic and distinct per device, but a different random stream
-    from the run that saved it, which a warning says.
+    On another device count, or from a jit run's one key, each device's key is
+    `per_device_keys(base key, ...)` (`fold_in` of the global device index, as
+    `Updater.init` derives them), from device 0's saved key or the jit key.
     """
     num_devices = jax.local_device_count()
     first_index = jax.process_index() * num_devices

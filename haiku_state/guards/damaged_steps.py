@@ -1,14 +1,11 @@
 """Checkpoint steps that cannot be trusted: set aside, never deleted, never silently replaced.
 
-A step counts as complete only when it holds Orbax's commit marker
-(`commit_success.txt`, written last, before the rename from
-`<step>.orbax-checkpoint-tmp` on a local filesystem; on GCS the marker alone
-marks completion). A step that cannot be trusted is renamed
-`<step>.<reason>-<UTC time>`: Orbax no longer sees it, its number is free to be
-saved again, and nothing the user saved is deleted. Damaged steps newer than the
-one a restore falls back to are set aside; when every complete step is damaged,
-or none is left beside steps set aside as damaged, a restore is refused and
-nothing moves, so a run never starts from scratch next to a damaged one.
+A step is complete only once it holds Orbax's commit marker (`commit_success.txt`,
+written last; on GCS, where steps are written in place, the marker alone says so).
+A step that cannot be trusted is renamed `<step>.<reason>-<UTC time>`: Orbax no
+longer sees it and its number is free again. When every complete step is damaged,
+or only steps set aside as damaged are left, a restore is refused and nothing
+moves: a run never starts from scratch next to a damaged one.
 """
 
 from __future__ import annotations
@@ -24,15 +21,10 @@ from etils import epath
 
 
 class StepDirectories:
-    """The steps of one checkpoint directory, as they are on disk: complete, claimed, set aside.
+    """The steps of one checkpoint directory as they are on disk: complete, claimed, set aside.
 
-    Args:
-      directory: the checkpoint directory.
-      read_only: for an evaluator beside a training run: nothing is renamed.
-
-    Attributes:
-      on_set_aside: called after every `set_aside`, on every process, whether or
-        not it renamed: the `Checkpointer` reloads Orbax's cached list of steps.
+    `read_only` (an evaluator beside a training run) renames nothing. `on_set_aside`
+    is called after every `set_aside` on every process (to reload Orbax's step list).
     """
 
     def __init__(self, directory: epath.Path, *, read_only: bool = False):
@@ -104,8 +96,7 @@ class StepDirectories:
     def set_aside_incomplete(self) -> None:
         """Sets aside every step directory without its commit marker: it never finished.
 
-        Only a writer that holds the workdir calls it: on GCS, a step being
-        written in place has no marker yet.
+        Only a writer that holds the workdir calls it (on GCS a step being written has none).
         """
         for step in self.named_steps():
             if not self.is_complete(step):
@@ -142,10 +133,8 @@ class StepDirectories:
             )
 
     def raise_if_disk_full(self, error: Exception, step: int) -> None:
-        """Raises one `OSError` that says what to do if writing `step` failed for want of space.
-
-        TensorStore says so in its message rather than with an errno.
-        """
+        """Raises one `OSError` saying what to do if writing `step` failed for want of space
+        (TensorStore says so in its message, not with an errno)."""
         full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
         if full or any(sign in str(error) for sign in ("No space left", "RESOURCE_EXHAUSTED")):
             latest = (self.complete_steps() or [None])[-1]
