@@ -253,7 +253,8 @@ def restore_step(
       DamagedCheckpointError: if it fits but cannot be read back as written.
     """
     header = read_header(manager, step)
-    problem = checkpoint_integrity.first_mismatch(_expected_trees(like), header.trees)
+    expected = _expected_trees(like)
+    problem = checkpoint_integrity.first_mismatch(expected, header.trees)
     model_key_impl = replication.key_impl_name(like.rng)
     if problem is None and header.key_impl != model_key_impl:
         problem = f"rng: checkpoint keys are {header.key_impl} vs model {model_key_impl}"
@@ -262,14 +263,11 @@ def restore_step(
             f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
             f"{problem}. Nothing was restored and no file was changed."
         )
-    expected = _expected_trees(like)
     expected["rng"] = _saved_shapes(header)["rng"]  # With the saved number of keys.
     placements = _target_shardings(like, axis_name)
     if header.version == 1 and sharding.is_global(like):
         # Written by a per-device run, so it fits one device: verified on the host, then placed.
-        first_device = SingleDeviceSharding(jax.local_devices()[0])
-        read = _read_verified(manager, step, _abstract(expected, first_device), header)
-        trees = jax.tree.map(_place, jax.device_get(read), placements)
+        trees = jax.tree.map(_place, _read_on_host(manager, step, expected, header), placements)
     else:
         trees = _read_verified(manager, step, _abstract(expected, placements), header)
     return _decode(trees, header, like, axis_name)
@@ -286,9 +284,7 @@ def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any
       DamagedCheckpointError: if it cannot be read back as written.
     """
     header = read_header(manager, step)
-    first_device = SingleDeviceSharding(jax.local_devices()[0])
-    targets = _abstract(_saved_shapes(header), first_device)
-    return jax.device_get(_read_verified(manager, step, targets, header))
+    return _read_on_host(manager, step, _saved_shapes(header), header)
 
 
 def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
@@ -392,6 +388,12 @@ def _read_verified(
     if problem is not None:
         raise DamagedCheckpointError(problem)
     return trees
+
+
+def _read_on_host(manager, step: int, shapes: PyTree, header: StepHeader) -> dict[str, Any]:
+    """The `train_state` item read onto one device and verified, as host arrays."""
+    first_device = SingleDeviceSharding(jax.local_devices()[0])
+    return jax.device_get(_read_verified(manager, step, _abstract(shapes, first_device), header))
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
