@@ -4,24 +4,20 @@ Changing what a step holds is an edit here and a new `FORMAT_VERSION` (the
 versions still read in `READABLE_FORMAT_VERSIONS`). In every version a step is
 `<directory>/<step>/`, complete once it holds Orbax's commit marker, with a JSON
 item `step` (file `step/metadata`) whose integer `format_version` (none: 1) says
-how to read the rest. A step of a version not read here raises
-`UnsupportedFormatError` before anything else is read: neither damaged nor
-restorable, it is left where it is.
+how to read the rest; a version not read here raises `UnsupportedFormatError`
+before anything else is read, and the step is left where it is.
 
 Version 2 (written) holds three items:
 
 * `train_state`: one Orbax pytree checkpoint of `{"params", "state",
-  "opt_state", "rng": {"key_data"}}`, the first three as one unreplicated copy.
-  From a per-device (`pmap`, `shard_map`) train state: host copies of one
-  replica, written by process 0, and the keys of every device in global device
-  order (`[devices, ...]`). From a `jit` train state: its global arrays, every
-  process writing the shards it holds, and the one key. Keys are saved as
-  `jax.random.key_data`. One item rather than one per tree: for a small model
-  Orbax's per-item handlers, threads and event loops are the cost of a save;
+  "opt_state", "rng": {"key_data"}}`, the first three unreplicated. Per-device
+  (`pmap`, `shard_map`): host copies of one replica, written by process 0, and
+  every device's key in global device order. `jit`: its global arrays, each
+  process writing the shards it holds, and the one key. One item, not one per
+  tree: for a small model Orbax's per-item handlers are the cost of a save;
 * `step`: JSON `{"format_version", "step", "key_impl", "key_layout"
-  ("per_device" or "global"), "fingerprints"}`, one uint32 per array
-  (`guards.checkpoint_integrity.fingerprint`), computed where the arrays are at
-  save and at restore, so shards written by many processes are never gathered;
+  ("per_device" or "global"), "fingerprints"}`, a uint32 per array computed
+  where the arrays are (`guards.checkpoint_integrity.fingerprint`);
 * `metadata`: JSON with `package_versions`, `device_count`, the step's eval
   `metrics` (for keeping the best) and the caller's extras (the config).
 
@@ -30,17 +26,13 @@ version 2 from a per-device train state without `key_layout`, with `checksums`
 (CRC-32 of each array's bytes) for `fingerprints`; it fits one device, so it is
 verified on the host.
 
-A restore (`restore_step`) reads each array straight into its target sharding,
-that of the `like` leaf (`jit`) or every local device (per-device backends).
-Keys move between layouts by one rule, so randomness stays a function of the
-seed and step: a `jit` key is the base key the per-device backends derive each
-device's key from (`fold_in(key, global device index)`, as `Updater.init`
-does), and a `jit` run resumed from per-device keys takes global device 0's.
-
-The two JSON items are files of their own rather than Orbax's `custom_metadata`,
-which Orbax may rewrite: they must be read before, and apart from, the arrays.
-Every reader raises `DamagedCheckpointError` when a complete step of a readable
-version cannot be read back as written; the `Checkpointer` then falls back.
+A restore reads each array straight into its target sharding. Keys move between
+layouts by one rule: a `jit` key is the base key per-device backends derive each
+device's from (`fold_in(key, global device index)`, as `Updater.init` does); a
+`jit` run resumed from per-device keys takes global device 0's. The JSON items
+are files of their own, not Orbax's `custom_metadata` (which it may rewrite).
+Readers raise `DamagedCheckpointError` when a complete step of a readable version
+cannot be read back as written; the `Checkpointer` then falls back.
 """
 
 from __future__ import annotations
