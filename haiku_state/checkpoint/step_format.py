@@ -21,7 +21,7 @@ Version 2 (written) holds three items:
 * `metadata`: JSON with `package_versions`, `device_count`, the step's eval
   `metrics` (for keeping the best) and the caller's extras (the config).
 
-Version 1 (read: runs wrote it from 2026-12-03 to 12-04, across landed releases) is
+Version 1 (read: main wrote it from 2026-12-03 to 12-04, across landed submissions) is
 version 2 from a per-device train state without `key_layout`, with `checksums`
 (CRC-32 of each array's bytes) for `fingerprints`; it fits one device, so it is
 verified on the host.
