@@ -310,12 +310,9 @@ def _log_start(
 
 def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any] | None:
     """The run metadata of the newest complete checkpoint whose metadata can be read."""
-    for step in reversed(checkpointer.all_steps()):
-        try:
-            return checkpointer.metadata(step)
-        except ValueError:  # Damaged, or of another format: the restore says which.
-            continue
-    return None
+    # Damaged, or of another format, is passed over: the restore says which.
+    found = checkpointer.newest_readable(checkpointer.metadata)
+    return None if found is None else found[1]
 
 
 def _epochs_note(config: Any, experiment: Experiment) -> str:

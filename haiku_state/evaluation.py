@@ -165,15 +165,14 @@ def run_config(config: Any, workdir: str) -> Any:
 
 def _checkpoint_config(workdir: str) -> dict[str, Any] | None:
     """`{"config": ...}` from the metadata of the newest complete checkpoint that has one."""
+
+    def config_of(step: int) -> dict[str, Any] | None:
+        config = reader.metadata(step).get("config")
+        return config if isinstance(config, dict) else None
+
     with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as reader:
-        for step in reversed(reader.all_steps()):
-            try:
-                metadata = reader.metadata(step)
-            except ValueError:
-                continue
-            if isinstance(metadata.get("config"), dict):
-                return {"config": metadata["config"]}
-    return None
+        found = reader.newest_readable(config_of)
+    return None if found is None else {"config": found[1]}
 
 
 def _evaluate_and_record(

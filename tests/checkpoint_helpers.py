@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import haiku_state as hs
 from haiku_state import losses, models
 from haiku_state.checkpoint import Checkpointer
-from haiku_state.checkpoint.format import leaf_name
+from haiku_state.guards.checkpoint_integrity import leaf_name
 
 NUM_DEVICES = 4
 

@@ -242,13 +242,13 @@ def test_an_unreadable_step_item_is_damage(setup, tmp_path, caplog):
 def test_a_damaged_step_that_cannot_be_moved_aside_says_both(tmp_path, monkeypatch):
     from etils import epath
 
-    from haiku_state.checkpoint import checkpointer as checkpointer_lib
+    from haiku_state.guards import damaged_steps
 
     def read_only(self, step, reason):
         raise OSError(errno.EROFS, "Read-only file system", str(self.step_dir(step)))
 
-    monkeypatch.setattr(checkpointer_lib.StepDirectories, "_rename_aside", read_only)
-    steps = checkpointer_lib.StepDirectories(epath.Path(tmp_path))
+    monkeypatch.setattr(damaged_steps.StepDirectories, "_rename_aside", read_only)
+    steps = damaged_steps.StepDirectories(epath.Path(tmp_path))
     with pytest.raises(OSError, match=r"/2 is damaged \(bad checksum\) and cannot be moved aside"):
         steps.set_aside_damaged(2, "bad checksum")
 

@@ -21,10 +21,10 @@ from image_trees import CORRUPTIONS, write_imagefolder
 from haiku_state import checkpoint, data, driver, evaluation, prepare, summaries, train
 from haiku_state import config as config_lib
 from haiku_state.checkpoint import Checkpointer
-from haiku_state.checkpoint.format import leaf_name
 from haiku_state.data import order
 from haiku_state.experiment import build_experiment
 from haiku_state.guards import signals
+from haiku_state.guards.checkpoint_integrity import leaf_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -50,7 +50,10 @@ def test_the_layout_map_names_every_module_of_the_library_and_no_other():
     assert sorted(modules - named) == [], "missing from the README's Layout"
     assert sorted(named - modules) == [], "in the README's Layout, not in haiku_state/"
     # The parser reads the tree as written: a nested module under its folder.
-    assert "haiku_state/checkpoint/format.py" in named and "haiku_state/format.py" not in named
+    assert (
+        "haiku_state/checkpoint/step_format.py" in named
+        and "haiku_state/step_format.py" not in named
+    )
 
 
 def test_the_layout_map_names_every_experiment():

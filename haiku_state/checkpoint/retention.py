@@ -1,9 +1,10 @@
 """Which checkpoints to keep: the newest, milestones, and the best by an eval metric.
 
-An Orbax preservation policy. Only countable steps (the one being saved, or
-complete on disk in a format version this code reads) take part: a step that
-is not countable is always preserved, the user's to inspect or remove, and
-never takes the place of a good one.
+An Orbax preservation policy, hand-written because Orbax's own (`LatestN`,
+`EveryNSteps`, `BestN`) count every step Orbax lists and rank by metrics in its
+`_CHECKPOINT_METADATA`: here only countable steps (the one being saved, or complete
+in a format version read here) count, ranked by the metrics of our `metadata`
+item; any other step is always preserved, never taking the place of a good one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from absl import logging
 
-from haiku_state.checkpoint import format
+from haiku_state.checkpoint import step_format
 
 Metrics = Mapping[str, float]
 
@@ -25,8 +26,8 @@ class Retention:
       max_to_keep: the newest countable steps to keep; None keeps all.
       is_complete: whether a step's directory is complete on disk.
       read_metrics: the eval metrics recorded with a step, or None (read once per
-        step); raises `format.UnsupportedFormatError` for a step of a format
-        version this code does not read, which then never counts.
+        step); raises `step_format.UnsupportedFormatError` for a step of a format
+        version not read here, which then never counts.
       keep_every_steps: steps divisible by this are milestones, kept forever; 0: none.
       keep_best_by: the eval metric that ranks steps; "": none.
       keep_best_mode: "max" or "min": which end of the ranking is best.
@@ -61,8 +62,8 @@ class Retention:
     def record(self, step: int, metrics: Metrics | None) -> None:
         """The eval metrics of a step being saved, so they need not be read back.
 
-        Metrics without `keep_best_by` rank nowhere: the first such step is named
-        in a warning, so a misnamed metric does not keep nothing silently.
+        The first metrics without `keep_best_by` are named in a warning: a misnamed
+        metric would rank nothing, silently.
         """
         if self.keep_best_by and metrics and self.keep_best_by not in metrics:
             if not self._told_unranked:
@@ -76,24 +77,15 @@ class Retention:
         self._metrics[step] = metrics
         self._unsupported.discard(step)
 
-    def is_countable(self, step: int) -> bool:
-        if step == self.saving_step:
-            return True
-        if not self._is_complete(step):
-            return False
-        self._metric_of(step)  # Reads the step's format version once.
-        return step not in self._unsupported
-
-    def steps_to_keep(self, steps: Sequence[int]) -> set[int]:
-        """The countable `steps` this policy keeps."""
-        countable = sorted(step for step in steps if self.is_countable(step))
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        """Orbax's preservation-policy interface: a step not countable is always preserved."""
+        del context  # Unused.
+        countable = sorted(info.step for info in checkpoints if self._is_countable(info.step))
         keep = set(countable if self.max_to_keep is None else countable[-self.max_to_keep :])
         if self.keep_every_steps:
             keep.update(step for step in countable if step % self.keep_every_steps == 0)
-        best = self.best_step(countable)
-        if best is not None:
-            keep.add(best)
-        return keep | (self.protected & set(countable))
+        keep |= {self.best_step(countable)} | (self.protected & set(countable))
+        return [info.step in keep or not self._is_countable(info.step) for info in checkpoints]
 
     def best_step(self, steps: Sequence[int]) -> int | None:
         """The step of `steps` with the best recorded `keep_best_by`, the newest on a tie."""
@@ -107,17 +99,19 @@ class Retention:
                 ranked.append((value if self.keep_best_mode == "max" else -value, step))
         return max(ranked)[1] if ranked else None
 
-    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
-        """Orbax's preservation-policy interface."""
-        del context  # Unused.
-        keep = self.steps_to_keep([info.step for info in checkpoints])
-        return [info.step in keep or not self.is_countable(info.step) for info in checkpoints]
+    def _is_countable(self, step: int) -> bool:
+        if step == self.saving_step:
+            return True
+        if not self._is_complete(step):
+            return False
+        self._metric_of(step)  # Reads the step's format version once.
+        return step not in self._unsupported
 
     def _metric_of(self, step: int) -> Metrics | None:
         if step not in self._metrics:
             try:
                 self._metrics[step] = self._read_metrics(step)
-            except format.UnsupportedFormatError:
+            except step_format.UnsupportedFormatError:
                 self._metrics[step] = None
                 self._unsupported.add(step)
             except Exception:  # An unreadable metadata item ranks nowhere.

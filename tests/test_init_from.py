@@ -1,4 +1,4 @@
-"""Tests of haiku_state.checkpoint.warm_start: another run's params and state in a fresh
+"""Tests of haiku_state.checkpoint.init_from: another run's params and state in a fresh
 run, skipped leaves initialised afresh, every other difference and unreadable formats refused.
 
 `test_run_controls.py` runs it end to end, through `config.init_from`."""
@@ -24,8 +24,8 @@ from checkpoint_helpers import (
 )
 
 from haiku_state import checkpoint, train
-from haiku_state.checkpoint.format import leaf_name
-from haiku_state.checkpoint.warm_start import locate
+from haiku_state.checkpoint.init_from import locate
+from haiku_state.guards.checkpoint_integrity import leaf_name
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_locate_names_the_checkpoint_directory_and_step(tmp_path):
     assert locate(os.path.join(checkpoints, "600")) == (checkpoints, 600)
     assert locate(checkpoints) == (checkpoints, None)
     assert locate(str(tmp_path / "run")) == (checkpoints, None)
-    from haiku_state.checkpoint.warm_start import warm_start
+    from haiku_state.checkpoint.init_from import warm_start
 
     assert checkpoint.warm_start is warm_start  # The package exports the function.
 

@@ -1,4 +1,4 @@
-"""Tests of haiku_state.checkpoint.format: what a step holds and its version, exact round
+"""Tests of haiku_state.checkpoint.step_format: what a step holds and its version, exact round
 trips, fingerprints and checksums, shape mismatches, other device counts, meshes and
 backends."""
 
@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 import haiku_state as hs
 from haiku_state import checkpoint, losses, models, sharding
 from haiku_state.checkpoint import Checkpointer, package_versions
-from haiku_state.checkpoint.format import fingerprint, leaf_name
+from haiku_state.guards.checkpoint_integrity import fingerprint, leaf_name
 from haiku_state.updater import LossScaledOptState, per_device_keys
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;

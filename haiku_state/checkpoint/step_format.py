@@ -1,81 +1,49 @@
-"""The on-disk format of a checkpoint step, and its version: the one module that knows it.
+"""The on-disk format of a checkpoint step and its `FORMAT_VERSION`: the one module that knows it.
 
-Changing what a step holds is an edit to this module and a new `FORMAT_VERSION`
-(with the versions still read in `READABLE_FORMAT_VERSIONS`).
-
-The frame, the same in every version so that any step can be recognised before
-it is read: a step is the directory `<directory>/<step>/`, complete once it
-holds Orbax's commit marker (see `checkpointer`), with a JSON item `step` (the
-file `step/metadata`) whose integer `format_version` says how to read the rest.
-A step without `format_version` is version 1: it was written before versions
-were recorded. A step of a version this code does not read is refused with
-`UnsupportedFormatError` before anything else about it is read: it is neither
-damaged nor restorable, and is left where it is.
+Changing what a step holds is an edit here and a new `FORMAT_VERSION` (the
+versions still read in `READABLE_FORMAT_VERSIONS`). In every version a step is
+`<directory>/<step>/`, complete once it holds Orbax's commit marker, with a JSON
+item `step` (file `step/metadata`) whose integer `format_version` (none: 1) says
+how to read the rest; a version not read here raises `UnsupportedFormatError`
+before anything else is read, and the step is left where it is.
 
 Version 2 (written) holds three items:
 
-* `train_state`: one standard Orbax pytree checkpoint of `{"params", "state",
-  "opt_state", "rng": {"key_data"}}`, the first three as one unreplicated
-  copy, so a checkpoint does not depend on the devices that wrote it. From a
-  per-device (`pmap`, `shard_map`) train state they are host copies of one
-  replica, written by process 0, and `rng` holds the per-device keys of every
-  device of every process in global device order (`[devices, ...]`). From a
-  `jit` train state they are its global arrays: every process writes the
-  shards it holds (a replicated leaf once), in parallel, and `rng` holds the one
-  key. Keys are saved as `jax.random.key_data` (uint32: the portable form of
-  typed keys). One item rather than one per tree: Orbax writes and finalises
-  every item with its own handler, threads and event loops, and for a small
-  model that overhead, not the bytes, is the cost of a save;
-* `step`: JSON `{"format_version", "step", "key_impl", "key_layout",
-  "fingerprints"}`, what a restore needs besides the arrays. `key_layout` is
-  `"per_device"` or `"global"` (one key). `fingerprints` holds one uint32 per
-  array (`fingerprint`): computed on device from the global arrays at save and
-  from the restored ones, in whatever sharding they are restored into, so it
-  checks shards written by many processes without gathering them anywhere;
-* `metadata`: JSON with `package_versions`, `device_count`, the eval `metrics`
-  of the step (for keeping the best) and whatever the caller adds (the
-  experiment config).
+* `train_state`: one Orbax pytree checkpoint of `{"params", "state",
+  "opt_state", "rng": {"key_data"}}`, the first three unreplicated. Per-device
+  (`pmap`, `shard_map`): host copies of one replica, written by process 0, and
+  every device's key in global device order. `jit`: its global arrays, each
+  process writing the shards it holds, and the one key. One item, not one per
+  tree: for a small model Orbax's per-item handlers are the cost of a save;
+* `step`: JSON `{"format_version", "step", "key_impl", "key_layout"
+  ("per_device" or "global"), "fingerprints"}`, a uint32 per array computed
+  where the arrays are (`guards.checkpoint_integrity.fingerprint`);
+* `metadata`: JSON with `package_versions`, `device_count`, the step's eval
+  `metrics` (for keeping the best) and the caller's extras (the config).
 
-Version 1 (read) is version 2 from a per-device train state, without
-`key_layout` (always per device) and with `checksums`, the CRC-32 of every
-array's bytes, instead of `fingerprints`. It was written by runs whose train
-state fits one device, so it is verified on the host before it is placed.
+Version 1 (read: main wrote it from 2026-12-03 to 12-04, across landed submissions) is
+version 2 from a per-device train state without `key_layout`, with `checksums`
+(CRC-32 of each array's bytes) for `fingerprints`; it fits one device, so it is
+verified on the host.
 
-Restored onto any backend and mesh (`restore_step`): each array is read
-straight into its target sharding, the one of the `like` leaf (`jit`) or every
-local device (per-device backends, which then stack the replicas). The keys
-move between layouts by one rule, so randomness stays a pure function of the
-seed and the step: a `jit` key is the base key from which the per-device
-backends derive each device's key (`fold_in(key, global device index)`, as
-`Updater.init` derives them from the run key), and a `jit` run resumed from
-per-device keys takes the key of global device 0 (as a per-device run on
-another device count derives its keys from it).
-
-The two small items are JSON files of their own rather than Orbax's
-`custom_metadata`: Orbax keeps that in the step's `_CHECKPOINT_METADATA`, which
-it may rewrite, and the version and integrity data must be read before, and
-independently of, the arrays they describe.
-
-Every reader raises `DamagedCheckpointError` when a complete step of a readable
-version cannot be read back as written (files unreadable, arrays that do not
-match their fingerprints or checksums, params that are not finite): the
-`Checkpointer` then falls back to an earlier step.
+A restore reads each array straight into its target sharding. Keys move between
+layouts by one rule: a `jit` key is the base key per-device backends derive each
+device's from (`fold_in(key, global device index)`, as `Updater.init` does); a
+`jit` run resumed from per-device keys takes global device 0's. The JSON items
+are files of their own, not Orbax's `custom_metadata` (which it may rewrite).
+Readers raise `DamagedCheckpointError` when a complete step of a readable version
+cannot be read back as written; the `Checkpointer` then falls back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import json
-import logging as std_logging
-import sys
-import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -83,6 +51,7 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from haiku_state import replication, sharding
+from haiku_state.guards import checkpoint_integrity, quiet_logs
 from haiku_state.updater import TrainState, per_device_keys, step_of
 
 FORMAT_VERSION = 2  # What `save_args` writes.
@@ -93,16 +62,7 @@ PyTree = Any
 TRAIN_STATE, STEP, METADATA = "train_state", "step", "metadata"  # The items.
 _JSON_FILE = "metadata"  # The file a JSON item is written to, in the item's directory.
 REPLICATED_TREES = ("params", "state", "opt_state")  # Saved unreplicated.
-_VERSIONED_PACKAGES = (
-    "jax",
-    "jaxlib",
-    "dm-haiku",
-    "optax",
-    "chex",
-    "orbax-checkpoint",
-    "numpy",
-    "haiku_state",
-)
+_VERSIONED_PACKAGES = "jax jaxlib dm-haiku optax chex orbax-checkpoint numpy haiku_state".split()
 _MAX_REASON_CHARS = 400
 
 
@@ -152,13 +112,10 @@ def package_versions() -> dict[str, str]:
 
 
 def orbax_manager(
-    directory: epath.Path, preservation_policy: Any, *, read_only: bool
+    directory: epath.Path, preservation_policy: Any, read_only: bool
 ) -> ocp.CheckpointManager:
-    """An Orbax `CheckpointManager` of these items that writes synchronously when asked.
-
-    Saves run in the `Checkpointer`'s own writer thread, so Orbax's async mode is
-    off; `preservation_policy` decides which steps Orbax may delete.
-    """
+    """An Orbax `CheckpointManager` of these items, synchronous (the `Checkpointer` has its
+    own writer thread); `preservation_policy` decides which steps Orbax may delete."""
     handlers = {TRAIN_STATE: ocp.StandardCheckpointHandler()}
     handlers.update({name: ocp.JsonCheckpointHandler(_JSON_FILE) for name in (STEP, METADATA)})
     options = ocp.CheckpointManagerOptions(
@@ -177,27 +134,23 @@ def orbax_manager(
 
 
 def encode(train_state: TrainState) -> Encoded:
-    """Copies of `train_state` in host memory, and the fingerprints of its arrays.
+    """Copies of `train_state` in host memory (donatable once this returns), and fingerprints.
 
-    A per-device train state gives fresh numpy copies of device 0's params,
-    state and opt_state and of every device's key (gathered from every process).
-    A `jit` train state gives its global arrays copied shard by shard to host
-    memory, in their shardings: each process copies the shards it holds and
-    nothing is gathered. Either way the caller may donate `train_state` to the
-    next step as soon as this returns. In a multi-process run every process
-    must call it.
+    Per-device: numpy copies of device 0's replica and of every device's key,
+    gathered from every process. `jit`: its global arrays copied shard by shard to
+    host memory, nothing gathered. In a multi-process run every process calls it.
     """
     key_impl = str(jax.random.key_impl(train_state.rng))
     step = step_of(train_state)
     if sharding.is_global(train_state):
         trees = _trees(train_state, jax.random.key_data(train_state.rng))
-        fingerprints = fingerprint_trees(trees)
+        fingerprints = checkpoint_integrity.fingerprint_trees(trees)
         host_trees = jax.block_until_ready(jax.tree.map(_to_host_memory, trees))
         return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints, jax.device_count())
     # Device 0's replica, `[1, ...]` (the same fingerprint as without its leading axis).
     first_replica = jax.tree.map(lambda leaf: leaf.addressable_data(0), train_state)
     trees = _trees(first_replica, replication.global_key_data(train_state.rng))
-    fingerprints = fingerprint_trees(trees)
+    fingerprints = checkpoint_integrity.fingerprint_trees(trees)
     host = jax.device_get(trees)  # One batched transfer; copied below (it can be a view).
     host_trees = {
         name: jax.tree.map(lambda x: np.array(x[0], copy=True), host[name])
@@ -215,10 +168,7 @@ def _trees(train_state: TrainState, key_data: Any) -> dict[str, PyTree]:
 
 
 def _to_host_memory(leaf: jax.Array) -> jax.Array:
-    """A copy of a global array in host memory, each shard beside the device that holds it.
-
-    Where the platform has no host memory space, a copy on the devices.
-    """
+    """A copy of a global array in host memory (else on the devices), shard by shard."""
     device = next(iter(leaf.sharding.device_set))
     kinds = {memory.kind for memory in device.addressable_memories()}
     target = leaf.sharding.with_memory_kind("pinned_host") if "pinned_host" in kinds else None
@@ -289,16 +239,14 @@ def restore_step(
 ) -> TrainState:
     """Restores one step as a `TrainState` in the layout and shardings of `like`.
 
-    Every array is read straight into its place (see the module docstring), and
-    the keys are converted between layouts by the module's rule.
-
     Raises:
       UnsupportedFormatError: if the step is of a version this code does not read.
       ValueError: if the step does not fit `like` (nothing is read).
       DamagedCheckpointError: if it fits but cannot be read back as written.
     """
     header = read_header(manager, step)
-    problem = first_mismatch(_expected_trees(like), header.trees)
+    expected = _expected_trees(like)
+    problem = checkpoint_integrity.first_mismatch(expected, header.trees)
     model_key_impl = replication.key_impl_name(like.rng)
     if problem is None and header.key_impl != model_key_impl:
         problem = f"rng: checkpoint keys are {header.key_impl} vs model {model_key_impl}"
@@ -307,14 +255,11 @@ def restore_step(
             f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
             f"{problem}. Nothing was restored and no file was changed."
         )
-    expected = _expected_trees(like)
     expected["rng"] = _saved_shapes(header)["rng"]  # With the saved number of keys.
     placements = _target_shardings(like, axis_name)
     if header.version == 1 and sharding.is_global(like):
         # Written by a per-device run, so it fits one device: verified on the host, then placed.
-        first_device = SingleDeviceSharding(jax.local_devices()[0])
-        read = _read_verified(manager, step, _abstract(expected, first_device), header)
-        trees = jax.tree.map(_place, jax.device_get(read), placements)
+        trees = jax.tree.map(_place, _read_on_host(manager, step, expected, header), placements)
     else:
         trees = _read_verified(manager, step, _abstract(expected, placements), header)
     return _decode(trees, header, like, axis_name)
@@ -331,9 +276,7 @@ def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any
       DamagedCheckpointError: if it cannot be read back as written.
     """
     header = read_header(manager, step)
-    first_device = SingleDeviceSharding(jax.local_devices()[0])
-    targets = _abstract(_saved_shapes(header), first_device)
-    return jax.device_get(_read_verified(manager, step, targets, header))
+    return _read_on_host(manager, step, _saved_shapes(header), header)
 
 
 def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
@@ -349,7 +292,7 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
     if mismatch is not None:
         raise DamagedCheckpointError(mismatch)
     try:
-        with _orbax_read(manager, step):
+        with quiet_logs.failed_read_kept_quiet(_step_dir(manager, step)):
             tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
         if tree_metadata is None:
             raise FileNotFoundError(f"item {TRAIN_STATE!r} has no readable metadata")
@@ -401,12 +344,8 @@ _STEP_ITEM_FIELDS = {
 
 
 def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
-    """Why the `step` item's fields are not those of the version it states, or None.
-
-    Names the version the item says (or that it records none), the fields of that
-    version it lacks, and the version whose fields it holds instead, if any: a step
-    whose version was rewritten by hand, or written by a tool that got it wrong.
-    """
+    """Why the `step` item's fields are not those of the version it states, or None: its
+    version, the fields it lacks and the version whose fields it holds (a hand-edited step)."""
     missing = [field for field in _STEP_ITEM_FIELDS[version] if field not in item]
     if not missing:
         return None
@@ -430,80 +369,23 @@ def _read_verified(
     """The `train_state` item read into `targets`, checked against its integrity data."""
     args = ocp.args.Composite(**{TRAIN_STATE: ocp.args.StandardRestore(targets)})
     try:
-        with _orbax_read(manager, step):
+        with quiet_logs.failed_read_kept_quiet(_step_dir(manager, step)):
             trees = manager.restore(step, args=args)[TRAIN_STATE]
     except Exception as e:  # The header was read, so a failed read is damage.
         raise DamagedCheckpointError(_reason(e)) from e
     if header.version == 1:
-        problem = _verify_checksums(jax.device_get(trees), header.integrity)
+        problem = checkpoint_integrity.verify_checksums(jax.device_get(trees), header.integrity)
     else:
-        problem = _verify_fingerprints(trees, header.integrity)
+        problem = checkpoint_integrity.verify_fingerprints(trees, header.integrity)
     if problem is not None:
         raise DamagedCheckpointError(problem)
     return trees
 
 
-# The leftovers of a failed read. Orbax reads every array concurrently in an event loop
-# of its own and closes it as soon as one read fails, while TensorStore still has the
-# others in flight. Each of those then reports, after the `DamagedCheckpointError` was
-# handled: TensorStore's completion callback cannot reach the closed loop (`RuntimeError:
-# Event loop is closed`, through `sys.unraisablehook`, with no "Exception ignored" line),
-# the coroutines left suspended fail the same way when collected, and tasks that failed
-# too are logged by asyncio as "Task exception was never retrieved". The damage is
-# reported once, by the caller; these would add hundreds of lines of tracebacks. A
-# failed write (a full disk) leaves the same late callbacks behind: a writer drops them
-# too (`drop_late_loop_callbacks`), and the `Checkpointer` reports the failure once.
-
-_reading_or_failed: set[str] = set()  # Step directories, "<directory>/<step>/".
-_next_unraisablehook: Any = None
-
-
-def _drop_late_loop_callback(unraisable: Any) -> None:
-    """`sys.unraisablehook`: drops a callback or coroutine that outlived its event loop."""
-    error = unraisable.exc_value
-    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-        logging.debug("A late callback of a failed checkpoint read or write: %s", error)
-        return
-    _next_unraisablehook(unraisable)
-
-
-def _is_not_a_failed_read_task(record: std_logging.LogRecord) -> bool:
-    """A filter of asyncio's logger: drops the failed tasks of a failed checkpoint read."""
-    error = record.exc_info[1] if record.exc_info else None
-    text = str(error) if error is not None else ""
-    return not any(step_dir in text for step_dir in _reading_or_failed)
-
-
-def drop_late_loop_callbacks() -> None:
-    """Keeps the callbacks that outlive the event loop of a failed read or write (see
-    above) off the terminal; idempotent.
-
-    Process-wide, as they come from other threads at any later time; installed by
-    the first read or save, so every user of the checkpoints has it, not only the CLI.
-    """
-    global _next_unraisablehook
-    if sys.unraisablehook is not _drop_late_loop_callback:
-        _next_unraisablehook = sys.unraisablehook
-        sys.unraisablehook = _drop_late_loop_callback
-
-
-def _drop_leftovers_of_failed_reads() -> None:
-    """Keeps the leftovers of failed reads (see above) off the terminal; idempotent."""
-    drop_late_loop_callbacks()
-    asyncio_logger = std_logging.getLogger("asyncio")
-    if _is_not_a_failed_read_task not in asyncio_logger.filters:
-        asyncio_logger.addFilter(_is_not_a_failed_read_task)
-
-
-@contextlib.contextmanager
-def _orbax_read(manager: ocp.CheckpointManager, step: int) -> Iterator[None]:
-    """Around an Orbax read of the arrays of `step` or their metadata: keeps its leftovers
-    off the terminal should it fail."""
-    step_dir = f"{_step_dir(manager, step)}/"
-    _drop_leftovers_of_failed_reads()
-    _reading_or_failed.add(step_dir)
-    yield
-    _reading_or_failed.discard(step_dir)  # Reached only when the read succeeded.
+def _read_on_host(manager, step: int, shapes: PyTree, header: StepHeader) -> dict[str, Any]:
+    """The `train_state` item read onto one device and verified, as host arrays."""
+    first_device = SingleDeviceSharding(jax.local_devices()[0])
+    return jax.device_get(_read_verified(manager, step, _abstract(shapes, first_device), header))
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -517,109 +399,6 @@ def _item_file(manager: ocp.CheckpointManager, step: int, item: str) -> epath.Pa
 def _reason(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}"
     return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."
-
-
-# Integrity: fingerprints (version 2) and checksums (version 1).
-
-
-def _mix(x: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finaliser: each input bit flips each output bit with odds 1/2."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def _words(x: jax.Array) -> jax.Array:
-    """The bits of `x` as uint32 words (a trailing axis of 2 for 64-bit types)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-@jax.jit
-def fingerprint(x: jax.Array) -> jax.Array:
-    """A uint32 digest of an array's bits and their positions, the same for any sharding.
-
-    The sum, with uint32 wraparound, of `mix(bits + golden * flat index)` over
-    the elements: an integer sum is exact in any order, so a global array gives
-    the same value on any mesh, sharding or number of processes (each device
-    sums its shard, then the shards' sums are added), and restored arrays are
-    checked where they land. The mixing makes every changed element, moved
-    element or flipped bit change the sum, except with odds about 2**-32 (a
-    plain weighted sum would miss, e.g., two flipped sign bits). Elementwise and
-    a reduction, it runs where the shards are, without moving them. One program
-    per shape, dtype and sharding, shared by every tree that has them.
-    """
-    words = _words(x)
-    index = jnp.zeros(words.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(words.ndim)):  # The flat (row-major) index, in uint32.
-        iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
-        index = index + iota * jnp.uint32(stride % 2**32)
-        stride *= words.shape[axis]
-    return jnp.sum(_mix(words + index * jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
-
-
-@jax.jit
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.all(jnp.isfinite(x))
-
-
-def fingerprint_trees(trees: dict[str, PyTree]) -> dict[str, int]:
-    """The `fingerprint` of every array of `trees`, by leaf name, computed where they are.
-
-    In a multi-process run every process must call it for global arrays.
-    """
-    return _named_values(jax.tree.map(fingerprint, trees), int)
-
-
-def _named_values(tree: PyTree, kind: type) -> dict[str, Any]:
-    """A tree of replicated scalars as host values by leaf name, in one transfer."""
-    paths_and_leaves = jax.tree_util.tree_leaves_with_path(tree)
-    values = jax.device_get([leaf.addressable_data(0) for _, leaf in paths_and_leaves])
-    return {leaf_name(path): kind(v) for (path, _), v in zip(paths_and_leaves, values, strict=True)}
-
-
-def _verify_fingerprints(trees: dict[str, PyTree], expected: dict[str, int]) -> str | None:
-    """Why restored `trees` (anywhere, any sharding) cannot be trusted, or None.
-
-    An array whose fingerprint differs from the one saved with it (files changed
-    on disk), or params that are not finite (a run saved after it diverged, or
-    damage that happens to decode), count as damage.
-    """
-    finite = jax.tree.map(_all_finite, trees["params"])
-    for name, value in fingerprint_trees(trees).items():
-        if expected.get(name) != value:
-            return f"{name}: its values do not match the fingerprint saved with it"
-    for name, is_finite in _named_values(finite, bool).items():
-        if not is_finite:
-            return f"params/{name}: holds non-finite values"
-    return None
-
-
-def _checksums(trees: dict[str, PyTree]) -> dict[str, int]:
-    """The CRC-32 of every array's bytes, by leaf name: version 1's integrity data."""
-    return {
-        leaf_name(path): zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
-        for path, leaf in jax.tree_util.tree_leaves_with_path(trees)
-    }
-
-
-def _verify_checksums(trees: dict[str, PyTree], expected_checksums: dict[str, int]) -> str | None:
-    """Why restored host `trees` of a version 1 step cannot be trusted, or None.
-
-    As `_verify_fingerprints`, with version 1's checksums of the bytes.
-    """
-    for name, checksum in _checksums(trees).items():
-        if expected_checksums.get(name) != checksum:
-            return f"{name}: its bytes do not match the checksum saved with it"
-    for path, leaf in jax.tree_util.tree_leaves_with_path(trees["params"]):
-        if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
-            return f"params{jax.tree_util.keystr(path)}: holds non-finite values"
-    return None
 
 
 # Where the arrays go, and a TrainState from what was read.
@@ -647,10 +426,7 @@ def _saved_shapes(header: StepHeader) -> dict[str, PyTree]:
 
 
 def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
-    """Where each saved array goes: by the leaves of `like` (jit), or every local device.
-
-    Per-device layouts then stack the replicas and derive the keys (`_decode`).
-    """
+    """Where each saved array goes: by the leaves of `like` (jit), or every local device."""
     if sharding.is_global(like):
         shardings = jax.tree.map(lambda x: x.sharding, like._replace(rng=()))
         return _trees(shardings, like.rng.sharding)
@@ -660,7 +436,7 @@ def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
 
 def _abstract(shapes: PyTree, shardings: PyTree | jax.sharding.Sharding) -> PyTree:
     """Abstract arrays for Orbax to read into: explicit targets, so a checkpoint written on
-    other hardware (GPU) restores here (CPU)."""
+    other hardware restores here."""
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, shapes)
     return jax.tree.map(
@@ -701,11 +477,7 @@ def _decode(
 
 
 def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sharding) -> jax.Array:
-    """The one typed key of a jit train state: the saved one, or global device 0's.
-
-    A step of per-device keys (a pmap or shard_map run) gives the key of global
-    device 0, the key from which another device count re-derives them too.
-    """
+    """The one typed key of a jit train state: the saved one, or global device 0's."""
     per_device = header.key_layout == PER_DEVICE
     if per_device:
         logging.info(
@@ -723,15 +495,11 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
 
 
 def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax.Array:
-    """This process's typed per-device keys: the saved ones, or derived for this run.
+    """This process's typed per-device keys: its rows of the saved ones, or derived.
 
-    With a key per global device of this run's count, this process takes the rows
-    of its own devices. Otherwise each device's key is `per_device_keys(base key,
-    ...)`, `fold_in` of the global device index, as `Updater.init` derives them
-    from the run key. The base key is the one key of a jit run (its per-device
-    continuation), or the saved key of device 0 of a run on another device
-    count: deterministic and distinct per device, but a different random stream
-    from the run that saved it, which a warning says.
+    On another device count, or from a jit run's one key, each device's key is
+    `per_device_keys(base key, ...)` (`fold_in` of the global device index, as
+    `Updater.init` derives them), from device 0's saved key or the jit key.
     """
     num_devices = jax.local_device_count()
     first_index = jax.process_index() * num_devices
@@ -757,63 +525,3 @@ def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax
         )
         keys = per_device_keys(keys[0], num_devices, first_index)
     return jax.device_put(keys, replication.device_axis_sharding(axis_name))
-
-
-# Leaf names, and where a checkpoint does not fit a model.
-
-
-def leaf_name(path: tuple) -> str:
-    """A key path as one stable name, `params/mlp/linear/w`, whatever the containers."""
-    return "/".join(_path_names(path))
-
-
-def first_mismatch(model: Mapping[str, PyTree], saved: Mapping[str, PyTree]) -> str | None:
-    """Describes the first leaf where `saved` (checkpoint metadata) does not fit `model`.
-
-    Args:
-      model: the trees the model expects, by name (leaves with shape and dtype).
-      saved: the trees of the checkpoint under the same names.
-
-    Returns:
-      `"<tree><path>: <what differs>"`, or None when every leaf fits.
-    """
-    for name, model_tree in model.items():
-        model_leaves = _leaf_signatures(model_tree)
-        saved_leaves = _leaf_signatures(saved[name]) if saved.get(name) is not None else {}
-        for names, (where, shape, dtype) in model_leaves.items():
-            if names not in saved_leaves:
-                return f"{name}{where}: missing from the checkpoint (model {shape} {dtype})"
-            _, saved_shape, saved_dtype = saved_leaves[names]
-            if saved_shape != shape:
-                return f"{name}{where}: checkpoint {saved_shape} vs model {shape}"
-            if saved_dtype != dtype:
-                return f"{name}{where}: checkpoint dtype {saved_dtype} vs model dtype {dtype}"
-        for names, (where, shape, dtype) in saved_leaves.items():
-            if names not in model_leaves:
-                return f"{name}{where}: in the checkpoint ({shape} {dtype}) but not in the model"
-    return None
-
-
-def _path_names(path: tuple) -> tuple[str, ...]:
-    """A key path as plain names, so a NamedTuple field matches a saved dict key."""
-    names = []
-    for key in path:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(key, attribute):
-                names.append(str(getattr(key, attribute)))
-                break
-        else:
-            names.append(str(key))
-    return tuple(names)
-
-
-def _leaf_signatures(tree: PyTree) -> dict[tuple[str, ...], tuple[str, tuple[int, ...], np.dtype]]:
-    """Each leaf by its plain names: (printable path, shape, dtype)."""
-    return {
-        _path_names(path): (
-            jax.tree_util.keystr(path),
-            tuple(getattr(leaf, "shape", ())),
-            np.dtype(leaf.dtype),
-        )
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }

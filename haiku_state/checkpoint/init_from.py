@@ -1,13 +1,10 @@
-"""Warm starts: a fresh run's params and state taken from another run's checkpoint.
+"""`warm_start` (config key `init_from`): a fresh run's params and state from another run.
 
-Only params and state move (not opt_state, step or keys: the new run's own
-optimizer starts afresh). Leaves whose name matches `skip` keep their fresh
-initialisation, e.g. `skip="logits"` for a classifier head of another class
-count; every other difference between the checkpoint and the model is refused
-by name. Names are `<tree>/<haiku path>`, e.g. `params/logits/w` or
-`state/stem_bn/~/mean_ema/average`, matched with `re.search`. The checkpoint is
-read through a read-only `Checkpointer`, so its format version and integrity are
-checked as a resume checks them.
+Only params and state move (the new run's optimizer, step and keys start afresh).
+Leaves whose name (`params/logits/w`) matches the regex `skip` keep their fresh
+initialisation, e.g. a classifier head of another class count; every other
+difference is refused by name. The checkpoint is read through a read-only
+`Checkpointer`, so its format version and integrity are checked as on resume.
 """
 
 from __future__ import annotations
@@ -22,18 +19,15 @@ from absl import logging
 
 from haiku_state import replication, sharding
 from haiku_state.checkpoint.checkpointer import Checkpointer
-from haiku_state.checkpoint.format import leaf_name
+from haiku_state.guards.checkpoint_integrity import leaf_name
 from haiku_state.updater import TrainState
 
 WARM_STARTED_TREES = ("params", "state")
 
 
 def locate(path: str) -> tuple[str, int | None]:
-    """The checkpoint directory and step that `path` names.
-
-    `path` is a step directory (`.../checkpoints/600`), a checkpoint directory
-    (`.../checkpoints`: its newest complete step) or a workdir holding one.
-    """
+    """The checkpoint directory and step (None: the newest) of a step directory
+    (`.../checkpoints/600`), a checkpoint directory, or a workdir holding one."""
     path = os.path.abspath(path)
     if os.path.basename(path).isdigit():
         return os.path.dirname(path), int(os.path.basename(path))
@@ -55,19 +49,18 @@ def _merge(
     def take(path, leaf):
         name = f"{tree}/{leaf_name(path)}"
         fresh_names.add(name)
+        value = saved_leaves.get(leaf_name(path))
         if skip is not None and skip.search(name):
             skipped.append(name)
-            return leaf
-        if leaf_name(path) not in saved_leaves:
+        elif value is None:
             problems.append(f"{name}: not in the checkpoint")
-            return leaf
-        value = saved_leaves[leaf_name(path)]
-        if (value.shape, value.dtype) != (leaf.shape, leaf.dtype):
+        elif (value.shape, value.dtype) != (leaf.shape, leaf.dtype):
             problems.append(
                 f"{name}: checkpoint {value.shape} {value.dtype} vs model {leaf.shape} {leaf.dtype}"
             )
-            return leaf
-        return value
+        else:
+            return value
+        return leaf
 
     merged = jax.tree_util.tree_map_with_path(take, fresh)
     for name in saved_leaves:
@@ -86,21 +79,16 @@ def _check_skip_matches(pattern: re.Pattern, train_state: TrainState, saved: Any
                 f"{tree}/{leaf_name(p)}" for p, _ in jax.tree_util.tree_leaves_with_path(source)
             ]
     if not any(pattern.search(name) for name in names):
-        shown = sorted(set(names))
         raise ValueError(
             f"config.init_skip={pattern.pattern!r} matches none of the leaves of the model or of "
             f"config.init_from={path}, so it would skip nothing; the leaves are "
-            + ", ".join(shown[:6])
-            + (f" and {len(shown) - 6} more" if len(shown) > 6 else "")
-            + ". Correct the regex, or leave init_skip empty."
+            f"{_listed(sorted(set(names)), 6)}. Correct the regex, or leave init_skip empty."
         )
 
 
 def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) -> TrainState:
-    """`train_state` with params and state from the checkpoint at `path` (see the module doc).
-
-    Of either layout, from a checkpoint of either: a jit train state gets each
-    saved leaf in the sharding of the leaf it replaces.
+    """`train_state` (either layout; jit leaves keep their shardings) with params and state
+    from the checkpoint at `path`, of either layout (see the module doc).
 
     Raises:
       FileNotFoundError: if `path` holds no complete checkpoint.
@@ -130,19 +118,16 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
     if problems:
         raise ValueError(
             f"config.init_from={path} (step {step}) does not fit the model: "
-            + "; ".join(problems[:8])
-            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-            + ". Set config.init_skip to a regex of the leaves to initialise afresh."
+            f"{_listed(problems, 8, '; ', '; and')}. Set config.init_skip to a regex of the "
+            "leaves to initialise afresh."
         )
     _log_loaded(directory, step, skip, len(jax.tree.leaves(trees)), skipped)
-    if global_layout:
-        placed = {
-            tree: jax.tree.map(_place_like, trees[tree], getattr(train_state, tree))
-            for tree in trees
-        }
-        return train_state._replace(**placed)
-    replicated = {tree: replication.replicate(trees[tree], axis_name) for tree in trees}
-    return train_state._replace(**replicated)
+    for tree, merged in trees.items():
+        if global_layout:
+            trees[tree] = jax.tree.map(_place_like, merged, getattr(train_state, tree))
+        else:
+            trees[tree] = replication.replicate(merged, axis_name)
+    return train_state._replace(**trees)
 
 
 def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list[str]) -> None:
@@ -163,12 +148,16 @@ def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list
         leaves,
         directory,
         step,
-        f"; {len(skipped)} freshly initialised (config.init_skip={skip!r}): "
-        + ", ".join(skipped[:6])
-        + (f" and {len(skipped) - 6} more" if len(skipped) > 6 else "")
+        f"; {len(skipped)} freshly initialised (config.init_skip={skip!r}): {_listed(skipped, 6)}"
         if skipped
         else "",
     )
+
+
+def _listed(names: list[str], shown: int, sep: str = ", ", more: str = " and") -> str:
+    """The first `shown` of `names`, and how many more."""
+    rest = len(names) - shown
+    return sep.join(names[:shown]) + (f"{more} {rest} more" if rest > 0 else "")
 
 
 def _place_like(value: Any, fresh: jax.Array) -> jax.Array:

@@ -1,0 +1,179 @@
+"""Checkpoint steps that cannot be trusted: set aside, never deleted, never silently replaced.
+
+A step is complete only once it holds Orbax's commit marker (`commit_success.txt`,
+written last; on GCS, where steps are written in place, the marker alone says so).
+A step that cannot be trusted is renamed `<step>.<reason>-<UTC time>`: Orbax no
+longer sees it and its number is free again. When every complete step is damaged,
+or only steps set aside as damaged are left, a restore is refused and nothing
+moves: a run never starts from scratch next to a damaged one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+from collections.abc import Callable
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+
+
+class StepDirectories:
+    """The steps of one checkpoint directory as they are on disk: complete, claimed, set aside.
+
+    `read_only` (an evaluator beside a training run) renames nothing. `on_set_aside`
+    is called after every `set_aside` on every process (to reload Orbax's step list).
+    """
+
+    def __init__(self, directory: epath.Path, *, read_only: bool = False):
+        self.directory = directory
+        self.read_only = read_only
+        self.on_set_aside: Callable[[], None] = lambda: None
+
+    def step_dir(self, step: int) -> epath.Path:
+        return self.directory / str(step)
+
+    def is_complete(self, step: int) -> bool:
+        return (self.step_dir(step) / ocp.path.atomicity.COMMIT_SUCCESS_FILE).exists()
+
+    def named_steps(self) -> list[int]:
+        """Every directory named like a step, complete or not, ascending."""
+        if not self.directory.exists():
+            return []
+        return sorted(
+            meta.step for meta in ocp.path.step.standard_name_format().find_all(self.directory)
+        )
+
+    def complete_steps(self) -> list[int]:
+        """The complete steps, ascending."""
+        return [step for step in self.named_steps() if self.is_complete(step)]
+
+    def claim(self, step: int) -> bool:
+        """Whether `step` may be saved: not if it is complete already.
+
+        A directory of that number without its commit marker is set aside first.
+        """
+        if self.is_complete(step):
+            logging.info(
+                "Checkpoint step %d exists at %s; not saving it again.", step, self.step_dir(step)
+            )
+            return False
+        if self.step_dir(step).exists():
+            self._set_aside_unfinished(step, "it has no commit marker")
+        return True
+
+    def set_aside(self, step: int, reason: str) -> epath.Path | None:
+        """Renames `step` to `<step>.<reason>-<time>`; only process 0 renames.
+
+        Returns:
+          The new path, or None where this process renamed nothing (read-only, not
+          process 0, or no such directory).
+        """
+        moved = self._rename_aside(step, reason)
+        self.on_set_aside()
+        return moved
+
+    def set_aside_damaged(self, step: int, reason: object, then: str = "") -> None:
+        """Sets a damaged step aside with a warning naming both paths, then `then`."""
+        path = self.step_dir(step)
+        try:
+            moved = self.set_aside(step, "damaged")
+        except OSError as e:
+            raise OSError(
+                f"Checkpoint {path} is damaged ({reason}) and cannot be moved aside: {e}. "
+                "Make the folder writable, or move the step away yourself."
+            ) from None
+        logging.warning(
+            "Checkpoint %s is damaged (%s)%s%s.",
+            path,
+            reason,
+            f"; moved aside to {moved}, not deleted" if moved else "",
+            f"; {then}" if then else "",
+        )
+
+    def set_aside_incomplete(self) -> None:
+        """Sets aside every step directory without its commit marker: it never finished.
+
+        Only a writer that holds the workdir calls it (on GCS a step being written has none).
+        """
+        for step in self.named_steps():
+            if not self.is_complete(step):
+                self._set_aside_unfinished(step, "it has no commit marker: it never finished")
+
+    def after_fallback(self, damaged: list[tuple[int, Exception]], restored: int | None) -> None:
+        """Sets aside the `damaged` steps newer than the `restored` one.
+
+        Raises:
+          RuntimeError: when none restored but steps were damaged, or steps set
+            aside as damaged are all there is; nothing is moved.
+        """
+        if restored is not None:
+            for step, error in damaged:
+                self.set_aside_damaged(step, error, then=f"resumed from step {restored}")
+            return
+        to_start_anew = (
+            f"To start from scratch, move them out of {self.directory} (nothing here "
+            "deletes them); to resume, put a good copy of a step back."
+        )
+        if damaged:
+            raise RuntimeError(
+                f"Every complete checkpoint in {self.directory} is damaged (steps "
+                f"{sorted(step for step, _ in damaged)}); refusing to start from scratch next "
+                f"to them, and nothing was moved. {to_start_anew} | "
+                + " | ".join(f"{step}: {e}" for step, e in damaged)
+            )
+        set_aside = self._set_aside_names("damaged")
+        if set_aside:
+            raise RuntimeError(
+                f"{self.directory} holds no complete checkpoint, only damaged steps set aside: "
+                f"{', '.join(set_aside)}; refusing to start from scratch next to them. "
+                + to_start_anew
+            )
+
+    def raise_if_disk_full(self, error: Exception, step: int) -> None:
+        """Raises one `OSError` saying what to do if writing `step` failed for want of space
+        (TensorStore says so in its message, not with an errno)."""
+        full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        if full or any(sign in str(error) for sign in ("No space left", "RESOURCE_EXHAUSTED")):
+            latest = (self.complete_steps() or [None])[-1]
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left to write checkpoint step {step} in {self.directory}: "
+                f"free space there (or keep fewer steps: max_to_keep) and run again to resume "
+                f"from step {latest} ({type(error).__name__}: {str(error)[:200]})",
+            ) from None
+
+    def _set_aside_names(self, reason: str) -> list[str]:
+        """The directories set aside for `reason` (`<step>.<reason>-<time>`), by name, sorted."""
+        if not self.directory.exists():
+            return []
+        return sorted(
+            path.name
+            for path in self.directory.iterdir()
+            if path.name.split(".", 1)[0].isdigit()
+            and path.name.split(".", 1)[-1].startswith(f"{reason}-")
+        )
+
+    def _set_aside_unfinished(self, step: int, reason: str) -> None:
+        path = self.step_dir(step)
+        moved = self.set_aside(step, "incomplete")
+        logging.warning(
+            "Checkpoint %s is incomplete (%s)%s.",
+            path,
+            reason,
+            f"; moved aside to {moved}, not deleted" if moved else "",
+        )
+
+    def _rename_aside(self, step: int, reason: str) -> epath.Path | None:
+        if self.read_only or jax.process_index() != 0 or not self.step_dir(step).exists():
+            return None
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+        target = self.directory / f"{step}.{reason}-{stamp}"
+        suffix = 1
+        while target.exists():
+            target = self.directory / f"{step}.{reason}-{stamp}-{suffix}"
+            suffix += 1
+        self.step_dir(step).rename(target)
+        return target

@@ -1,0 +1,65 @@
+"""Library noise kept off the terminal when the error it echoes is reported once, elsewhere.
+
+The leftovers of a failed checkpoint read. Orbax reads every array concurrently
+in an event loop of its own and closes it as soon as one read fails, while
+TensorStore still has the others in flight. Each of those then reports after the
+damage was handled: TensorStore's callback cannot reach the closed loop
+(`RuntimeError: Event loop is closed`, through `sys.unraisablehook`), suspended
+coroutines fail the same way when collected, and failed tasks are logged by
+asyncio as "Task exception was never retrieved": hundreds of lines of
+tracebacks. A failed write (a full disk) leaves the same late callbacks behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging as std_logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from absl import logging
+
+_reading_or_failed: set[str] = set()  # Step directories, "<directory>/<step>/".
+_next_unraisablehook: Any = None
+
+
+def _drop_late_loop_callback(unraisable: Any) -> None:
+    """`sys.unraisablehook`: drops a callback or coroutine that outlived its event loop."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        logging.debug("A late callback of a failed checkpoint read or write: %s", error)
+        return
+    _next_unraisablehook(unraisable)
+
+
+def _is_not_a_failed_read_task(record: std_logging.LogRecord) -> bool:
+    """A filter of asyncio's logger: drops the failed tasks of a failed checkpoint read."""
+    error = record.exc_info[1] if record.exc_info else None
+    text = str(error) if error is not None else ""
+    return not any(step_dir in text for step_dir in _reading_or_failed)
+
+
+def drop_late_loop_callbacks() -> None:
+    """Drops the callbacks that outlive the event loop of a failed read or write; idempotent.
+
+    Process-wide, as they come from other threads at any later time; installed by
+    the first checkpoint read or save, so every user of checkpoints has it.
+    """
+    global _next_unraisablehook
+    if sys.unraisablehook is not _drop_late_loop_callback:
+        _next_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _drop_late_loop_callback
+
+
+@contextlib.contextmanager
+def failed_read_kept_quiet(step_dir: str) -> Iterator[None]:
+    """Around an Orbax read under `step_dir`: should it fail, its leftovers stay quiet."""
+    drop_late_loop_callbacks()
+    asyncio_logger = std_logging.getLogger("asyncio")
+    if _is_not_a_failed_read_task not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_is_not_a_failed_read_task)
+    step_dir = f"{step_dir}/"
+    _reading_or_failed.add(step_dir)
+    yield
+    _reading_or_failed.discard(step_dir)  # Reached only when the read succeeded.
