@@ -25,8 +25,6 @@ detects them (SLURM, TPU pods).
 from __future__ import annotations
 
 import functools
-import logging as std_logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -38,7 +36,7 @@ from ml_collections import config_flags
 from haiku_state import evaluation
 from haiku_state.driver import train_and_evaluate
 from haiku_state.guards import command_line as command_line_checks
-from haiku_state.guards import processes, signals
+from haiku_state.guards import processes, quiet_logs, signals
 
 __all__ = ["main", "train_and_evaluate"]
 
@@ -117,35 +115,6 @@ def _define_flags() -> _Flags:
     )
 
 
-# This package's modules: their INFO lines are the run's log; the libraries' are chatter.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _quiet_library_logs() -> None:
-    """Keeps the log to this package's lines and the libraries' warnings and errors.
-
-    At INFO, JAX logs each backend it could not start ("Unable to initialize
-    backend 'tpu'"), which on a CPU-only machine reads like an error, and Orbax
-    every file it renames. Of the libraries' warnings and errors, two of Orbax's
-    go too: that a directory is read only (evaluation opens the checkpoints read
-    only on purpose), and the error of a failed write (a full disk), logged with
-    its traceback by its threads before the error reaches the Checkpointer,
-    which reports it in one line.
-    """
-
-    def keep(record) -> bool:
-        if os.path.abspath(record.pathname).startswith(_PACKAGE_DIR):
-            return True
-        if record.levelno < std_logging.WARNING:
-            return False
-        if "/orbax/" in record.pathname:
-            read_only = str(record.msg).startswith("Given directory is read only")
-            return not record.exc_info and not read_only
-        return True
-
-    logging.get_absl_handler().addFilter(keep)
-
-
 # One-line errors: bad input, bad files, a run that cannot go on. Anything else is a bug
 # and keeps its traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, RuntimeError, OSError)
@@ -172,7 +141,7 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
     del argv  # Unused: everything comes in flags.
     # First thing: from here to the exit a signal asks for a clean stop.
     stop = signals.StopRequest().install()
-    _quiet_library_logs()
+    quiet_logs.keep_the_log_to_this_package()
     if command_line.cpu_devices.value:
         jax.config.update("jax_num_cpu_devices", command_line.cpu_devices.value)
     try:

@@ -159,11 +159,11 @@ def test_importing_the_library_defines_no_flags_and_main_defines_them():
 def test_orbax_logs_keep_their_warnings_and_drop_the_errors_the_checkpointer_reports():
     from absl import logging
 
-    from haiku_state import train
+    from haiku_state.guards import quiet_logs
 
     handler = logging.get_absl_handler()
     before = list(handler.filters)
-    train._quiet_library_logs()
+    quiet_logs.keep_the_log_to_this_package()
     try:
         try:
             raise ValueError("RESOURCE_EXHAUSTED")

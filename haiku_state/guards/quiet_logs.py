@@ -8,12 +8,16 @@ damage was handled: TensorStore's callback cannot reach the closed loop
 coroutines fail the same way when collected, and failed tasks are logged by
 asyncio as "Task exception was never retrieved": hundreds of lines of
 tracebacks. A failed write (a full disk) leaves the same late callbacks behind.
+
+And the libraries' INFO chatter (`keep_the_log_to_this_package`): the run's log
+is this package's lines and the libraries' warnings and errors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging as std_logging
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -63,3 +67,32 @@ def failed_read_kept_quiet(step_dir: str) -> Iterator[None]:
     _reading_or_failed.add(step_dir)
     yield
     _reading_or_failed.discard(step_dir)  # Reached only when the read succeeded.
+
+
+# This package's modules: their INFO lines are the run's log; the libraries' are chatter.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def keep_the_log_to_this_package() -> None:
+    """Keeps the log to this package's lines and the libraries' warnings and errors.
+
+    At INFO, JAX logs each backend it could not start ("Unable to initialize
+    backend 'tpu'"), which on a CPU-only machine reads like an error, and Orbax
+    every file it renames. Of the libraries' warnings and errors, two of Orbax's
+    go too: that a directory is read only (evaluation opens the checkpoints read
+    only on purpose), and the error of a failed write (a full disk), logged with
+    its traceback by its threads before the error reaches the Checkpointer,
+    which reports it in one line.
+    """
+
+    def keep(record) -> bool:
+        if os.path.abspath(record.pathname).startswith(_PACKAGE_DIR):
+            return True
+        if record.levelno < std_logging.WARNING:
+            return False
+        if "/orbax/" in record.pathname:
+            read_only = str(record.msg).startswith("Given directory is read only")
+            return not record.exc_info and not read_only
+        return True
+
+    logging.get_absl_handler().addFilter(keep)
