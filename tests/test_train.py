@@ -7,11 +7,9 @@ the library imports it, and no module of the library imports itself back.
 
 from __future__ import annotations
 
-import ast
 import json
 import logging as std_logging
 import os
-import pathlib
 import re
 import signal
 import subprocess
@@ -77,65 +75,6 @@ def wait_for_output(process, needle, timeout=120):
         if needle in line:
             return "".join(seen)
     raise TimeoutError(needle)
-
-
-# -- Its place in the import graph -----------------------------------------------------------------
-
-
-def _library_imports() -> dict[str, set[str]]:
-    """Each module of haiku_state, and the modules of haiku_state it imports (from its AST)."""
-    package = pathlib.Path(REPO) / "haiku_state"
-    names = {}
-    for path in package.rglob("*.py"):
-        parts = path.relative_to(REPO).with_suffix("").parts
-        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {}
-    for name, path in names.items():
-        parts = tuple(name.split("."))
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                imported.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                if node.level:  # Relative to the module's package.
-                    package_parts = parts if path.name == "__init__.py" else parts[:-1]
-                    base = ".".join(package_parts[: len(package_parts) - node.level + 1])
-                    module = f"{base}.{module}" if module else base
-                for alias in node.names:
-                    full = f"{module}.{alias.name}"
-                    imported.add(full if full in names else module)
-        graph[name] = {module for module in imported if module in names and module != name}
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    cycles, state, path = [], {}, []
-
-    def visit(module):
-        state[module] = "open"
-        path.append(module)
-        for imported in sorted(graph[module]):
-            if state.get(imported) == "open":
-                cycles.append(path[path.index(imported) :] + [imported])
-            elif imported not in state:
-                visit(imported)
-        path.pop()
-        state[module] = "done"
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module)
-    return cycles
-
-
-def test_the_command_line_is_imported_by_nothing_and_no_module_imports_itself_back():
-    graph = _library_imports()
-    assert "haiku_state.driver" in graph["haiku_state.train"]
-    assert [m for m, imported in graph.items() if "haiku_state.train" in imported] == []
-    assert _cycles(graph) == []
-    # The check sees a cycle where there is one.
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
 def test_importing_the_library_defines_no_flags_and_main_defines_them():

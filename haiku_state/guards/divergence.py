@@ -36,12 +36,14 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from absl import logging
 
-from haiku_state import checkpoint
 from haiku_state.guards import replicas
+
+if TYPE_CHECKING:  # The guard is given the run's Checkpointer; it imports no spine module.
+    from haiku_state import checkpoint
 
 # A loss this many times the run's first loss means the run is diverging.
 EXPLOSION_FACTOR = 100.0
