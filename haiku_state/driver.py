@@ -1,17 +1,9 @@
 """The training run in one function: `train_and_evaluate(config, workdir)`.
 
-Read top to bottom it is the whole run: the set-up (every refusal comes before
-the workdir is touched), the resume, the loop (`haiku_state.loop`) with what it
-does besides training at its cadences, and the final evaluation. The step is
-`Updater.update`, the save `Checkpointer.save`; what protects the run lives in
-`haiku_state.guards`, each called here in one line.
-
-A run in a workdir that holds checkpoints resumes from the latest complete one
-and continues exactly as an uninterrupted run would. SIGTERM or SIGINT at any
-moment ends in a checkpoint of the step reached and a `signals.Stopped` error
-saying so (the command line exits 128 + the signal's number). In a
-multi-process run every process calls the same functions with the same config
-and workdir; only process 0 logs and writes metrics.
+Read top to bottom it is the whole run: the set-up (every refusal before the
+workdir is touched), the resume, the loop with its actions, the final
+evaluation. A rerun resumes exactly where a stopped run saved; every process of
+a multi-process run makes the same calls, and only process 0 logs.
 """
 
 from __future__ import annotations
@@ -50,17 +42,9 @@ def train_and_evaluate(
 ) -> dict[str, float]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval.
 
-    Args:
-      config: the experiment config.
-      workdir: the run's directory (`haiku_state.guards.workdir`).
-      stop: the process's signal handler (the command line installs one first
-        thing); None installs one for the duration of the call.
-      allow_config_change: resume even if `config` differs from the recorded
-        one in a key that changes the run (the change is recorded).
-
-    Raises:
-      signals.Stopped: a signal stopped the run before its final evaluation,
-        after saving the step reached; call again to resume.
+    `stop` is the process's signal handler (None: one for this call). A signal
+    saves the step reached and raises `signals.Stopped`; call again to resume.
+    `allow_config_change` resumes a run whose config changed its trajectory.
     """
     config_checks.validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_same_config_on_every_process(config)
@@ -111,8 +95,8 @@ def _train(
     data_record: dict[str, Any],
     stop: signals.StopRequest,
 ) -> tuple[loop.LoopEnd, Evaluator, divergence.Monitor]:
-    """The loop from the resumed step to the last, with the actions it runs at their
-    cadences; saves the step a signal stopped it at."""
+    """The loop from the resumed step to the last, with its actions; saves where a signal
+    stopped it."""
     start_step = step_of(train_state)
     monitor = divergence.Monitor(start_step, divergence.outcome_at(checkpointer, start_step))
     with (
@@ -167,10 +151,7 @@ def _final_evaluation(
     checkpointer: checkpoint.Checkpointer,
     stop: signals.StopRequest,
 ) -> dict[str, float]:
-    """The evaluation of the last step: the loop's, or one now for a run already trained.
-
-    Raises `signals.Stopped` when a signal stopped the loop or came before the evaluation.
-    """
+    """The last step's evaluation (the loop's, or one now); `Stopped` if a signal came first."""
     final = evaluator.metrics_at(end.step)
     if end.stopped:
         raise stop.stopped(_stopped_at(end.step, experiment.total_steps, checkpointer))
@@ -206,10 +187,8 @@ def _stop_request(stop: signals.StopRequest | None) -> contextlib.AbstractContex
 
 
 def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState | None:
-    """A fresh or warm-started (`config.init_from`) train state for a workdir without
-    checkpoints; None for one with checkpoints, which resumes and initialises nothing.
-    Runs before the workdir is touched: a warm start that does not fit is refused with
-    nothing written."""
+    """A fresh or warm-started (`config.init_from`) train state, or None for a workdir with
+    checkpoints (a resume). A warm start that does not fit is refused before any write."""
     if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
         if config.init_from:
             logging.warning(
@@ -252,10 +231,7 @@ def _resume(
     allow_config_change: bool,
 ) -> TrainState:
     """The latest complete checkpoint, else `first` (or a fresh one); checked before training.
-
-    The config and data are checked against the run's record first, and the
-    record is written only once the restore succeeded: a refused run writes nothing.
-    """
+    The run's record is written only once the restore succeeded."""
     workdir = os.path.dirname(checkpointer.directory)
     record = workdir_lib.check_config_on_process_0(
         workdir,
@@ -316,11 +292,7 @@ def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any
 
 
 def _epochs_note(config: Any, experiment: Experiment) -> str:
-    """` (90 epochs of 1251 steps)`: the run's length in epochs of the training split.
-
-    Warns when `config.steps` covers less than an epoch of an image folder or
-    shards: the ImageNet recipe is given in epochs.
-    """
+    """` (90 epochs of 1251 steps)`: the run's length; warns of less than an epoch of images."""
     examples = data.num_examples(experiment.dataset.train)
     per_epoch = data.steps_per_epoch(examples, config.batch_size)
     if per_epoch < 1:
@@ -376,13 +348,8 @@ def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
     return step_fn
 
 
-# What the loop does besides training that is this run's own: evaluate, save. (`loop`
-# logs and profiles; `replicas.check_invariants` checks.)
-
-
 class Evaluator:
-    """Evaluates on the test split, writes the result and shows it to the divergence monitor;
-    remembers the latest."""
+    """The eval action: the test split's metrics, written and shown to the monitor."""
 
     def __init__(
         self,
@@ -408,11 +375,8 @@ class Evaluator:
 
 
 def _saving_on_data_error(evaluator: Evaluator, saver: Saver) -> Callable[[int, TrainState], None]:
-    """`evaluator`, which saves the step first if the evaluation data cannot be read.
-
-    An unreadable evaluation image stops the run; the steps trained since the last
-    save are not lost with it.
-    """
+    """`evaluator`, saving the step first if the evaluation data cannot be read (the steps
+    since the last save are not lost with the run)."""
 
     def evaluate(step: int, train_state: TrainState) -> None:
         try:
@@ -425,16 +389,9 @@ def _saving_on_data_error(evaluator: Evaluator, saver: Saver) -> Callable[[int, 
 
 
 class Saver:
-    """Saves a checkpoint of a whole train state, every `config.checkpoint_every` steps and on
-    a timer (`config.checkpoint_every_secs`, 0: off).
-
-    The timer is read every `config.log_every` steps, when the processes of a
-    multi-process run agree on it (its save is collective).
-    Before saving, the losses not yet logged, the replicas and the params are
-    checked: a checkpoint is only ever written of a state that is whole. The
-    divergence monitor is told of every save, and keeps the last good one while
-    the loss explodes; every save records the run's outcome so far.
-    """
+    """The save action: every `checkpoint_every` steps, and on a timer read every `log_every`
+    steps (when processes agree anyway). Only a checked, whole train state is saved, with
+    the run's outcome so far."""
 
     def __init__(
         self,

@@ -1,13 +1,10 @@
 """The training loop: steps with a bounded dispatch queue and periodic actions.
 
-The loop itself only dispatches steps. Everything else a run does (log, check
-the replicas, evaluate, save, profile) is an `Action`, asked after each step
-whether it is due, in the spirit of jaxline's `PeriodicAction` and clu's
-`periodic_actions`. Logging (`MetricLogger`) and profiling (`Profiler`) are
-here; `haiku_state.driver` holds the run's own actions (check, evaluate, save)
-and declares them all beside its call to `run`. Metrics stay on the device
-until the logging action fetches a whole window of them (`MetricWindow`), so
-the hot path has no host sync beyond waiting for the previous step.
+The loop only dispatches steps. Everything else a run does (log, check,
+evaluate, save, profile) is an `Action` asked after each step whether it is due,
+as jaxline's `PeriodicAction` and clu's `periodic_actions`. Metrics stay on the
+device until the logging action fetches a window of them (`MetricWindow`): the
+hot path waits for nothing but the previous step.
 """
 
 from __future__ import annotations
@@ -62,13 +59,8 @@ class WindowSummary(NamedTuple):
 class MetricWindow:
     """The per-step device metrics the loop has not fetched yet.
 
-    Every fetched loss is shown to a `divergence.Monitor`: the first non-finite
-    one raises, and the monitor remembers where the loss first exploded. The
-    means of each fetched window go to the monitor's `outcome`.
-
-    Args:
-      start_step: the step the window's clock starts at.
-      monitor: the run's divergence monitor; None: one of the window's own.
+    Every fetched loss is shown to the run's `divergence.Monitor` (None: one of
+    the window's own): the first non-finite one raises; window means go to its outcome.
     """
 
     def __init__(self, start_step: int, monitor: divergence.Monitor | None = None):
@@ -132,17 +124,9 @@ class MetricLogger:
 
 
 class Profiler:
-    """A `jax.profiler` trace of steps `start + 1 .. stop` into `logdir`.
-
-    Viewable in TensorBoard's profile plugin or Perfetto; the loop annotates
-    each step (`jax.profiler.StepTraceAnnotation`). A run resumed inside the
-    range traces from its first step; the trace ends with the block at the latest.
-
-    Args:
-      steps: `(start, stop)` (`config.profile_steps`); empty or None: no trace.
-      logdir: where the trace goes.
-      start_step: the step the run starts from.
-    """
+    """A `jax.profiler` trace of steps `start + 1 .. stop` (`config.profile_steps`; empty: none)
+    into `logdir`, for TensorBoard or Perfetto. A run resumed inside the range traces from
+    its first step; the trace ends with the block at the latest."""
 
     def __init__(self, steps: Sequence[int] | None, logdir: str, start_step: int):
         self._steps, self._logdir, self._start_step = tuple(steps or ()), logdir, start_step

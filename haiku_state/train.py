@@ -4,22 +4,12 @@ r"""The command line: `python -m haiku_state.train`. Flags, the runtime, one-lin
         [--config.steps=2000 --config.optimizer.learning_rate=0.1] [--mode=eval]
     python -m haiku_state.train --config=experiments/resnet.py --helpconfig
 
-`--helpconfig` lists every config key `--config.<key>=<value>` may set, with the
-experiment's value, its default, what it may be and what it sets.
-
-This module imports the library and nothing in the library imports it. Its
-flags are defined when `main` runs, so importing it (for `train_and_evaluate`,
-re-exported from `haiku_state.driver`) defines none.
-
-The exit status: 0 when the run reached its last step and evaluated it (or the
-evaluation finished); 128 + the signal's number (143 for SIGTERM, 130 for
-SIGINT) when a signal stopped it early, after saving the step reached and
-logging one line that says which; 1 with a one-line error otherwise.
-
-Multi-process (multi-host) runs use JAX's own runtime: start one process per
-host (or per GPU) with `--coordinator_address=HOST:PORT --num_processes=N
---process_id=K`, or `--multihost` alone where `jax.distributed.initialize()`
-detects them (SLURM, TPU pods).
+Nothing in the library imports this module, and its flags are defined only when
+`main` runs. Exit status: 0 when the run (or evaluation) finished; 128 + the
+signal's number (143 for SIGTERM) when a signal stopped it after saving; 1 with
+a one-line error otherwise. Multi-process runs: `--coordinator_address=HOST:PORT
+--num_processes=N --process_id=K` on every process, or `--multihost` where JAX
+detects the cluster (SLURM, TPU pods).
 """
 
 from __future__ import annotations
