@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+from process_helpers import running
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # How long a worker may take to notice, on a loaded machine; it checks every 0.25 s.
 GONE_WITHIN_S = 20
@@ -45,17 +47,9 @@ def test_a_worker_exits_soon_after_its_parent_is_killed_while_it_still_imports(t
     worker = int(pid_file.read_text())
     killed_at = time.monotonic()
     try:
-        while _running(worker) and time.monotonic() < killed_at + GONE_WITHIN_S:
+        while running(worker) and time.monotonic() < killed_at + GONE_WITHIN_S:
             time.sleep(0.1)
-        assert not _running(worker), f"the worker still runs {GONE_WITHIN_S} s after its parent"
+        assert not running(worker), f"the worker still runs {GONE_WITHIN_S} s after its parent"
     finally:
-        if _running(worker):
+        if running(worker):
             os.kill(worker, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 from image_trees import CORRUPTIONS, add_corrupt_file, write_imagefolder
+from process_helpers import running
 
 from haiku_state import data, replication
 from haiku_state.data import order, pipeline
@@ -282,20 +283,12 @@ def test_a_worker_whose_parent_died_while_it_started_exits(tmp_path):
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 60
     try:
-        while _running(child) and time.monotonic() < deadline:
+        while running(child) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _running(child), "the orphaned worker is still running"
+        assert not running(child), "the orphaned worker is still running"
     finally:
-        if _running(child):
+        if running(child):
             os.kill(child, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def test_a_small_evaluation_is_decoded_in_process_whatever_the_workers(dataset):
