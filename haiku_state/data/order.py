@@ -1,13 +1,9 @@
 """Which examples every step sees: the batch order, each process's slice, evaluation padding.
 
-Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(N)`,
-in `N // batch_size` full batches (the remainder dropped); step `k` is batch
-`k % steps_per_epoch` of epoch `k // steps_per_epoch`. A resumed run computes only
-its epoch's permutation and sees exactly the batches of an uninterrupted one.
-Process `p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of every global
-batch (`ProcessSlice`), so a global device sees the same examples whatever the
-process count; the host preprocessing seeds each example by its place
-(`example_seed`).
+Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(N)`, in
+`N // batch_size` full batches; step `k` is batch `k % steps_per_epoch` of epoch
+`k // steps_per_epoch`, so a resumed run sees the batches of an uninterrupted one. Process
+`p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of every global batch.
 """
 
 from __future__ import annotations
@@ -21,13 +17,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-# Tells the preprocessing's random streams apart from the epoch permutations, which are
-# seeded by `[seed, epoch]` alone (numpy pads shorter seed lists with zeros).
+# Tells the preprocessing's random streams apart from the epoch permutations' `[seed, epoch]`.
 _EXAMPLE_STREAM = 0x7072_6570  # "prep"
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    """The number of full batches in one epoch (the remainder is dropped)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}.")
     return num_examples // batch_size
@@ -35,10 +29,7 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSlice:
-    """Which slice of every global batch a process loads: that of process `index` of `count`.
-
-    `ProcessSlice()` is the one process of a single-process run: the whole batch.
-    """
+    """Which slice of every global batch process `index` of `count` loads."""
 
     index: int = 0
     count: int = 1
@@ -52,11 +43,10 @@ class ProcessSlice:
 
     @classmethod
     def current(cls) -> ProcessSlice:
-        """This process's slice: `jax.process_index()` of `jax.process_count()`."""
         return cls(jax.process_index(), jax.process_count())
 
     def size(self, batch_size: int, where: str = "ProcessSlice") -> int:
-        """The examples of this process in a global batch; ValueError naming `where` if uneven."""
+        """The examples of this process in a global batch."""
         if batch_size % self.count:
             raise ValueError(
                 f"{where}: batch_size={batch_size} is not divisible by the {self.count} "
@@ -65,7 +55,6 @@ class ProcessSlice:
         return batch_size // self.count
 
     def offset(self, batch_size: int, where: str = "ProcessSlice") -> int:
-        """The position of this process's first example in a global batch of `batch_size`."""
         return self.index * self.size(batch_size, where)
 
 
@@ -73,8 +62,7 @@ SINGLE_PROCESS = ProcessSlice()
 
 
 class BatchOrder(NamedTuple):
-    """The training order of one process: the split's size, the global batch size, the seed,
-    and the `offset` and `local_size` of this process's slice of every global batch."""
+    """The training order of one process, with its slice of every global batch."""
 
     num_examples: int
     batch_size: int
@@ -91,7 +79,7 @@ def batch_order(
     process: ProcessSlice = SINGLE_PROCESS,
     where: str = "batch_order",
 ) -> BatchOrder:
-    """Validates the arguments of a training pipeline (now) and returns its order."""
+    """Validates the arguments of a training pipeline (now, not at the first batch)."""
     if not 1 <= batch_size <= num_examples:
         raise ValueError(
             f"{where}: batch_size={batch_size} must be between 1 and the "
@@ -105,14 +93,12 @@ def batch_order(
 
 @functools.lru_cache(maxsize=2)
 def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-    """The order in which epoch `epoch` visits the examples (read-only, cached per process)."""
     permutation = np.random.default_rng([seed, epoch]).permutation(num_examples)
     permutation.flags.writeable = False
     return permutation
 
 
 def step_indices(order: BatchOrder, step: int) -> np.ndarray:
-    """This process's example indices at `step`, in batch order."""
     epoch, step_in_epoch = divmod(step, steps_per_epoch(order.num_examples, order.batch_size))
     start = step_in_epoch * order.batch_size + order.offset
     return epoch_permutation(order.seed, epoch, order.num_examples)[
@@ -121,19 +107,16 @@ def step_indices(order: BatchOrder, step: int) -> np.ndarray:
 
 
 def indices_from(order: BatchOrder, start_step: int) -> Iterator[np.ndarray]:
-    """`step_indices` of every step from `start_step` on, endlessly."""
     return (step_indices(order, step) for step in itertools.count(start_step))
 
 
 def example_seed(seed: int, step: int, position: int) -> list[int]:
-    """The seed of the host preprocessing of one example: its step and place in the global
-    batch, so its crop is the same whichever worker of whichever process decodes it."""
+    """An example's crop and flip seed: its place, whichever worker of whichever process."""
     return [seed, step, position, _EXAMPLE_STREAM]
 
 
 class EvalOrder(NamedTuple):
-    """One ordered pass in global batches of `batch_size`, this process's slices; the last
-    batch is padded by repeating the split's last example (`eval_positions`' mask)."""
+    """One ordered pass in global batches, this process's slices; the last batch padded."""
 
     num_examples: int
     batch_size: int
@@ -151,7 +134,6 @@ def eval_order(
     process: ProcessSlice = SINGLE_PROCESS,
     where: str = "eval_order",
 ) -> EvalOrder:
-    """Validates the arguments of an evaluation pass (now) and returns its order."""
     if batch_size < 1:
         raise ValueError(f"{where}: batch_size must be positive, got {batch_size}.")
     offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
@@ -159,7 +141,7 @@ def eval_order(
 
 
 def eval_positions(order: EvalOrder, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """The example indices of this process's slice of global batch `batch`, and its mask."""
+    """The example indices of this process's slice of `batch` (the last repeated), its mask."""
     start = batch * order.batch_size + order.offset
     positions = np.arange(start, start + order.local_size)
     is_real = positions < order.num_examples
