@@ -3,6 +3,7 @@
 devices; `make_augment_fn`'s shifts and flips run inside the step. ARCHITECTURE.md maps
 the modules."""
 
+# ruff: noqa: F401 - the imports below are this package's API.
 from haiku_state.data.augment import make_augment_fn, random_flip, random_shift
 from haiku_state.data.batches import DEFAULT_OPTIONS, PipelineOptions, eval_batches, train_batches
 from haiku_state.data.gpu_decode import unavailable_reason as gpu_decoder_unavailable
@@ -26,34 +27,3 @@ from haiku_state.data.splits import (
     Split,
     num_examples,
 )
-
-__all__ = [
-    "CIFAR10_MEAN",
-    "CIFAR10_STD",
-    "DATASETS",
-    "DECODER_NAMES",
-    "DEFAULT_OPTIONS",
-    "ENCODED_DATASETS",
-    "SINGLE_PROCESS",
-    "SOURCES",
-    "CorruptImageError",
-    "DataError",
-    "Dataset",
-    "EncodedSplit",
-    "MissingDataError",
-    "PipelineOptions",
-    "ProcessSlice",
-    "Source",
-    "SourceArgs",
-    "Split",
-    "default_workers",
-    "eval_batches",
-    "gpu_decoder_unavailable",
-    "load_dataset",
-    "make_augment_fn",
-    "num_examples",
-    "random_flip",
-    "random_shift",
-    "steps_per_epoch",
-    "train_batches",
-]
