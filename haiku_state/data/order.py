@@ -61,14 +61,19 @@ class ProcessSlice:
 SINGLE_PROCESS = ProcessSlice()
 
 
-class BatchOrder(NamedTuple):
-    """The training order of one process, with its slice of every global batch."""
+class Order(NamedTuple):
+    """One process's order, with its slice of every global batch; `seed` None for an
+    evaluation pass, one ordered pass in `num_batches` whose last is padded."""
 
     num_examples: int
     batch_size: int
-    seed: int
     offset: int
     local_size: int
+    seed: int | None = None
+
+    @property
+    def num_batches(self) -> int:
+        return -(-self.num_examples // self.batch_size)
 
 
 def batch_order(
@@ -78,7 +83,7 @@ def batch_order(
     start_step: int = 0,
     process: ProcessSlice = SINGLE_PROCESS,
     where: str = "batch_order",
-) -> BatchOrder:
+) -> Order:
     """Validates the arguments of a training pipeline (now, not at the first batch)."""
     if not 1 <= batch_size <= num_examples:
         raise ValueError(
@@ -88,7 +93,7 @@ def batch_order(
     if start_step < 0:
         raise ValueError(f"{where}: start_step must be >= 0, got {start_step}.")
     offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
-    return BatchOrder(num_examples, batch_size, seed, offset, local_size)
+    return Order(num_examples, batch_size, offset, local_size, seed)
 
 
 @functools.lru_cache(maxsize=2)
@@ -98,7 +103,7 @@ def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
     return permutation
 
 
-def step_indices(order: BatchOrder, step: int) -> np.ndarray:
+def step_indices(order: Order, step: int) -> np.ndarray:
     epoch, step_in_epoch = divmod(step, steps_per_epoch(order.num_examples, order.batch_size))
     start = step_in_epoch * order.batch_size + order.offset
     return epoch_permutation(order.seed, epoch, order.num_examples)[
@@ -106,7 +111,7 @@ def step_indices(order: BatchOrder, step: int) -> np.ndarray:
     ]
 
 
-def indices_from(order: BatchOrder, start_step: int) -> Iterator[np.ndarray]:
+def indices_from(order: Order, start_step: int) -> Iterator[np.ndarray]:
     return (step_indices(order, step) for step in itertools.count(start_step))
 
 
@@ -115,32 +120,19 @@ def example_seed(seed: int, step: int, position: int) -> list[int]:
     return [seed, step, position, _EXAMPLE_STREAM]
 
 
-class EvalOrder(NamedTuple):
-    """One ordered pass in global batches, this process's slices; the last batch padded."""
-
-    num_examples: int
-    batch_size: int
-    offset: int
-    local_size: int
-
-    @property
-    def num_batches(self) -> int:
-        return -(-self.num_examples // self.batch_size)
-
-
 def eval_order(
     num_examples: int,
     batch_size: int,
     process: ProcessSlice = SINGLE_PROCESS,
     where: str = "eval_order",
-) -> EvalOrder:
+) -> Order:
     if batch_size < 1:
         raise ValueError(f"{where}: batch_size must be positive, got {batch_size}.")
     offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
-    return EvalOrder(num_examples, batch_size, offset, local_size)
+    return Order(num_examples, batch_size, offset, local_size)
 
 
-def eval_positions(order: EvalOrder, batch: int) -> tuple[np.ndarray, np.ndarray]:
+def eval_positions(order: Order, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """The example indices of this process's slice of `batch` (the last repeated), its mask."""
     start = batch * order.batch_size + order.offset
     positions = np.arange(start, start + order.local_size)

@@ -78,7 +78,7 @@ def default_workers() -> int:
 class TrainSlots:
     """This process's training slots from `start_step`: `(step, position, index)`."""
 
-    def __init__(self, order: order_lib.BatchOrder, start_step: int, num_steps: int):
+    def __init__(self, order: order_lib.Order, start_step: int, num_steps: int):
         self._order, self._start_step, self._num_steps = order, start_step, num_steps
 
     def __len__(self) -> int:
@@ -94,7 +94,7 @@ class TrainSlots:
 class EvalSlots:
     """This process's evaluation slots: `(example index, mask)`."""
 
-    def __init__(self, order: order_lib.EvalOrder):
+    def __init__(self, order: order_lib.Order):
         self._order = order
 
     def __len__(self) -> int:
@@ -205,24 +205,18 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
     orphans.exit_with_parent()
 
 
-def _check_workers(workers: int | None, where: str) -> int:
-    if workers is None:
-        return default_workers()
-    if workers < 0:
-        raise ValueError(
-            f"{where}: workers must be >= 0 (0: decode in this process), got {workers}."
-        )
-    return workers
-
-
-def _check_decoder(decoder: str | Decoder, where: str) -> Decoder:
-    if isinstance(decoder, Decoder):
-        return decoder
-    if decoder not in DECODERS:
+def _checked(decoder: str | Decoder, workers: int | None, where: str) -> tuple[Decoder, int]:
+    """The `Decoder` (or its name), and the worker count (None: `default_workers()`)."""
+    if not isinstance(decoder, Decoder) and decoder not in DECODERS:
         raise ValueError(
             f"{where}: unknown decoder {decoder!r}; expected one of {tuple(DECODERS)}."
         )
-    return DECODERS[decoder]
+    if workers is not None and workers < 0:
+        raise ValueError(
+            f"{where}: workers must be >= 0 (0: decode in this process), got {workers}."
+        )
+    decoder = decoder if isinstance(decoder, Decoder) else DECODERS[decoder]
+    return decoder, default_workers() if workers is None else workers
 
 
 def encoded_train_batches(
@@ -244,8 +238,9 @@ def encoded_train_batches(
     where = "encoded_train_batches"
     order = order_lib.batch_order(len(split.records), batch_size, seed, start_step, process, where)
     slots = TrainSlots(order, start_step, _ENDLESS_STEPS if num_steps is None else num_steps)
-    load = LoadTrainExample(split, seed, skip_corrupt, _check_decoder(decoder, where))
-    batches = _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
+    decoder, workers = _checked(decoder, workers, where)
+    load = LoadTrainExample(split, seed, skip_corrupt, decoder)
+    batches = _grain_batches(slots, load, order.local_size, workers)
     if skip_corrupt:
         batches = corrupt_images.within_ceiling(
             batches, split, order, start_step, max_corrupt_fraction
@@ -265,10 +260,10 @@ def encoded_eval_batches(
     """One pass over an encoded split in centre crops, padded and masked as `eval_batches` is."""
     where = "encoded_eval_batches"
     order = order_lib.eval_order(len(split.records), batch_size, process, where)
-    load = LoadEvalExample(split, skip_corrupt, _check_decoder(decoder, where))
+    decoder, workers = _checked(decoder, workers, where)
     slots = EvalSlots(order)
-    workers = eval_workers(len(slots), _check_workers(workers, where))
-    batches = _grain_batches(slots, load, order.local_size, workers)
+    load = LoadEvalExample(split, skip_corrupt, decoder)
+    batches = _grain_batches(slots, load, order.local_size, eval_workers(len(slots), workers))
     return corrupt_images.counting_left_out(batches, order) if skip_corrupt else batches
 
 

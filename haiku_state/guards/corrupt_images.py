@@ -53,7 +53,7 @@ def skip_or_raise(
 def within_ceiling(
     batches: Iterator[Batch],
     split: EncodedSplit,
-    order: order_lib.BatchOrder,
+    order: order_lib.Order,
     start_step: int,
     max_fraction: float,
 ) -> Iterator[Batch]:
@@ -88,7 +88,7 @@ def within_ceiling(
         batches.close()  # Stops the workers now, however the iterator ends.
 
 
-def counting_left_out(batches: Iterator[Batch], order: order_lib.EvalOrder) -> Iterator[Batch]:
+def counting_left_out(batches: Iterator[Batch], order: order_lib.Order) -> Iterator[Batch]:
     """`batches`, and a line after the pass if it left unreadable images out."""
     left_out = examples = 0
     try:

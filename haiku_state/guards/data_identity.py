@@ -38,8 +38,10 @@ STAT_THREADS = 16
 VERIFIED_FILE = "verified.json"
 
 
-def _records_digest(split: EncodedSplit, name: str) -> str | None:
-    digest = getattr(split.records, name, None)
+def _records_digest(split: AnySplit, name: str) -> str | None:
+    """The records' `digest()` or `content_digest()`; None for a split in memory or records
+    that offer none (`split_digest` covers the pixels of a split in memory)."""
+    digest = getattr(split.records, name, None) if isinstance(split, EncodedSplit) else None
     return digest() if digest is not None else None
 
 
@@ -55,11 +57,6 @@ def split_digest(split: AnySplit) -> str | None:
     return hasher.hexdigest()
 
 
-def content_digest(split: AnySplit) -> str | None:
-    """A digest of an encoded split's content (`split_digest` covers the pixels of others)."""
-    return _records_digest(split, "content_digest") if isinstance(split, EncodedSplit) else None
-
-
 def identity(dataset: Dataset) -> dict[str, Any]:
     return {
         "train_examples": num_examples(dataset.train),
@@ -71,8 +68,8 @@ def identity(dataset: Dataset) -> dict[str, Any]:
         "std": _floats(dataset.std),
         "train_digest": split_digest(dataset.train),
         "test_digest": split_digest(dataset.test),
-        "train_content": content_digest(dataset.train),
-        "test_content": content_digest(dataset.test),
+        "train_content": _records_digest(dataset.train, "content_digest"),
+        "test_content": _records_digest(dataset.test, "content_digest"),
     }
 
 
@@ -167,7 +164,12 @@ def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: st
     cache = os.path.join(
         host_cache.cache_dir("arrayrecord", os.path.realpath(data_dir)), VERIFIED_FILE
     )
-    verified = _read_verified(cache)
+    try:
+        with open(cache) as f:
+            verified = json.load(f)
+    except (OSError, ValueError):
+        verified = {}
+    verified = verified if isinstance(verified, dict) else {}
     unrecorded = [entry["file"] for entry in entries if "sha256" not in entry]
     newly_verified = {}
     for entry in [entry for entry in entries if "sha256" in entry]:
@@ -205,15 +207,6 @@ def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: st
             len(unrecorded),
             unrecorded[0],
         )
-
-
-def _read_verified(path: str) -> dict[str, list]:
-    try:
-        with open(path) as f:
-            verified = json.load(f)
-        return verified if isinstance(verified, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def _record_verified(path: str, verified: dict[str, list]) -> None:
