@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -38,11 +39,9 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
 
     def put(item: Any) -> bool:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 ready.put(item, timeout=0.1)
                 return True
-            except queue.Full:
-                continue
         return False
 
     def produce() -> None:

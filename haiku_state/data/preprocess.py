@@ -96,14 +96,8 @@ def decode_crop(data: bytes, crop: CropFn, image_size: int, flip: bool = False) 
 
 
 def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.ndarray:
-    plans = []
-
-    def crop(width: int, height: int) -> Box:
-        plans.append(train_plan(width, height, rng))
-        return plans[0].box
-
-    pixels, box = _decode(data, crop, image_size)
-    return resize_crop(pixels, box, image_size, plans[0].flip)
+    plan = train_plan(*encoded_size(data), rng)
+    return decode_crop(data, lambda width, height: plan.box, image_size, plan.flip)
 
 
 def eval_image(data: bytes, image_size: int) -> np.ndarray:
