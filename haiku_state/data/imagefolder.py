@@ -180,17 +180,6 @@ def cache_dir(root: str) -> str:
     return host_cache.cache_dir("imagefolder", root)
 
 
-def tree_statistics(train: FileRecords) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The per-channel mean and std of a sample of the training images."""
-    sample = preprocess.statistics_sample(len(train))
-    try:
-        return preprocess.pixel_statistics(train[i][0] for i in sample)
-    except ValueError as e:
-        raise DataError(
-            f"ImageFolder {os.path.dirname(os.path.dirname(train.path(0)))}: {e}."
-        ) from None
-
-
 def _folder_mtimes(root: str, classes: list[str]) -> dict[str, int]:
     folders = [*SPLITS, *(f"{split}/{name}" for split in SPLITS for name in classes)]
     return {folder: os.stat(os.path.join(root, folder)).st_mtime_ns for folder in folders}
@@ -272,7 +261,14 @@ def index_tree(data_dir: str) -> ImageTree:
     mtimes = _folder_mtimes(root, classes)  # Before listing: a change meanwhile rebuilds.
     indexes = {split: build_index(os.path.join(root, split), classes) for split in SPLITS}
     records = {split: FileRecords(os.path.join(root, split), indexes[split]) for split in SPLITS}
-    tree = ImageTree(classes, records, *tree_statistics(records["train"]))
+    train = records["train"]
+    try:  # The per-channel mean and std of a sample of the training images.
+        statistics = preprocess.pixel_statistics(
+            train[i][0] for i in preprocess.statistics_sample(len(train))
+        )
+    except ValueError as e:
+        raise DataError(f"ImageFolder {os.path.join(root, 'train')}: {e}.") from None
+    tree = ImageTree(classes, records, *statistics)
     try:
         files = _write_cache(root, tree, indexes, mtimes)
     except OSError as e:

@@ -10,6 +10,7 @@ computes from an example's bytes is the decoder's (`DECODERS`): `"cpu"` the pixe
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -75,35 +76,18 @@ def default_workers() -> int:
     return max(0, min(len(os.sched_getaffinity(0)) - 1, MAX_DEFAULT_WORKERS))
 
 
-class TrainSlots:
-    """This process's training slots from `start_step`: `(step, position, index)`."""
-
-    def __init__(self, order: order_lib.Order, start_step: int, num_steps: int):
-        self._order, self._start_step, self._num_steps = order, start_step, num_steps
-
-    def __len__(self) -> int:
-        return self._num_steps * self._order.local_size
-
-    def __getitem__(self, slot: int) -> tuple[int, int, int]:
-        step = self._start_step + slot // self._order.local_size
-        local_position = slot % self._order.local_size
-        index = order_lib.step_indices(self._order, step)[local_position]
-        return step, self._order.offset + local_position, int(index)
+def train_slot(order: order_lib.Order, start_step: int, slot: int) -> tuple[int, int, int]:
+    """Training slot `slot` from `start_step`: `(step, position in the global batch, index)`."""
+    step, local_position = divmod(slot, order.local_size)
+    index = order_lib.step_indices(order, start_step + step)[local_position]
+    return start_step + step, order.offset + local_position, int(index)
 
 
-class EvalSlots:
-    """This process's evaluation slots: `(example index, mask)`."""
-
-    def __init__(self, order: order_lib.Order):
-        self._order = order
-
-    def __len__(self) -> int:
-        return self._order.num_batches * self._order.local_size
-
-    def __getitem__(self, slot: int) -> tuple[int, float]:
-        batch, local_position = divmod(slot, self._order.local_size)
-        index, mask = order_lib.eval_positions(self._order, batch)
-        return int(index[local_position]), float(mask[local_position])
+def eval_slot(order: order_lib.Order, slot: int) -> tuple[int, float]:
+    """Evaluation slot `slot`: `(example index, mask)`."""
+    batch, local_position = divmod(slot, order.local_size)
+    index, mask = order_lib.eval_positions(order, batch)
+    return int(index[local_position]), float(mask[local_position])
 
 
 class _Load:
@@ -173,9 +157,11 @@ class LoadEvalExample(_Load):
         return self._example(index, fields, label, slot, mask=np.float32(mask))
 
 
-def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iterator[Batch]:
-    """Batches of `local_size` slots loaded by `workers` processes (0: this one)."""
-    dataset = grain.MapDataset.source(slots).map(load).batch(local_size)
+def _grain_batches(
+    slots: int, slot: Callable[[int], Any], load: Any, local_size: int, workers: int
+) -> Iterator[Batch]:
+    """Batches of `local_size` of the `slots` loaded by `workers` processes (0: this one)."""
+    dataset = grain.MapDataset.range(slots).map(slot).map(load).batch(local_size)
     workers = min(workers, len(dataset))
     if workers == 0:
         iterable = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
@@ -237,10 +223,11 @@ def encoded_train_batches(
     `decoder` may be a `Decoder` the workers can import."""
     where = "encoded_train_batches"
     order = order_lib.batch_order(len(split.records), batch_size, seed, start_step, process, where)
-    slots = TrainSlots(order, start_step, _ENDLESS_STEPS if num_steps is None else num_steps)
+    slots = (_ENDLESS_STEPS if num_steps is None else num_steps) * order.local_size
     decoder, workers = _checked(decoder, workers, where)
     load = LoadTrainExample(split, seed, skip_corrupt, decoder)
-    batches = _grain_batches(slots, load, order.local_size, workers)
+    slot = functools.partial(train_slot, order, start_step)
+    batches = _grain_batches(slots, slot, load, order.local_size, workers)
     if skip_corrupt:
         batches = corrupt_images.within_ceiling(
             batches, split, order, start_step, max_corrupt_fraction
@@ -261,9 +248,10 @@ def encoded_eval_batches(
     where = "encoded_eval_batches"
     order = order_lib.eval_order(len(split.records), batch_size, process, where)
     decoder, workers = _checked(decoder, workers, where)
-    slots = EvalSlots(order)
+    slots, slot = order.num_batches * order.local_size, functools.partial(eval_slot, order)
     load = LoadEvalExample(split, skip_corrupt, decoder)
-    batches = _grain_batches(slots, load, order.local_size, eval_workers(len(slots), workers))
+    workers = eval_workers(slots, workers)
+    batches = _grain_batches(slots, slot, load, order.local_size, workers)
     return corrupt_images.counting_left_out(batches, order) if skip_corrupt else batches
 
 
