@@ -64,8 +64,7 @@ class SourceSplit(NamedTuple):
 
 
 class Source(NamedTuple):
-    """What a conversion reads: the splits (`train`, `val`), the classes, and the mean and
-    std of the images as the source stores them."""
+    """What a conversion reads: the splits, the classes, the images' mean and std."""
 
     splits: dict[str, SourceSplit]
     classes: list[str]
@@ -74,7 +73,6 @@ class Source(NamedTuple):
 
 
 def open_source(spec: str) -> Source:
-    """`imagefolder:DIR`, `cifar10:DIR` or `digits` as a `Source`."""
     kind, _, path = spec.partition(":")
     if kind == "imagefolder":
         tree = imagefolder.index_tree(path)
@@ -104,12 +102,8 @@ def _png_split(split: Split, name: str) -> SourceSplit:
 
 
 def shorten(image: bytes, short_side: int) -> bytes:
-    """The image re-encoded with its short side at most `short_side`; as it is if it already is.
-
-    Resized with antialiasing (PIL's bicubic, after a DCT-scaled decode of a JPEG);
-    a PNG becomes an RGB PNG, anything else an RGB JPEG. Bytes PIL cannot decode
-    are returned as they are.
-    """
+    """The image re-encoded (bicubic; PNG stays PNG, the rest JPEG) with its short side at most
+    `short_side`; as it is if it already is, or if PIL cannot decode it."""
     try:
         with Image.open(io.BytesIO(image)) as decoded:
             width, height = decoded.size
@@ -142,11 +136,7 @@ def statistics(
     source: Source, short_side: int | None, pool: concurrent.futures.Executor
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The mean and std `dataset.json` records: the source's, or with `short_side` those of
-    a sample of the re-encoded training images (`preprocess.pixel_statistics`).
-
-    Raises:
-      DataError: when none of the sampled images decodes.
-    """
+    a sample of the re-encoded training images."""
     if short_side is None:
         return source.mean, source.std
     train = _shortened(source.splits["train"], short_side)
@@ -158,8 +148,7 @@ def statistics(
 
 
 def _record_plan(out_dir: str, plan: dict[str, Any]) -> None:
-    """Records what the output folder will hold, or refuses to resume a conversion made
-    with another plan."""
+    """Records what the output folder will hold, or refuses to resume another plan there."""
     path = os.path.join(out_dir, PLAN_FILE)
     if not os.path.isfile(path):
         os.makedirs(out_dir, exist_ok=True)
@@ -189,8 +178,7 @@ def _read_ahead(read: Callable[[int], Any], indices: range, pool, window: int) -
 def convert_split(
     out_dir: str, split: str, source: SourceSplit, examples_per_shard: int, threads: int
 ) -> list[dict[str, Any]]:
-    """Writes the shards of one split that are not there yet; returns every shard's entry
-    (`arrayrecord.shard_entry`, whose SHA-256 reads each shard back once)."""
+    """Writes the shards of one split that are not there yet; returns every shard's entry."""
     from tqdm import tqdm
 
     num_shards = max(1, -(-source.num_examples // examples_per_shard))
@@ -226,8 +214,8 @@ def convert(
     threads: int = 16,
     short_side: int | None = None,
 ) -> dict[str, Any]:
-    """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped, and
-    returns the `dataset.json` written. `short_side`: re-encode the images (`shorten`)."""
+    """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped;
+    returns the `dataset.json` written."""
     if examples_per_shard < 1:
         raise ValueError(f"--examples_per_shard={examples_per_shard} must be positive.")
     if short_side is not None and short_side < 1:
@@ -290,7 +278,6 @@ def run(spec: str, out_dir: str, **options: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Defines the flags, parses `argv` (default: `sys.argv`) and converts, under absl."""
     source = flags.DEFINE_string(
         "from", None, "What to convert: imagefolder:DIR, cifar10:DIR or digits (above)."
     )

@@ -1,16 +1,11 @@
 """ArrayRecord shards: the same examples as an ImageFolder tree, in a few large files.
 
-`python -m haiku_state.prepare` writes a folder of `dataset.json` (written last:
-without it the conversion did not finish) and each split's shards,
-`train-00000-of-01252.array_record`, ..., `val-...`. Example `i` is record `i` of
-the shards in order, in the source's order, so both forms give the same batches.
-A record is one example, the image as the source stored it, little-endian:
+`python -m haiku_state.prepare` writes each split's shards, `train-00000-of-01252.array_record`,
+..., `val-...`, then `dataset.json` (each shard's name, record count, size, modification
+time and SHA-256). Example `i` is record `i` of the shards in order, in the source's order.
+A record, little-endian, uncompressed, `group_size:1` (grain reads one at a time):
 
     int32 label | uint16 n | n bytes: UTF-8 name of the source file | image bytes
-
-Shards are uncompressed, `group_size:1` (grain reads one record at a time).
-`dataset.json` records each shard's name, record count, size, modification time
-and SHA-256, which loading checks (`guards.data_identity.verify_shards`).
 """
 
 from __future__ import annotations
@@ -33,13 +28,12 @@ _HEADER = struct.Struct("<iH")
 
 
 def encode_example(image: bytes, label: int, name: str) -> bytes:
-    """One record: the label, the source's name for the example, the encoded image."""
     encoded_name = os.fsencode(name)[:65535]  # File names need not be valid UTF-8.
     return _HEADER.pack(label, len(encoded_name)) + encoded_name + image
 
 
 def decode_example(record: bytes) -> tuple[bytes, int, str]:
-    """`(image, label, name)` of a record; ValueError if it is too short to be one."""
+    """`(image, label, name)` of a record."""
     if len(record) < _HEADER.size:
         raise ValueError(f"a record of {len(record)} bytes holds no example")
     label, name_length = _HEADER.unpack_from(record)
@@ -74,7 +68,7 @@ def write_shard(path: str, records: Iterable[bytes]) -> int:
 
 
 def shard_entry(directory: str, name: str, num_examples: int) -> dict[str, Any]:
-    """What `dataset.json` records of a written shard: name, count, size, time, SHA-256."""
+    """What `dataset.json` records of a written shard."""
     path = os.path.join(directory, name)
     stat = os.stat(path)
     return {
@@ -87,17 +81,13 @@ def shard_entry(directory: str, name: str, num_examples: int) -> dict[str, Any]:
 
 
 class ShardRecords:
-    """The examples of one split of a prepared folder: `(image bytes, label)` by index.
-
-    `shards`: `[(file name, record count)]` in order, and `sha256` each one's, from
-    `dataset.json` (None if it records none).
-    """
+    """The examples of one split of a prepared folder: `(image bytes, label)` by index, from
+    `shards` `[(file name, record count)]` and their `sha256` (None if not recorded)."""
 
     def __init__(
         self, directory: str, shards: list[tuple[str, int]], sha256: list[str] | None = None
     ):
-        self._directory, self._shards = directory, [tuple(s) for s in shards]
-        self._sha256 = sha256
+        self._directory, self._shards, self._sha256 = directory, [tuple(s) for s in shards], sha256
         self._source = None  # Opened on first use, in the process that reads.
 
     def __len__(self) -> int:
@@ -125,7 +115,7 @@ class ShardRecords:
             return where
 
     def digest(self) -> str:
-        """A digest of the shards: their names, record counts and file sizes, in order."""
+        """A digest of the shards' names, record counts and file sizes, in order."""
         shards = [
             (name, count, os.path.getsize(os.path.join(self._directory, name)))
             for name, count in self._shards
@@ -133,8 +123,7 @@ class ShardRecords:
         return hashlib.blake2b(json.dumps(shards).encode(), digest_size=16).hexdigest()
 
     def content_digest(self) -> str | None:
-        """A digest of the shards' SHA-256s, in order (checked against the files when loaded);
-        None for the shards of an older `prepare`, which recorded none."""
+        """A digest of the shards' SHA-256s (checked when loaded); None if not recorded."""
         if self._sha256 is None:
             return None
         return hashlib.blake2b(json.dumps(self._sha256).encode(), digest_size=16).hexdigest()
@@ -147,10 +136,7 @@ class ShardRecords:
         raise IndexError(index)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"directory": self._directory, "shards": self._shards, "sha256": self._sha256}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["directory"], state["shards"], state["sha256"])
+        return {**self.__dict__, "_source": None}  # A worker opens its own.
 
 
 def read_metadata(data_dir: str) -> dict[str, Any]:
@@ -177,13 +163,7 @@ def read_metadata(data_dir: str) -> dict[str, Any]:
 
 
 def load_arrayrecord(data_dir: str, image_size: int) -> Dataset:
-    """A prepared folder as a `Dataset` of encoded splits, every shard checked against its record.
-
-    Raises:
-      MissingDataError: for a folder that is not a finished conversion, or a listed
-        shard that is not there.
-      DataError: for a shard whose content differs from the one recorded.
-    """
+    """A prepared folder as a `Dataset` of encoded splits, each shard checked against its record."""
     metadata = read_metadata(data_dir)
     records = {}
     for split in SPLITS:

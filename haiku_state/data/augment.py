@@ -1,8 +1,4 @@
-"""On-device augmentation: random shifts and flips inside the step, per device's shard.
-
-The Updater calls `make_augment_fn`'s function at every training step with a
-per-device key, on the images as they arrive (before the network standardises).
-"""
+"""On-device augmentation: random shifts and flips of each device's shard inside the step."""
 
 from __future__ import annotations
 
@@ -15,12 +11,8 @@ from haiku_state.data.splits import Batch
 
 
 def random_shift(key: jax.Array, images: jax.Array, max_shift: int) -> jax.Array:
-    """Shifts each image by its own random offset of up to `max_shift` pixels per axis.
-
-    Edge-padded by `max_shift` and cropped back at an offset drawn from
-    `[0, 2 * max_shift]`: a border repeats, so no value appears that the image did not
-    contain (a zero would be the mean pixel after normalisation). `images`: `[b, H, W, C]`.
-    """
+    """Shifts each image of `[b, H, W, C]` by its own random offset of up to `max_shift` pixels
+    per axis, edge-padded: no value appears that the image did not hold (as a zero would)."""
     if max_shift < 0:
         raise ValueError(f"random_shift: max_shift must be >= 0, got {max_shift}.")
     if max_shift == 0:
@@ -45,12 +37,7 @@ def random_flip(key: jax.Array, images: jax.Array) -> jax.Array:
 def make_augment_fn(
     *, max_shift: int = 0, flip: bool = False
 ) -> Callable[[jax.Array, Batch], Batch] | None:
-    """The per-device augmentation a training step applies to its shard, or None for none.
-
-    `augment(key, batch)` replaces `batch["image"]` by its shifted (`random_shift`)
-    and, with `flip`, flipped copy. Which suit a dataset is the config's choice
-    (digits must not be flipped).
-    """
+    """`augment(key, batch)`, which shifts and (with `flip`) flips `batch["image"]`, or None."""
     if max_shift < 0:
         raise ValueError(f"make_augment_fn: max_shift must be >= 0, got {max_shift}.")
     if not max_shift and not flip:

@@ -1,12 +1,8 @@
-"""Batches onto the devices: a background thread for host batches, a gather for small splits.
-
-`prefetch_to_device` shards host batches onto the local devices a few steps
-ahead; a split small enough to keep a copy on every device (`fits_on_device`)
-skips the host: `device_train_batches` gathers its batches there.
-"""
+"""Batches onto the devices: a background thread for host batches, a gather for small splits."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -23,18 +19,14 @@ from haiku_state.data.splits import Batch, Split
 from haiku_state.replication import DEFAULT_AXIS_NAME, shard
 
 _END = object()
-# How long closing a prefetcher waits for its thread to close the source (e.g. to stop
-# grain's workers) before leaving it to finish alone.
+# How long closing a prefetcher waits for its thread to close the source (grain's workers).
 CLOSE_TIMEOUT_S = 30.0
 
 
 def prefetch_to_device(batches: Iterator[Batch], *, size: int = 2) -> Iterator[Batch]:
-    """Shards upcoming host batches onto the local devices in a background thread.
+    """Up to `size` host batches sharded ahead (`replication.shard`) by a background thread.
 
-    Keeps up to `size` batches ready, laid out as `replication.shard` lays them.
-    The generator re-raises any exception of the source or `shard`; closing it
-    stops the thread, which closes `batches` (stopping decoding workers), waiting
-    up to `CLOSE_TIMEOUT_S` for that.
+    Re-raises the source's exceptions; closing it stops the thread, which closes `batches`.
     """
     if size < 1:
         raise ValueError(f"prefetch_to_device: size must be positive, got {size}.")
@@ -47,11 +39,9 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
 
     def put(item: Any) -> bool:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 ready.put(item, timeout=0.1)
                 return True
-            except queue.Full:
-                continue
         return False
 
     def produce() -> None:
@@ -81,18 +71,15 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
         thread.join(CLOSE_TIMEOUT_S)
 
 
-# `batches.train_batches` keeps a training split of at most this many bytes (images and
-# labels) on every device (`device_train_batches`); larger ones go through the host.
+# A training split of at most this many bytes is kept on every device.
 DEVICE_RESIDENT_MAX_BYTES = 128 * 2**20
-# `device_train_batches` gathers the batches of several steps per launch: at most this many
-# bytes of them per device, and at most this many steps (the gather's compile time grows
-# with the step count).
+# One gather makes the batches of several steps: at most this many bytes per device, and at
+# most this many steps (its compile time grows with the step count).
 GATHER_BYTES = 16 * 2**20
 MAX_STEPS_PER_GATHER = 16
 
 
 def fits_on_device(split: Split, max_bytes: int = DEVICE_RESIDENT_MAX_BYTES) -> bool:
-    """Whether `split` is small enough to keep a copy on every local device."""
     return split.images.nbytes + split.labels.nbytes <= max_bytes
 
 
@@ -105,19 +92,8 @@ def device_train_batches(
     process: ProcessSlice = SINGLE_PROCESS,
     steps_per_gather: int | None = None,
 ) -> Iterator[Batch]:
-    """The batches of `batches.host_train_batches`, drawn on the devices from a copy there.
-
-    The split is transferred once to every local device; then one jitted gather per
-    `steps_per_gather` steps (None: at most `GATHER_BYTES` per device, at most
-    `MAX_STEPS_PER_GATHER`) builds their batches from the indices the host sends:
-    no host gather, no thread competing with the step. Batch `k` is batch `k` of
-    the host pipeline with the same arguments, laid out as `prefetch_to_device`
-    lays it out.
-
-    Raises:
-      ValueError: for the arguments the host pipeline refuses, a process share not
-        divisible by the local device count, or a `steps_per_gather` below 1.
-    """
+    """The batches of `batches.host_train_batches`, gathered on the devices from a copy of
+    the split there, `steps_per_gather` steps per launch: no host gather, no thread."""
     where, num_examples = "device_train_batches", len(split.labels)
     order = order_lib.batch_order(num_examples, batch_size, seed, start_step, process, where)
     num_devices, local_size = jax.local_device_count(), order.local_size
@@ -127,21 +103,15 @@ def device_train_batches(
             f"not divisible by the {num_devices} local devices."
         )
     if steps_per_gather is None:
-        steps_per_gather = _default_steps_per_gather(split, local_size // num_devices)
+        batch_bytes = (split.images[0].nbytes + split.labels[0].nbytes) * local_size // num_devices
+        steps_per_gather = int(np.clip(GATHER_BYTES // batch_bytes, 1, MAX_STEPS_PER_GATHER))
     if steps_per_gather < 1:
         raise ValueError(f"{where}: steps_per_gather must be positive, got {steps_per_gather}.")
     indices = order_lib.indices_from(order, start_step)
     return _device_train_batches(split, indices, steps_per_gather)
 
 
-def _default_steps_per_gather(split: Split, per_device_batch: int) -> int:
-    """As many steps as take at most `GATHER_BYTES` per device, at most `MAX_STEPS_PER_GATHER`."""
-    batch_bytes = (split.images[0].nbytes + split.labels[0].nbytes) * per_device_batch
-    return int(np.clip(GATHER_BYTES // batch_bytes, 1, MAX_STEPS_PER_GATHER))
-
-
 def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> list[Batch]:
-    """The batches of `index` (`[steps, devices, per_device]` example indices), one per step."""
     return [{"image": images[i], "label": labels[i]} for i in index]
 
 

@@ -1,15 +1,11 @@
 """The GPU decoder (`config.data.decoder="gpu"`): nvJPEG through nvImageCodec, on the device.
 
-The host still draws every crop box and flip (`preprocess.train_plan`); a worker
-hands over a request (`train_request`, `eval_request`): the bytes, the box, the
-flip. `DeviceDecoder` decodes each JPEG's region on its device, resizes the exact
-box with antialiased bilinear weights (as PIL) and mirrors it. The batches are
-the same function of `(seed, step)` as the CPU decoder's; the pixels differ
-slightly (another IDCT, no DCT scaling, the exact box). PNGs, CMYK and truncated
-JPEGs are decoded in the worker as the CPU decoder does, and an image nvImageCodec
-refuses is loaded again on the host from its slot (stopping or replaced as the CPU
-decoder would). Regions are padded to squares of a multiple of `CANVAS_QUANTUM`
-and resized `CHUNK` at a time, so the resize compiles once per side.
+The host still draws every crop box and flip; a worker hands over a request (the bytes,
+the box, the flip) and `DeviceDecoder` decodes each JPEG's region on its device, resizes
+the box (antialiased bilinear, as PIL) and mirrors it: the CPU decoder's crops, slightly
+different pixels. Other images are decoded in the worker, and one nvImageCodec refuses is
+loaded again on the host from its slot. Regions are padded to squares of a multiple of
+`CANVAS_QUANTUM` and resized `CHUNK` at a time, so the resize compiles once per side.
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ from haiku_state.data import preprocess
 from haiku_state.data.splits import Batch
 from haiku_state.replication import device_axis_sharding
 
-# Decoded regions are padded to a multiple of this many pixels along each side.
 CANVAS_QUANTUM = 128
-# Canvases resized by one launch.
 CHUNK = 64
 INSTALL_HINT = "pip install 'haiku_state[gpu-decode-cu13]' (or -cu12, as JAX's CUDA plugin)"
 _JPEG_END = b"\xff\xd9"
@@ -50,7 +44,7 @@ def unavailable_reason() -> str | None:
 
 
 def device_decodes(data: bytes) -> bool:
-    """Whether the device decodes these bytes: an RGB or grey JPEG ending with its end marker."""
+    """Whether the device decodes these bytes: an RGB or grey JPEG with its end marker."""
     return preprocess._turbo_size(data) is not None and data.endswith(_JPEG_END)
 
 
@@ -70,12 +64,10 @@ def _request(data: bytes, plan: preprocess.Plan, image_size: int) -> Batch:
 
 
 def train_request(data: bytes, rng: np.random.Generator, image_size: int) -> Batch:
-    """A training example's request: its plan drawn as the CPU decoder draws it."""
     return _request(data, preprocess.train_plan(*preprocess.encoded_size(data), rng), image_size)
 
 
 def eval_request(data: bytes, image_size: int) -> Batch:
-    """An evaluation example's request: the centre crop, not mirrored."""
     box = preprocess.center_crop_box(*preprocess.encoded_size(data))
     return _request(data, preprocess.Plan(box, False), image_size)
 
@@ -117,7 +109,6 @@ def crop_resize(canvas: jax.Array, box: jax.Array, flip: jax.Array, image_size: 
     return jnp.clip(jnp.round(out), 0, 255).astype(jnp.uint8)
 
 
-# `crop_resize` of a chunk of same-shaped canvases at once: one launch per chunk.
 _crop_resize_chunk = jax.jit(
     jax.vmap(crop_resize.__wrapped__, in_axes=(0, 0, 0, None)), static_argnums=3
 )
@@ -129,7 +120,7 @@ RegionDecoder = Callable[[list[bytes], list[tuple[int, int, int, int]], Any], li
 
 
 def nvimgcodec_regions() -> RegionDecoder:
-    """nvImageCodec's ROI decoding on each local GPU: the device half of this decoder."""
+    """nvImageCodec's ROI decoding on each local GPU."""
     from nvidia import nvimgcodec
 
     decoders: dict[int, Any] = {}
@@ -151,11 +142,7 @@ def nvimgcodec_regions() -> RegionDecoder:
 
 class DeviceDecoder:
     """Host batches of requests -> batches whose `"image"` was decoded on the local devices.
-
-    `host_load` is the CPU decoder's `slot -> example` (`pipeline.LoadTrainExample`,
-    `LoadEvalExample`): what an image the device refuses becomes. `regions`: None for
-    nvImageCodec's (`nvimgcodec_regions`).
-    """
+    `host_load`, the CPU decoder's `slot -> example`, loads an image the device refuses."""
 
     def __init__(
         self,
@@ -181,8 +168,8 @@ class DeviceDecoder:
         return {name: leaf for name, leaf in batch.items() if name not in REQUEST_FIELDS}
 
     def _device_images(self, batch: Batch, rows: range, device: Any) -> jax.Array:
-        """`[len(rows), S, S, 3]` on `device`: the regions decoded in one call, resized in chunks
-        of `CHUNK` canvases of one side (sorted by size); the rest decoded on the host."""
+        """`[len(rows), S, S, 3]` on `device`: the regions decoded in one call, resized in
+        chunks of one side (sorted by size); the rest decoded on the host."""
         todo = sorted((i for i in rows if batch["encoded"][i]), key=lambda i: _side(batch, i))
         chunks = [todo[start : start + CHUNK] for start in range(0, len(todo), CHUNK)]
         regions = {}
@@ -216,7 +203,7 @@ class DeviceDecoder:
         return jnp.concatenate(parts)[rows_in_parts] if len(parts) > 1 else parts[0][rows_in_parts]
 
     def _redo_on_host(self, batch: Batch, i: int) -> np.ndarray:
-        """Example `i` as the CPU decoder loads it from its slot; its fields replace the batch's."""
+        """Example `i` as the CPU decoder loads it; its fields replace the batch's."""
         example = self._host_load(tuple(int(v) for v in batch["slot"][i]))
         for name, value in example.items():
             if name != "image":
@@ -225,7 +212,6 @@ class DeviceDecoder:
 
 
 def _side(batch: Batch, i: int) -> int:
-    """The side of the square canvas the box of example `i` fits in."""
     return max(region(batch["box"][i])[2:])
 
 

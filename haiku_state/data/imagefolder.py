@@ -1,19 +1,11 @@
 """ImageFolder trees: `DIR/train/<class>/*` and `DIR/val/<class>/*`, indexed once and cached.
 
-An image's label is its folder's place among the sorted class folders of `train/`
-(`val/` must have the same), as torchvision's `ImageFolder` numbers them. Images
-are the files of a class folder named `.jpeg`, `.jpg` or `.png` in any case
-(hidden files skipped), decoded by their content.
-
-The file index (every file's path and label) and the tree's pixel statistics
-(`preprocess.pixel_statistics` of a sample) are built once and cached outside the
-tree (`host_cache`). A later start checks the cache with one `stat` per folder:
-adding, removing or renaming an image changes its folder's modification time,
-which rebuilds the index. Each build is written apart and committed by renaming
-its manifest, so processes starting together see one complete index or none.
-The index arrays are memory-mapped, so the decoding workers share one copy. An
-image overwritten under its name changes no folder: `FileRecords.content_digest`
-covers that (`guards.data_identity`).
+A label is its folder's place among the sorted class folders (as torchvision numbers
+them); images are the files named `.jpeg`, `.jpg` or `.png` in any case. The file index
+and pixel statistics are cached outside the tree (`host_cache`) and rebuilt when a
+folder's modification time changes (an image added, removed or renamed). Each build is
+committed by renaming its manifest, so processes starting together see one complete index.
+The index arrays are memory-mapped, so the decoding workers share one copy.
 """
 
 from __future__ import annotations
@@ -48,21 +40,9 @@ class FileIndex(NamedTuple):
     labels: np.ndarray
 
 
-def pack_index(names: list[str], labels: list[int]) -> FileIndex:
-    """The compact form of a list of relative paths and their labels."""
-    encoded = [os.fsencode(name) for name in names]
-    offsets = np.zeros(len(encoded) + 1, np.int64)
-    np.cumsum([len(name) for name in encoded], out=offsets[1:])
-    blob = np.frombuffer(b"".join(encoded), np.uint8)
-    return FileIndex(blob, offsets, np.asarray(labels, np.int32))
-
-
 class FileRecords:
-    """The examples of one split of an ImageFolder tree (`folder`): `(file bytes, label)`.
-
-    `cache_files`: where the index arrays are stored, if they are: the workers then
-    memory-map them instead of receiving a copy.
-    """
+    """The examples of one split of an ImageFolder tree: `(file bytes, label)`. With
+    `cache_files` (where the index is stored) the workers memory-map it, not receive a copy."""
 
     def __init__(self, folder: str, index: FileIndex, cache_files: dict[str, str] | None = None):
         self._folder, self._index, self._cache_files = folder, index, cache_files
@@ -78,22 +58,21 @@ class FileRecords:
         with open(self.path(index), "rb") as f:
             return f.read(), int(self._index.labels[index])
 
-    def describe(self, index: int) -> str:
-        return self.path(index)
+    describe = path
 
     def digest(self) -> str:
-        """A digest of the file index: every path `<class>/<file>` and its label, in order."""
+        """A digest of the file index: every path and label, in order."""
         hasher = hashlib.blake2b(digest_size=16)
         for array in self._index:
             hasher.update(np.ascontiguousarray(array))
         return hasher.hexdigest()
 
     def content_digest(self) -> str:
-        """A digest of every file's size and modification time (`data_identity.stat_digest`)."""
+        """A digest of every file's size and modification time: an image overwritten too."""
         return data_identity.stat_digest(self.path, len(self))
 
     def name(self, index: int) -> str:
-        """The path of example `index` relative to the tree: `train/<class>/<file>`."""
+        """`train/<class>/<file>`."""
         return os.path.relpath(self.path(index), os.path.dirname(self._folder))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -107,8 +86,7 @@ class FileRecords:
 
 
 class ImageTree(NamedTuple):
-    """An indexed ImageFolder tree: class names in label order, each split's records, and the
-    training images' per-channel pixel mean and std (`tree_statistics`)."""
+    """An indexed tree: class names in label order, each split's records, pixel statistics."""
 
     classes: list[str]
     records: dict[str, FileRecords]
@@ -117,8 +95,6 @@ class ImageTree(NamedTuple):
 
 
 def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
-    """The tree at `data_dir` (holding `train/` and `val/`) as a `Dataset` of encoded splits,
-    checked before anything is read (`index_tree`)."""
     tree = index_tree(data_dir)
     return Dataset(
         train=EncodedSplit(tree.records["train"], image_size, len(tree.classes)),
@@ -133,7 +109,6 @@ def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
 
 
 def _checked_root(data_dir: str) -> str:
-    """The real path of an ImageFolder tree that has `train/` and `val/`."""
     if not data_dir:
         raise MissingDataError(
             "data.name='imagefolder' needs data.dir: the folder holding train/<class>/* "
@@ -151,14 +126,7 @@ def _checked_root(data_dir: str) -> str:
     return root
 
 
-def class_folders(split_dir: str) -> list[str]:
-    """The sorted names of the (non-hidden) folders of `split_dir`."""
-    with os.scandir(split_dir) as entries:
-        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
-
-
 def image_files(class_dir: str) -> list[str]:
-    """The sorted names of the image files of `class_dir`, chosen by extension."""
     with os.scandir(class_dir) as entries:
         return sorted(
             e.name
@@ -169,9 +137,15 @@ def image_files(class_dir: str) -> list[str]:
         )
 
 
-def check_classes(root: str, classes_by_split: dict[str, list[str]]) -> list[str]:
-    """The class names, refusing a tree whose splits disagree or have none."""
-    train, val = classes_by_split["train"], classes_by_split["val"]
+def check_classes(root: str) -> list[str]:
+    """The sorted class folders, refusing a tree whose splits disagree or have none."""
+    classes = {}
+    for split in SPLITS:
+        with os.scandir(os.path.join(root, split)) as entries:
+            classes[split] = sorted(
+                e.name for e in entries if e.is_dir() and not e.name.startswith(".")
+            )
+    train, val = classes["train"], classes["val"]
     if not train:
         raise DataError(f"ImageFolder {os.path.join(root, 'train')} has no class folders.")
     if train != val:
@@ -184,7 +158,7 @@ def check_classes(root: str, classes_by_split: dict[str, list[str]]) -> list[str
 
 
 def build_index(split_dir: str, classes: list[str]) -> FileIndex:
-    """Lists every class folder of `split_dir`; refuses one without images."""
+    """The files of every class folder of `split_dir`; refuses one without images."""
     names, labels = [], []
     for label, name in enumerate(classes):
         files = image_files(os.path.join(split_dir, name))
@@ -193,30 +167,20 @@ def build_index(split_dir: str, classes: list[str]) -> FileIndex:
                 f"Class folder {os.path.join(split_dir, name)} holds no images (files "
                 f"ending in {', '.join(IMAGE_EXTENSIONS)}, any case)."
             )
-        names += [f"{name}/{file}" for file in files]
+        names += [os.fsencode(f"{name}/{file}") for file in files]
         labels += [label] * len(files)
-    return pack_index(names, labels)
+    offsets = np.zeros(len(names) + 1, np.int64)
+    np.cumsum([len(name) for name in names], out=offsets[1:])
+    return FileIndex(
+        np.frombuffer(b"".join(names), np.uint8), offsets, np.asarray(labels, np.int32)
+    )
 
 
 def cache_dir(root: str) -> str:
-    """Where the index of the tree at `root` (a real absolute path) is cached."""
     return host_cache.cache_dir("imagefolder", root)
 
 
-def tree_statistics(train: FileRecords) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The per-channel mean and std of a sample of the training images; DataError if none
-    of them decodes."""
-    sample = preprocess.statistics_sample(len(train))
-    try:
-        return preprocess.pixel_statistics(train[i][0] for i in sample)
-    except ValueError as e:
-        raise DataError(
-            f"ImageFolder {os.path.dirname(os.path.dirname(train.path(0)))}: {e}."
-        ) from None
-
-
 def _folder_mtimes(root: str, classes: list[str]) -> dict[str, int]:
-    """The modification time of every folder whose listing the index reflects."""
     folders = [*SPLITS, *(f"{split}/{name}" for split in SPLITS for name in classes)]
     return {folder: os.stat(os.path.join(root, folder)).st_mtime_ns for folder in folders}
 
@@ -226,24 +190,22 @@ def _map_index(files: dict[str, str]) -> FileIndex:
 
 
 def _read_cache(root: str) -> dict[str, Any] | None:
-    """The manifest of the cached index of `root`, if the cache is complete and current."""
     try:
         with open(os.path.join(cache_dir(root), "manifest.json")) as f:
             manifest = json.load(f)
-        if manifest["version"] != _CACHE_VERSION or manifest["root"] != root:
-            return None
-        if _folder_mtimes(root, manifest["classes"]) != manifest["mtimes"]:
-            return None
-        files = manifest["files"]
-        if not all(os.path.isfile(path) for split in SPLITS for path in files[split].values()):
-            return None
-        return manifest
+        current = (
+            manifest["version"] == _CACHE_VERSION
+            and manifest["root"] == root
+            and _folder_mtimes(root, manifest["classes"]) == manifest["mtimes"]
+            and all(os.path.isfile(p) for s in SPLITS for p in manifest["files"][s].values())
+        )
     except (OSError, ValueError, KeyError):
         return None
+    return manifest if current else None
 
 
 def _write_cache(root: str, tree: ImageTree, indexes: dict[str, FileIndex], mtimes) -> dict:
-    """Writes one build of the index; the manifest's rename commits it. Returns its files."""
+    """Writes one build of the index, committed by the manifest's rename; returns its files."""
     directory = cache_dir(root)
     os.makedirs(directory, exist_ok=True)
     build = uuid.uuid4().hex[:12]
@@ -254,15 +216,8 @@ def _write_cache(root: str, tree: ImageTree, indexes: dict[str, FileIndex], mtim
             path = os.path.join(directory, f"{build}-{split}-{name}.npy")
             np.save(path, array)
             files[split][name] = path
-    manifest = {
-        "version": _CACHE_VERSION,
-        "root": root,
-        "classes": tree.classes,
-        "mtimes": mtimes,
-        "files": files,
-        "mean": tree.mean,
-        "std": tree.std,
-    }
+    manifest = {"version": _CACHE_VERSION, "root": root, "classes": tree.classes, "mtimes": mtimes}
+    manifest.update(files=files, mean=tree.mean, std=tree.std)
     temporary = os.path.join(directory, f"manifest.{build}.tmp")
     with open(temporary, "w") as f:
         json.dump(manifest, f)
@@ -272,8 +227,7 @@ def _write_cache(root: str, tree: ImageTree, indexes: dict[str, FileIndex], mtim
 
 
 def _remove_other_builds(directory: str, build: str) -> None:
-    """Removes the files of earlier builds once a day old: a younger one may be about to be
-    committed, or read, by a process that started at the same time."""
+    """Removes earlier builds a day old: a younger one may be in use by another process."""
     day_ago = time.time() - 24 * 3600
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
@@ -287,7 +241,6 @@ def _remove_other_builds(directory: str, build: str) -> None:
 
 
 def _mapped_records(root: str, files: dict[str, dict[str, str]]) -> dict[str, FileRecords]:
-    """The records of each split, their index memory-mapped from the cached `files`."""
     return {
         split: FileRecords(os.path.join(root, split), _map_index(files[split]), files[split])
         for split in SPLITS
@@ -295,13 +248,7 @@ def _mapped_records(root: str, files: dict[str, dict[str, str]]) -> dict[str, Fi
 
 
 def index_tree(data_dir: str) -> ImageTree:
-    """The tree's classes, records and statistics, from the cache or by listing the tree.
-
-    Raises:
-      MissingDataError: for a missing `data_dir`, `train/` or `val/`.
-      DataError: for a class folder without images, class folders that differ
-        between `train/` and `val/`, or training images none of which decodes.
-    """
+    """The tree's classes, records and statistics, from the cache or by listing the tree."""
     root = _checked_root(data_dir)
     manifest = _read_cache(root)
     if manifest is not None:
@@ -310,11 +257,18 @@ def index_tree(data_dir: str) -> ImageTree:
         return ImageTree(
             manifest["classes"], records, tuple(manifest["mean"]), tuple(manifest["std"])
         )
-    classes = check_classes(root, {s: class_folders(os.path.join(root, s)) for s in SPLITS})
+    classes = check_classes(root)
     mtimes = _folder_mtimes(root, classes)  # Before listing: a change meanwhile rebuilds.
     indexes = {split: build_index(os.path.join(root, split), classes) for split in SPLITS}
     records = {split: FileRecords(os.path.join(root, split), indexes[split]) for split in SPLITS}
-    tree = ImageTree(classes, records, *tree_statistics(records["train"]))
+    train = records["train"]
+    try:  # The per-channel mean and std of a sample of the training images.
+        statistics = preprocess.pixel_statistics(
+            train[i][0] for i in preprocess.statistics_sample(len(train))
+        )
+    except ValueError as e:
+        raise DataError(f"ImageFolder {os.path.join(root, 'train')}: {e}.") from None
+    tree = ImageTree(classes, records, *statistics)
     try:
         files = _write_cache(root, tree, indexes, mtimes)
     except OSError as e:

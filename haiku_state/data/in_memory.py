@@ -1,8 +1,4 @@
-"""The datasets held in host memory: the embedded digits, CIFAR-10's python release, synthetic.
-
-Digits and CIFAR-10 are kept as uint8 pixels, as stored; `Dataset.mean` and `.std`
-carry the statistics the network standardises them with on the device.
-"""
+"""The datasets held in host memory: the embedded digits, CIFAR-10's python release, synthetic."""
 
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ CIFAR10_STD = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32)
 
 
 def load_digits() -> Dataset:
-    """The 1,797 8x8 scikit-learn digits (pixels 0..16), 360 held out by a permutation of
-    seed 0; standardised with the training split's scalar mean and std."""
+    """The 1,797 8x8 scikit-learn digits (pixels 0..16), 360 held out by a fixed permutation."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     digits = sklearn_digits()
@@ -45,11 +40,8 @@ def load_digits() -> Dataset:
 
 
 def load_cifar10(data_dir: str) -> Dataset:
-    """CIFAR-10 from the python-pickle release, as uint8 NHWC pixels.
-
-    Standardised with the standard training-set mean and std (`CIFAR10_MEAN`, `_STD`),
-    not the files', so a pixel maps to one value whatever subset is on disk.
-    """
+    """CIFAR-10 from the python-pickle release, as uint8 NHWC pixels, standardised with the
+    published statistics (not the files'), so a pixel maps to one value whatever the subset."""
     expected = CIFAR10_TRAIN_FILES + (CIFAR10_TEST_FILE,)
     if not os.path.isdir(data_dir):
         raise MissingDataError(
@@ -76,8 +68,7 @@ def load_cifar10(data_dir: str) -> Dataset:
 
 
 class _Cifar10Unpickler(pickle.Unpickler):
-    """Unpickles plain containers, scalars and numpy arrays; refuses every other class: a
-    file planted in the data folder could otherwise run any code."""
+    """Unpickles plain containers and numpy arrays, no other class: a planted file runs no code."""
 
     ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
@@ -96,7 +87,6 @@ class _Cifar10Unpickler(pickle.Unpickler):
 
 
 def _read_cifar10_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """One pickled batch: rows of 3072 uint8 in CHW order, and their labels."""
     try:
         with open(path, "rb") as f:
             batch = _Cifar10Unpickler(f, encoding="bytes").load()
@@ -116,7 +106,6 @@ def _read_cifar10_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read_cifar10_batches(paths: list[str]) -> Split:
-    """Reads pickled CIFAR-10 batches into one NHWC uint8 split."""
     images, labels = zip(*(_read_cifar10_batch(path) for path in paths), strict=True)
     nhwc = np.concatenate(images).transpose(0, 2, 3, 1)
     return Split(np.ascontiguousarray(nhwc), np.concatenate(labels))
@@ -125,8 +114,7 @@ def _read_cifar10_batches(paths: list[str]) -> Split:
 def make_synthetic(
     image_shape: tuple[int, int, int], num_classes: int, num_train: int, num_test: int, seed: int
 ) -> Dataset:
-    """Standard-normal float32 images, uniform random labels: for throughput, not accuracy.
-    Stored already standardised (`mean` and `std` None)."""
+    """Standard-normal float32 images (stored standardised), uniform labels: for throughput."""
     rng = np.random.default_rng(seed)
 
     def split(num_examples: int) -> Split:
@@ -134,9 +122,8 @@ def make_synthetic(
         labels = rng.integers(0, num_classes, size=num_examples, dtype=np.int32)
         return Split(images, labels)
 
-    train = split(num_train)
     return Dataset(
-        train=train,
+        train=split(num_train),
         test=split(num_test),
         num_classes=num_classes,
         image_shape=tuple(image_shape),

@@ -1,13 +1,9 @@
 """Which examples every step sees: the batch order, each process's slice, evaluation padding.
 
-Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(N)`,
-in `N // batch_size` full batches (the remainder dropped); step `k` is batch
-`k % steps_per_epoch` of epoch `k // steps_per_epoch`. A resumed run computes only
-its epoch's permutation and sees exactly the batches of an uninterrupted one.
-Process `p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of every global
-batch (`ProcessSlice`), so a global device sees the same examples whatever the
-process count; the host preprocessing seeds each example by its place
-(`example_seed`).
+Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(N)`, in
+`N // batch_size` full batches; step `k` is batch `k % steps_per_epoch` of epoch
+`k // steps_per_epoch`, so a resumed run sees the batches of an uninterrupted one. Process
+`p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of every global batch.
 """
 
 from __future__ import annotations
@@ -21,13 +17,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-# Tells the preprocessing's random streams apart from the epoch permutations, which are
-# seeded by `[seed, epoch]` alone (numpy pads shorter seed lists with zeros).
+# Tells the preprocessing's random streams apart from the epoch permutations' `[seed, epoch]`.
 _EXAMPLE_STREAM = 0x7072_6570  # "prep"
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    """The number of full batches in one epoch (the remainder is dropped)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}.")
     return num_examples // batch_size
@@ -35,10 +29,7 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSlice:
-    """Which slice of every global batch a process loads: that of process `index` of `count`.
-
-    `ProcessSlice()` is the one process of a single-process run: the whole batch.
-    """
+    """Which slice of every global batch process `index` of `count` loads."""
 
     index: int = 0
     count: int = 1
@@ -52,11 +43,10 @@ class ProcessSlice:
 
     @classmethod
     def current(cls) -> ProcessSlice:
-        """This process's slice: `jax.process_index()` of `jax.process_count()`."""
         return cls(jax.process_index(), jax.process_count())
 
     def size(self, batch_size: int, where: str = "ProcessSlice") -> int:
-        """The examples of this process in a global batch; ValueError naming `where` if uneven."""
+        """The examples of this process in a global batch."""
         if batch_size % self.count:
             raise ValueError(
                 f"{where}: batch_size={batch_size} is not divisible by the {self.count} "
@@ -65,22 +55,25 @@ class ProcessSlice:
         return batch_size // self.count
 
     def offset(self, batch_size: int, where: str = "ProcessSlice") -> int:
-        """The position of this process's first example in a global batch of `batch_size`."""
         return self.index * self.size(batch_size, where)
 
 
 SINGLE_PROCESS = ProcessSlice()
 
 
-class BatchOrder(NamedTuple):
-    """The training order of one process: the split's size, the global batch size, the seed,
-    and the `offset` and `local_size` of this process's slice of every global batch."""
+class Order(NamedTuple):
+    """One process's order, with its slice of every global batch; `seed` None for an
+    evaluation pass, one ordered pass in `num_batches` whose last is padded."""
 
     num_examples: int
     batch_size: int
-    seed: int
     offset: int
     local_size: int
+    seed: int | None = None
+
+    @property
+    def num_batches(self) -> int:
+        return -(-self.num_examples // self.batch_size)
 
 
 def batch_order(
@@ -90,8 +83,8 @@ def batch_order(
     start_step: int = 0,
     process: ProcessSlice = SINGLE_PROCESS,
     where: str = "batch_order",
-) -> BatchOrder:
-    """Validates the arguments of a training pipeline (now) and returns its order."""
+) -> Order:
+    """Validates the arguments of a training pipeline (now, not at the first batch)."""
     if not 1 <= batch_size <= num_examples:
         raise ValueError(
             f"{where}: batch_size={batch_size} must be between 1 and the "
@@ -100,19 +93,17 @@ def batch_order(
     if start_step < 0:
         raise ValueError(f"{where}: start_step must be >= 0, got {start_step}.")
     offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
-    return BatchOrder(num_examples, batch_size, seed, offset, local_size)
+    return Order(num_examples, batch_size, offset, local_size, seed)
 
 
 @functools.lru_cache(maxsize=2)
 def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-    """The order in which epoch `epoch` visits the examples (read-only, cached per process)."""
     permutation = np.random.default_rng([seed, epoch]).permutation(num_examples)
     permutation.flags.writeable = False
     return permutation
 
 
-def step_indices(order: BatchOrder, step: int) -> np.ndarray:
-    """This process's example indices at `step`, in batch order."""
+def step_indices(order: Order, step: int) -> np.ndarray:
     epoch, step_in_epoch = divmod(step, steps_per_epoch(order.num_examples, order.batch_size))
     start = step_in_epoch * order.batch_size + order.offset
     return epoch_permutation(order.seed, epoch, order.num_examples)[
@@ -120,29 +111,13 @@ def step_indices(order: BatchOrder, step: int) -> np.ndarray:
     ]
 
 
-def indices_from(order: BatchOrder, start_step: int) -> Iterator[np.ndarray]:
-    """`step_indices` of every step from `start_step` on, endlessly."""
+def indices_from(order: Order, start_step: int) -> Iterator[np.ndarray]:
     return (step_indices(order, step) for step in itertools.count(start_step))
 
 
 def example_seed(seed: int, step: int, position: int) -> list[int]:
-    """The seed of the host preprocessing of one example: its step and place in the global
-    batch, so its crop is the same whichever worker of whichever process decodes it."""
+    """An example's crop and flip seed: its place, whichever worker of whichever process."""
     return [seed, step, position, _EXAMPLE_STREAM]
-
-
-class EvalOrder(NamedTuple):
-    """One ordered pass in global batches of `batch_size`, this process's slices; the last
-    batch is padded by repeating the split's last example (`eval_positions`' mask)."""
-
-    num_examples: int
-    batch_size: int
-    offset: int
-    local_size: int
-
-    @property
-    def num_batches(self) -> int:
-        return -(-self.num_examples // self.batch_size)
 
 
 def eval_order(
@@ -150,16 +125,15 @@ def eval_order(
     batch_size: int,
     process: ProcessSlice = SINGLE_PROCESS,
     where: str = "eval_order",
-) -> EvalOrder:
-    """Validates the arguments of an evaluation pass (now) and returns its order."""
+) -> Order:
     if batch_size < 1:
         raise ValueError(f"{where}: batch_size must be positive, got {batch_size}.")
     offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
-    return EvalOrder(num_examples, batch_size, offset, local_size)
+    return Order(num_examples, batch_size, offset, local_size)
 
 
-def eval_positions(order: EvalOrder, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """The example indices of this process's slice of global batch `batch`, and its mask."""
+def eval_positions(order: Order, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The example indices of this process's slice of `batch` (the last repeated), its mask."""
     start = batch * order.batch_size + order.offset
     positions = np.arange(start, start + order.local_size)
     is_real = positions < order.num_examples

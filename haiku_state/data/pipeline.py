@@ -1,22 +1,16 @@
 """The reading and decoding workers: grain over the "slots" of this process's batches.
 
-Slot `j` of a training run is position `offset + j % local_size` of global step
-`start_step + j // local_size`; it names everything its example depends on: the
-example index (`order.step_indices`) and the seed of its crop and flip
-(`order.example_seed`). A grain `MapDataset` over the slots loads each one and
-batches `local_size` of them; `mp_prefetch` deals whole batches to the workers
-and hands them back in order. A batch being a pure function of its slots, the
-batches do not depend on the worker or process count, nor on a resume.
-
-The workers are started with `spawn` and receive the split's records (a small
-picklable object); each holds about `READ_AHEAD + 1` batches. What a worker
-computes from an example's bytes is the decoder's (`DECODERS`): the pixels
-(`"cpu"`, `preprocess`), or the bytes with the box and flip the host drew
-(`"gpu"`, `gpu_decode`).
+A training slot names all its example depends on: the step, the place in the global batch
+(its crop's seed, `order.example_seed`) and the example index. A grain `MapDataset` loads
+the slots and batches them; `mp_prefetch` deals whole batches to the workers, in order. So
+the batches depend neither on the worker or process count nor on a resume. What a worker
+computes from an example's bytes is the decoder's (`DECODERS`): `"cpu"` the pixels
+(`preprocess`), `"gpu"` the bytes with the box and flip (`gpu_decode`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -40,16 +34,14 @@ READ_AHEAD = 1
 MAX_CORRUPT_FRACTION = 0.001
 # Slots of an iterator with no last step: far more than any run takes.
 _ENDLESS_STEPS = 2**40
-# An evaluation pass of at most this many examples (this process's share) is decoded in
-# the process that evaluates: workers start anew for every pass and take 3-5 s to start
-# (their imports), while one core decodes this many ImageNet-sized images in about 1.3 s.
+# An evaluation pass of at most this many examples (this process's share) is decoded
+# in-process: workers take 3-5 s to start, one core decodes 512 ImageNet images in 1.3 s.
 IN_PROCESS_EVAL_EXAMPLES = 512
 
 
 class Decoder(NamedTuple):
-    """What a worker computes from an example's bytes (`config.data.decoder`): a training
-    example's fields (given its own generator), an evaluation example's, a left-out one's;
-    `on_device`: the device finishes, and the examples carry their `"slot"` to redo one."""
+    """What a worker computes from an example's bytes: a training example's fields, an
+    evaluation one's, a left-out one's; `on_device`: examples carry their `"slot"`."""
 
     train: Callable[[bytes, np.random.Generator, int], Batch]
     eval: Callable[[bytes, int], Batch]
@@ -58,17 +50,14 @@ class Decoder(NamedTuple):
 
 
 def cpu_train_example(data: bytes, rng: np.random.Generator, image_size: int) -> Batch:
-    """The pixels of the drawn crop and flip: `{"image": uint8 [S, S, 3]}`."""
     return {"image": preprocess.train_image(data, rng, image_size)}
 
 
 def cpu_eval_example(data: bytes, image_size: int) -> Batch:
-    """The pixels of the centre crop: `{"image": uint8 [S, S, 3]}`."""
     return {"image": preprocess.eval_image(data, image_size)}
 
 
 def cpu_blank_example(image_size: int) -> Batch:
-    """Zero pixels, for an evaluation example left out."""
     return {"image": np.zeros((image_size, image_size, 3), np.uint8)}
 
 
@@ -87,66 +76,47 @@ def default_workers() -> int:
     return max(0, min(len(os.sched_getaffinity(0)) - 1, MAX_DEFAULT_WORKERS))
 
 
-class TrainSlots:
-    """The slots of this process's training batches from `start_step`: `(step, position, index)`."""
-
-    def __init__(self, order: order_lib.BatchOrder, start_step: int, num_steps: int):
-        self._order, self._start_step, self._num_steps = order, start_step, num_steps
-
-    def __len__(self) -> int:
-        return self._num_steps * self._order.local_size
-
-    def __getitem__(self, slot: int) -> tuple[int, int, int]:
-        step = self._start_step + slot // self._order.local_size
-        local_position = slot % self._order.local_size
-        index = order_lib.step_indices(self._order, step)[local_position]
-        return step, self._order.offset + local_position, int(index)
+def train_slot(order: order_lib.Order, start_step: int, slot: int) -> tuple[int, int, int]:
+    """Training slot `slot` from `start_step`: `(step, position in the global batch, index)`."""
+    step, local_position = divmod(slot, order.local_size)
+    index = order_lib.step_indices(order, start_step + step)[local_position]
+    return start_step + step, order.offset + local_position, int(index)
 
 
-class EvalSlots:
-    """The slots of this process's evaluation batches: `(example index, mask)`."""
-
-    def __init__(self, order: order_lib.EvalOrder):
-        self._order = order
-
-    def __len__(self) -> int:
-        return self._order.num_batches * self._order.local_size
-
-    def __getitem__(self, slot: int) -> tuple[int, float]:
-        batch, local_position = divmod(slot, self._order.local_size)
-        index, mask = order_lib.eval_positions(self._order, batch)
-        return int(index[local_position]), float(mask[local_position])
-
-
-def _check_label(split: EncodedSplit, index: int, label: int) -> None:
-    """A label out of range is a broken dataset, never skipped."""
-    if not 0 <= label < split.num_classes:
-        raise DataError(
-            f"{split.records.describe(index)}: label {label} outside [0, {split.num_classes})."
-        )
+def eval_slot(order: order_lib.Order, slot: int) -> tuple[int, float]:
+    """Evaluation slot `slot`: `(example index, mask)`."""
+    batch, local_position = divmod(slot, order.local_size)
+    index, mask = order_lib.eval_positions(order, batch)
+    return int(index[local_position]), float(mask[local_position])
 
 
 class _Load:
-    """A worker's loader of examples by slot; `skip_corrupt` as `corrupt_images` says."""
+    """A worker's loader of examples by slot."""
 
     def __init__(self, split: EncodedSplit, skip_corrupt: bool, decoder: Decoder):
         self._split, self._skip_corrupt, self._decoder = split, skip_corrupt, decoder
         self._unreadable = 0  # Met by this worker.
 
     def _count_unreadable(self) -> int | None:
-        """This worker's count of unreadable images so far; None when not skipping them."""
-        if not self._skip_corrupt:
-            return None
         self._unreadable += 1
-        return self._unreadable
+        return self._unreadable if self._skip_corrupt else None
+
+    def _example(self, index: int, fields: Batch, label: int, slot: tuple, **more: Any) -> Batch:
+        """The example's fields, refusing a label out of range (a broken dataset, not skipped)."""
+        if not 0 <= label < self._split.num_classes:
+            raise DataError(
+                f"{self._split.records.describe(index)}: label {label} outside "
+                f"[0, {self._split.num_classes})."
+            )
+        example = {**fields, "label": np.int32(label), **more}
+        if self._decoder.on_device:
+            example["slot"] = np.array(slot, np.int64)
+        return example
 
 
 class LoadTrainExample(_Load):
-    """Slot -> `{"image": uint8 [S, S, 3], "label": int32}` (and `"replaced"` if skipping).
-
-    An unreadable image is replaced by the next readable example (`skip_corrupt`);
-    `decoder` computes the example's fields (`DECODERS`).
-    """
+    """Slot -> example; with `skip_corrupt`, an unreadable image is replaced by the next
+    readable one and `"replaced"` says so."""
 
     def __init__(
         self, split: EncodedSplit, seed: int, skip_corrupt: bool, decoder: Decoder = CPU_DECODER
@@ -167,21 +137,13 @@ class LoadTrainExample(_Load):
                 count = self._count_unreadable()
                 corrupt_images.skip_or_raise(self._split, candidate, e, count, step, attempt)
                 continue
-            _check_label(self._split, candidate, label)
-            example = {**fields, "label": np.int32(label)}
-            if self._decoder.on_device:
-                example["slot"] = np.array(slot, np.int64)
-            if self._skip_corrupt:
-                example["replaced"] = np.float32(attempt > 0)
-            return example
+            replaced = {"replaced": np.float32(attempt > 0)} if self._skip_corrupt else {}
+            return self._example(candidate, fields, label, slot, **replaced)
         raise AssertionError("unreachable")
 
 
 class LoadEvalExample(_Load):
     """Slot -> `{"image", "label", "mask"}`; an unreadable image is masked out if skipping."""
-
-    def __init__(self, split: EncodedSplit, skip_corrupt: bool, decoder: Decoder = CPU_DECODER):
-        super().__init__(split, skip_corrupt, decoder)
 
     def __call__(self, slot: tuple[int, float]) -> dict[str, np.ndarray]:
         index, mask = slot
@@ -191,19 +153,15 @@ class LoadEvalExample(_Load):
             fields = self._decoder.eval(data, size)
         except Exception as e:  # Any failure to read or decode is the file's.
             corrupt_images.skip_or_raise(self._split, index, e, self._count_unreadable())
-            fields, label, mask = self._decoder.blank(size), 0, 0.0
-        else:
-            _check_label(self._split, index, label)
-        example = {**fields, "label": np.int32(label), "mask": np.float32(mask)}
-        if self._decoder.on_device:
-            example["slot"] = np.array(slot, np.int64)
-        return example
+            return self._example(index, self._decoder.blank(size), 0, slot, mask=np.float32(0.0))
+        return self._example(index, fields, label, slot, mask=np.float32(mask))
 
 
-def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iterator[Batch]:
-    """Batches of `local_size` loaded slots by `workers` processes (0: this one), never more
-    workers than batches (each decodes whole batches)."""
-    dataset = grain.MapDataset.source(slots).map(load).batch(local_size)
+def _grain_batches(
+    slots: int, slot: Callable[[int], Any], load: Any, local_size: int, workers: int
+) -> Iterator[Batch]:
+    """Batches of `local_size` of the `slots` loaded by `workers` processes (0: this one)."""
+    dataset = grain.MapDataset.range(slots).map(slot).map(load).batch(local_size)
     workers = min(workers, len(dataset))
     if workers == 0:
         iterable = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
@@ -225,37 +183,26 @@ def _grain_batches(slots: Any, load: Any, local_size: int, workers: int) -> Iter
 
 
 def exit_with_parent(worker_index: int, worker_count: int) -> None:
-    """grain's `worker_init_fn`: the worker exits when the training process is gone.
-
-    `orphans.exit_with_parent` also sees a parent killed while this worker was
-    starting (`kill -9`). A worker ignores Ctrl-C, which reaches the whole process
-    group: the training process stops the pipeline. One OpenCV thread per worker:
-    more would compete with the other workers for their cores.
-    """
+    """grain's `worker_init_fn`: exit with the training process; ignore Ctrl-C (the training
+    process stops the pipeline); one OpenCV thread, not to compete with the other workers."""
     del worker_index, worker_count  # The same for every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)
     orphans.exit_with_parent()
 
 
-def _check_workers(workers: int | None, where: str) -> int:
-    if workers is None:
-        return default_workers()
-    if workers < 0:
-        raise ValueError(
-            f"{where}: workers must be >= 0 (0: decode in this process), got {workers}."
-        )
-    return workers
-
-
-def _check_decoder(decoder: str | Decoder, where: str) -> Decoder:
-    if isinstance(decoder, Decoder):
-        return decoder
-    if decoder not in DECODERS:
+def _checked(decoder: str | Decoder, workers: int | None, where: str) -> tuple[Decoder, int]:
+    """The `Decoder` (or its name), and the worker count (None: `default_workers()`)."""
+    if not isinstance(decoder, Decoder) and decoder not in DECODERS:
         raise ValueError(
             f"{where}: unknown decoder {decoder!r}; expected one of {tuple(DECODERS)}."
         )
-    return DECODERS[decoder]
+    if workers is not None and workers < 0:
+        raise ValueError(
+            f"{where}: workers must be >= 0 (0: decode in this process), got {workers}."
+        )
+    decoder = decoder if isinstance(decoder, Decoder) else DECODERS[decoder]
+    return decoder, default_workers() if workers is None else workers
 
 
 def encoded_train_batches(
@@ -271,27 +218,16 @@ def encoded_train_batches(
     decoder: str | Decoder = "cpu",
     max_corrupt_fraction: float = MAX_CORRUPT_FRACTION,
 ) -> Iterator[Batch]:
-    """This process's training batches of an encoded split, decoded and cropped on the host.
-
-    The arguments are `batches.train_batches`' and its options'; `workers=0` decodes
-    in the thread that iterates; `decoder` may also be a `Decoder` of the caller's
-    (importable by the workers). With `skip_corrupt` the batches carry `"replaced"`,
-    1.0 where an example stands in for an unreadable one (`corrupt_images`).
-
-    Returns:
-      A generator of `{"image": uint8 [B / P, S, S, 3], "label": int32 [B / P]}`;
-      close it to stop the workers.
-
-    Raises:
-      ValueError: for the arguments `train_batches` refuses (raised here).
-      CorruptImageError: from `next`, naming the file and the step, unless
-        `skip_corrupt`.
-    """
+    """This process's training batches of an encoded split, decoded on the host; close the
+    generator to stop the workers. The arguments are `train_batches`' and its options';
+    `decoder` may be a `Decoder` the workers can import."""
     where = "encoded_train_batches"
     order = order_lib.batch_order(len(split.records), batch_size, seed, start_step, process, where)
-    slots = TrainSlots(order, start_step, _ENDLESS_STEPS if num_steps is None else num_steps)
-    load = LoadTrainExample(split, seed, skip_corrupt, _check_decoder(decoder, where))
-    batches = _grain_batches(slots, load, order.local_size, _check_workers(workers, where))
+    slots = (_ENDLESS_STEPS if num_steps is None else num_steps) * order.local_size
+    decoder, workers = _checked(decoder, workers, where)
+    load = LoadTrainExample(split, seed, skip_corrupt, decoder)
+    slot = functools.partial(train_slot, order, start_step)
+    batches = _grain_batches(slots, slot, load, order.local_size, workers)
     if skip_corrupt:
         batches = corrupt_images.within_ceiling(
             batches, split, order, start_step, max_corrupt_fraction
@@ -308,25 +244,17 @@ def encoded_eval_batches(
     skip_corrupt: bool = False,
     decoder: str | Decoder = "cpu",
 ) -> Iterator[Batch]:
-    """One pass over an encoded split in centre crops, padded and masked as `eval_batches` is.
-
-    With `skip_corrupt`, an unreadable image is masked out (and logged). `workers`
-    and `decoder` as in `encoded_train_batches`; a small pass is decoded in this
-    process (`eval_workers`).
-    """
+    """One pass over an encoded split in centre crops, padded and masked as `eval_batches` is."""
     where = "encoded_eval_batches"
     order = order_lib.eval_order(len(split.records), batch_size, process, where)
-    load = LoadEvalExample(split, skip_corrupt, _check_decoder(decoder, where))
-    slots = EvalSlots(order)
-    workers = eval_workers(len(slots), _check_workers(workers, where))
-    batches = _grain_batches(slots, load, order.local_size, workers)
+    decoder, workers = _checked(decoder, workers, where)
+    slots, slot = order.num_batches * order.local_size, functools.partial(eval_slot, order)
+    load = LoadEvalExample(split, skip_corrupt, decoder)
+    workers = eval_workers(slots, workers)
+    batches = _grain_batches(slots, slot, load, order.local_size, workers)
     return corrupt_images.counting_left_out(batches, order) if skip_corrupt else batches
 
 
 def eval_workers(examples: int, workers: int) -> int:
-    """The decoding processes worth starting for an evaluation pass of `examples` slots.
-
-    0 (this process) for at most `IN_PROCESS_EVAL_EXAMPLES`: 24 images took
-    0.02-0.1 s in-process, 4.5-5 s with one worker. The batches are the same.
-    """
+    """The decoding processes worth starting for an evaluation pass of `examples` slots."""
     return 0 if examples <= IN_PROCESS_EVAL_EXAMPLES else workers

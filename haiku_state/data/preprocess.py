@@ -1,16 +1,11 @@
 """Host preprocessing of encoded images: decode by content, crop, resize, flip; uint8 out.
 
-Training takes an Inception-style random crop (area 8-100%, aspect 3/4-4/3, as
-torchvision's `RandomResizedCrop` draws it) resized to `image_size`, mirrored
-with probability 1/2; evaluation the centred square of `0.875 x` the short side.
-The crop and flip are drawn from the image's size (its header) with the
-generator the caller seeds by the example's place in the global batch
-(`order.example_seed`), so the host decides them whichever decoder computes the
-pixels. RGB and grey JPEGs go through libjpeg-turbo (`simplejpeg`) at the
-largest DCT scale that keeps the crop `image_size` wide; the rest through PIL
-(same DCT scaling for JPEGs). The box is resized by OpenCV's bilinear
-interpolation (as TensorFlow's `resize_bilinear`), or area-averaged when still
-twice `image_size` or more, so it does not alias.
+Training takes an Inception-style random crop (as torchvision's `RandomResizedCrop`),
+mirrored half the time; evaluation the centred square of `0.875 x` the short side. The
+crop and flip are drawn from the image's header, so the host decides them whichever
+decoder computes the pixels. RGB and grey JPEGs go through libjpeg-turbo at the largest
+DCT scale that keeps the crop `image_size` wide, the rest through PIL. The box is resized
+bilinearly (OpenCV), or area-averaged when twice `image_size` or more, not to alias.
 """
 
 from __future__ import annotations
@@ -37,26 +32,23 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")
 _DCT_SCALES = (8, 4, 2)
 _SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
-# `pixel_statistics`: the training images it reads, spread evenly over the split, and the
-# side of the centre crops it measures (the std of smaller crops is lower: 2-5% at 64).
+# `pixel_statistics`: the training images it reads, and the side of the centre crops it
+# measures (the std of smaller crops is lower: 2-5% at 64).
 STATISTICS_SAMPLE = 1000
 STATISTICS_SIZE = 128
 
 
 class Plan(NamedTuple):
-    """What the host draws for a training example before decoding: the crop `box` (in pixels
-    of the full image) and whether the resized crop is mirrored (`flip`)."""
+    """What the host draws for a training example: the crop `box` (in pixels of the full
+    image) and whether the resized crop is mirrored."""
 
     box: Box
     flip: bool
 
 
 def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
-    """A random box of 8-100% of the area and aspect 3/4-4/3; the centre if 10 draws miss.
-
-    As torchvision's `RandomResizedCrop.get_params`: uniform area fraction, uniform
-    log aspect ratio, a box that does not fit drawn again.
-    """
+    """A random box of 8-100% of the area and aspect 3/4-4/3 (uniform in log), as torchvision's
+    `RandomResizedCrop.get_params`; the centre if 10 draws do not fit."""
     log_aspect = (math.log(ASPECT_RANGE[0]), math.log(ASPECT_RANGE[1]))
     for _ in range(CROP_ATTEMPTS):
         area = width * height * rng.uniform(*AREA_RANGE)
@@ -78,20 +70,18 @@ def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
 
 
 def center_crop_box(width: int, height: int) -> Box:
-    """The centred square of side `EVAL_CROP_FRACTION` times the short side."""
     side = EVAL_CROP_FRACTION * min(width, height)
     left, top = (width - side) / 2, (height - side) / 2
     return (left, top, left + side, top + side)
 
 
 def train_plan(width: int, height: int, rng: np.random.Generator) -> Plan:
-    """The random crop and flip of a training image of this size: two draws, in this order."""
+    """The random crop and flip of a training image: two draws, in this order."""
     box = random_crop_box(width, height, rng)
     return Plan(box, bool(rng.uniform() < 0.5))
 
 
 def encoded_size(data: bytes) -> tuple[int, int]:
-    """`(width, height)` from the header of an encoded image; raises as PIL does."""
     size = _turbo_size(data)
     if size is not None:
         return size
@@ -100,40 +90,27 @@ def encoded_size(data: bytes) -> tuple[int, int]:
 
 
 def decode_crop(data: bytes, crop: CropFn, image_size: int, flip: bool = False) -> np.ndarray:
-    """Decodes an encoded image and resizes the box `crop(width, height)` picks to `image_size`.
-
-    Returns uint8 `[image_size, image_size, 3]`, RGB, mirrored if `flip`; raises
-    whatever PIL raises for bytes it cannot read.
-    """
+    """The box `crop(width, height)` picks, resized to uint8 RGB `[S, S, 3]`, maybe mirrored."""
     pixels, box = _decode(data, crop, image_size)
     return resize_crop(pixels, box, image_size, flip)
 
 
 def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.ndarray:
-    """A random crop of the encoded image, resized to `image_size`, mirrored half the time."""
-    plans = []
-
-    def crop(width: int, height: int) -> Box:
-        plans.append(train_plan(width, height, rng))
-        return plans[0].box
-
-    pixels, box = _decode(data, crop, image_size)
-    return resize_crop(pixels, box, image_size, plans[0].flip)
+    plan = train_plan(*encoded_size(data), rng)
+    return decode_crop(data, lambda width, height: plan.box, image_size, plan.flip)
 
 
 def eval_image(data: bytes, image_size: int) -> np.ndarray:
-    """The centre crop of the encoded image, resized to `image_size`."""
     return decode_crop(data, center_crop_box, image_size)
 
 
 def statistics_sample(num_examples: int, sample: int = STATISTICS_SAMPLE) -> list[int]:
-    """The indices of at most `sample` examples spread evenly over `num_examples`, ascending."""
+    """At most `sample` indices spread evenly over `num_examples`, ascending."""
     return sorted({round(i) for i in np.linspace(0, num_examples - 1, min(sample, num_examples))})
 
 
 def pixel_statistics(images: Iterable[bytes]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The per-channel (RGB) mean and std, in pixel units, of the evaluation crops of `images` at
-    `STATISTICS_SIZE`, leaving out those that do not decode; ValueError if none does."""
+    """The per-channel mean and std of the evaluation crops of `images` that decode."""
     total, total_of_squares, count = np.zeros(3), np.zeros(3), 0
     for data in images:
         try:
@@ -152,7 +129,7 @@ def pixel_statistics(images: Iterable[bytes]) -> tuple[tuple[float, ...], tuple[
 
 
 def resize_crop(pixels: np.ndarray, box: Box, image_size: int, flip: bool) -> np.ndarray:
-    """`box` of `pixels` (uint8 `[H, W, 3]`), rounded to whole pixels, resized, maybe mirrored."""
+    """`box` of `pixels`, rounded to whole pixels, resized, maybe mirrored."""
     height, width = pixels.shape[:2]
     left, right = _pixel_span(box[0], box[2], width)
     top, bottom = _pixel_span(box[1], box[3], height)
@@ -164,13 +141,12 @@ def resize_crop(pixels: np.ndarray, box: Box, image_size: int, flip: bool) -> np
 
 
 def _pixel_span(start: float, end: float, limit: int) -> tuple[int, int]:
-    """`[start, end)` rounded to whole pixels inside `[0, limit)`, at least one pixel wide."""
     first = min(max(round(start), 0), limit - 1)
     return first, min(max(round(end), first + 1), limit)
 
 
 def _turbo_size(data: bytes) -> tuple[int, int] | None:
-    """`(width, height)` of a JPEG that libjpeg-turbo can decode to RGB; None for the rest."""
+    """`(width, height)` of a JPEG libjpeg-turbo decodes to RGB; None for the rest."""
     if data[:3] != _JPEG_MAGIC:
         return None
     try:
@@ -181,13 +157,12 @@ def _turbo_size(data: bytes) -> tuple[int, int] | None:
 
 
 def _dct_scale(box: Box, image_size: int) -> int:
-    """The largest JPEG DCT scale (8, 4, 2 or 1) that keeps `box` at least `image_size` wide."""
+    """The largest JPEG DCT scale that keeps `box` at least `image_size` wide."""
     shortest = min(box[2] - box[0], box[3] - box[1])
     return next((s for s in _DCT_SCALES if shortest / s >= image_size), 1)
 
 
 def _decode(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box]:
-    """The decoded pixels (DCT-scaled for the crop) and `crop`'s box in their pixels."""
     size = _turbo_size(data)
     if size is None:
         return _decode_pil(data, crop, image_size)
@@ -200,7 +175,6 @@ def _decode(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box
 
 
 def _scaled(box: Box, size: tuple[int, int], pixels: np.ndarray) -> Box:
-    """`box`, in pixels of an image of `size`, in pixels of its decoding `pixels`."""
     sx, sy = pixels.shape[1] / size[0], pixels.shape[0] / size[1]
     return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
 
@@ -214,7 +188,6 @@ def _decode_turbo(data: bytes, size: tuple[int, int], box: Box, image_size: int)
 
 
 def _decode_pil(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box]:
-    """The pixels PIL decodes (at a DCT scale for a JPEG) and `crop`'s box in their pixels."""
     with Image.open(io.BytesIO(data)) as image:
         size = image.size
         box = crop(*size)

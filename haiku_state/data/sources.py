@@ -23,8 +23,8 @@ class SourceArgs(NamedTuple):
 
 
 class Source(NamedTuple):
-    """How a dataset is loaded (`SourceArgs -> Dataset`), and whether it is read as encoded
-    images (an `EncodedSplit`, cropped to `image_size`) or held in memory at its own size."""
+    """How a dataset is loaded; `encoded`: read as an `EncodedSplit` cropped to `image_size`,
+    not held in memory at its own size."""
 
     load: Callable[[SourceArgs], Dataset]
     encoded: bool
@@ -72,23 +72,8 @@ def load_dataset(
     seed: int = 0,
 ) -> Dataset:
     """Loads a dataset: small ones into host memory, large ones as an index of encoded images.
-
-    Args:
-      name: one of `DATASETS`.
-      data_dir: for `cifar10`, the `cifar-10-batches-py` folder; for `imagefolder`,
-        the folder holding `train/` and `val/`; for `arrayrecord`, a folder
-        `python -m haiku_state.prepare` wrote.
-      image_size: for `imagefolder` and `arrayrecord` (required), the side of the
-        square crops; the other sources keep their own size (None, or that size).
-      image_shape, num_classes, num_train, num_test, seed: for `synthetic`. The
-        `digits` split is fixed, the same whatever the seed.
-
-    Raises:
-      ValueError: for an unknown `name`, a missing `data_dir` or `image_size`, or an
-        `image_size` a source held in memory does not have.
-      MissingDataError: (a `FileNotFoundError`) for a folder or file that is not there.
-      DataError: for data that cannot be trained on, naming the file or folder.
-    """
+    `image_size` is required for the encoded sources; the others keep their own size. The
+    `image_shape` ... `seed` arguments are `synthetic`'s."""
     if name not in SOURCES:
         raise ValueError(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
     source = SOURCES[name]
@@ -100,17 +85,11 @@ def load_dataset(
     data_dir = os.path.expanduser(data_dir) if data_dir else data_dir  # The shell leaves `=~/`.
     args = SourceArgs(data_dir, image_size, image_shape, num_classes, num_train, num_test, seed)
     dataset = source.load(args)
-    if not source.encoded:
-        _check_native_size(dataset, image_size)
-    return dataset
-
-
-def _check_native_size(dataset: Dataset, image_size: int | None) -> None:
-    """Refuses an `image_size` a source in memory does not have: it is never resized."""
     height, width, _ = dataset.image_shape
-    if image_size is not None and (height, width) != (image_size, image_size):
-        raise ValueError(
+    if not source.encoded and image_size is not None and (height, width) != (image_size,) * 2:
+        raise ValueError(  # A source in memory is never resized.
             f"data.image_size={image_size}, but {dataset.name} images are {height}x{width} and "
             f"are not resized; image_size applies to {' and '.join(ENCODED_DATASETS)} (leave it "
             "unset for this source)."
         )
+    return dataset

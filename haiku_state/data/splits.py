@@ -1,10 +1,5 @@
-"""What a dataset is: splits held in memory or read on demand, and the errors bad input raises.
-
-A `Split` holds its images in host memory; an `EncodedSplit` reads encoded images
-one example at a time (ImageFolder, ArrayRecord), so its size is not bounded by
-memory. Images reach the devices as stored; `Dataset.mean` and `.std` say how
-the network standardises them there.
-"""
+"""What a dataset is: splits held in memory (`Split`) or read on demand (`EncodedSplit`),
+and the errors bad input raises."""
 
 from __future__ import annotations
 
@@ -12,8 +7,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-# A batch of examples: `{"image": [B, ...], "label": [B], ...}`, numpy on the host or
-# device arrays laid out per device.
+# `{"image": [B, ...], "label": [B], ...}`, numpy on the host or laid out per device.
 Batch = dict[str, Any]
 
 
@@ -30,32 +24,25 @@ class CorruptImageError(DataError):
 
 
 class Split(NamedTuple):
-    """One split held in host memory: `images` `[N, H, W, C]` (uint8, or float32 already
-    standardised for synthetic data) and int32 `labels` `[N]` in `[0, num_classes)`."""
+    """`images` `[N, H, W, C]` (uint8, or float32 standardised) and int32 `labels` `[N]`."""
 
     images: np.ndarray
     labels: np.ndarray
 
 
 class Records(Protocol):
-    """Random access to the encoded examples of a split (an ImageFolder index, ArrayRecord shards).
-
-    Picklable: the decoding workers receive a copy. They may also offer `digest()`
-    and `content_digest()` (`guards.data_identity`).
-    """
+    """The encoded examples of a split by index; picklable (the workers get a copy). May also
+    offer `digest()` and `content_digest()` (`guards.data_identity`)."""
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, index: int) -> tuple[bytes, int]:
-        """The encoded image (JPEG, PNG, ...) and the label of example `index`."""
+    def __getitem__(self, index: int) -> tuple[bytes, int]: ...  # Encoded image, label.
 
-    def describe(self, index: int) -> str:
-        """Where example `index` comes from (a file path, a record of a shard), for errors."""
+    def describe(self, index: int) -> str: ...  # Where the example comes from, for errors.
 
 
 class EncodedSplit(NamedTuple):
-    """One split of encoded images: the `records`, the side of the square crops the pipeline
-    makes (`image_size`), and `num_classes` (a label outside `[0, num_classes)` is refused)."""
+    """Encoded images, cropped to squares of `image_size`; labels outside `num_classes` refused."""
 
     records: Records
     image_size: int
@@ -66,16 +53,9 @@ AnySplit = Split | EncodedSplit
 
 
 class Dataset(NamedTuple):
-    """A train and a test split, with what a model needs to know about them.
-
-    Attributes:
-      image_shape: `(H, W, C)` of every image the devices see.
-      name: the source (`digits`, `imagefolder`, ...).
-      mean: per-channel (or scalar) mean the network subtracts on the device, in the
-        units of the stored pixels; None (with `std`) for images stored standardised.
-      short_side: the short side `prepare --short_side` re-encoded the images to.
-      class_names: each label's class name, where the source names them.
-    """
+    """A train and a test split, with what a model needs to know about them. `mean` and `std`
+    standardise the stored pixels on the device (None: stored standardised); `short_side`:
+    that of `prepare --short_side`."""
 
     train: AnySplit
     test: AnySplit
@@ -89,20 +69,15 @@ class Dataset(NamedTuple):
 
     @property
     def image_dtype(self) -> np.dtype:
-        """The dtype of the images in a batch: uint8, or float32 when stored standardised."""
         return np.dtype(np.float32 if self.mean is None else np.uint8)
 
 
 def num_examples(split: AnySplit) -> int:
-    """The number of examples of either kind of split."""
-    if isinstance(split, EncodedSplit):
-        return len(split.records)
-    return len(split.labels)
+    return len(split.records) if isinstance(split, EncodedSplit) else len(split.labels)
 
 
 def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
-    """Refuses labels outside `[0, num_classes)`, naming `where`: one-hot encoding would map
-    one to a zero row, and the run would train on without learning those examples."""
+    """Refuses labels outside `[0, num_classes)`: one-hot would make them zero rows, unlearnt."""
     labels = np.asarray(labels)
     bad = (labels < 0) | (labels >= num_classes)
     if np.any(bad):

@@ -1,12 +1,8 @@
 """Unreadable images of an encoded split: stop naming the file, or skip them within a ceiling.
 
-Without `config.data.skip_corrupt`, the first image that cannot be read or decoded
-stops the run with a `CorruptImageError` naming the file and the step. With it, a
-training image is replaced by the next readable example of the split (the same
-one whichever worker reads it), at most `MAX_REPLACEMENTS` in a row, and the run
-stops once more of an epoch than `max_corrupt_fraction` was replaced
-(`within_ceiling`); an evaluation image is masked out and the pass says how many
-(`counting_left_out`). A worker logs its first few, then one in `LOG_EVERY`.
+Without `config.data.skip_corrupt` the first one stops the run (`CorruptImageError`). With
+it, a training image is replaced by the next readable example, and the run stops once more
+of an epoch than `max_corrupt_fraction` was replaced; an evaluation image is masked out.
 """
 
 from __future__ import annotations
@@ -38,13 +34,8 @@ def skip_or_raise(
     step: int | None = None,
     attempt: int = 0,
 ) -> None:
-    """Logs the `count`-th unreadable image a worker skips: replaced at training `step`, left
-    out of an evaluation (`step` None); one line for the first few, then one in `LOG_EVERY`.
-
-    Raises:
-      CorruptImageError: without `skip_corrupt` (`count` None), or after
-        `MAX_REPLACEMENTS` attempts, naming the file, the example and the step.
-    """
+    """Logs the `count`-th unreadable image a worker skips, replaced at training `step` or left
+    out of an evaluation (`step` None); raises without `skip_corrupt` (`count` None)."""
     if count is None or attempt == MAX_REPLACEMENTS:
         when = "in evaluation" if step is None else f"for step {step + 1}"
         raise CorruptImageError(
@@ -53,37 +44,21 @@ def skip_or_raise(
             f"{_ADVICE[step is None]}."
         ) from None
     if count <= LOGGED_IN_FULL or count % LOG_EVERY == 0:
-        what, done = (
-            ("Evaluation leaves out", "left out")
-            if step is None
-            else (f"Step {step + 1}: replacing", "replaced")
-        )
-        logging.warning(
-            "%s unreadable %s (%s); %d %s by this worker%s.",
-            what,
-            split.records.describe(index),
-            error,
-            count,
-            done,
-            _LOG_NOTE,
-        )
+        what = "Evaluation leaves out" if step is None else f"Step {step + 1}: replacing"
+        done = "left out" if step is None else "replaced"
+        message = f"{what} unreadable {split.records.describe(index)} ({error}); {count} {done}"
+        logging.warning("%s by this worker%s.", message, _LOG_NOTE)
 
 
 def within_ceiling(
     batches: Iterator[Batch],
     split: EncodedSplit,
-    order: order_lib.BatchOrder,
+    order: order_lib.Order,
     start_step: int,
     max_fraction: float,
 ) -> Iterator[Batch]:
-    """`batches`, stopped once an epoch's `"replaced"` examples pass `max_fraction` of it.
-
-    Counts this process's slice of each epoch; one unreadable image per epoch is
-    always tolerated.
-
-    Raises:
-      CorruptImageError: naming how many of how many were unreadable, with examples.
-    """
+    """`batches`, stopped once this process's `"replaced"` examples pass `max_fraction` of its
+    slice of an epoch (one is always tolerated)."""
     per_epoch = order_lib.steps_per_epoch(order.num_examples, order.batch_size)
     epoch_examples = per_epoch * order.local_size
     allowed = max(1, int(max_fraction * epoch_examples))
@@ -113,7 +88,7 @@ def within_ceiling(
         batches.close()  # Stops the workers now, however the iterator ends.
 
 
-def counting_left_out(batches: Iterator[Batch], order: order_lib.EvalOrder) -> Iterator[Batch]:
+def counting_left_out(batches: Iterator[Batch], order: order_lib.Order) -> Iterator[Batch]:
     """`batches`, and a line after the pass if it left unreadable images out."""
     left_out = examples = 0
     try:

@@ -1,17 +1,10 @@
 """What identifies the data a run reads, so that a resume on other data is refused.
 
-A run's record (`config.json`, every checkpoint's metadata) holds `identity(dataset)`:
-split sizes, class count and names, the mean and std the network standardises
-with, and two digests per split. `<split>_digest` covers what decides the order
-of the examples (an ImageFolder's file index, the shards' names, counts and
-sizes, or the pixels of a split in memory); `<split>_content` covers an encoded
-split's content (every file's size and modification time, `stat_digest`; the
-shards' SHA-256s, checked against the files when loaded, `verify_shards`).
-`identity_changes` names what changed; nothing depends on where the data lies.
-
-A value of None is not known (no content digest for a split in memory, no SHA-256
-from an older `prepare`): a key None in either record, or missing from an older
-one, is not compared, and `unchecked_keys` names it.
+A run's record holds `identity(dataset)`: sizes, classes, statistics, and per split a
+digest of what decides the examples (`<split>_digest`: a file index, the shards, the
+pixels) and one of an encoded split's content (`<split>_content`: file sizes and times,
+the shards' SHA-256s). A key None in either record (not known) or missing from an older
+one is not compared (`unchecked_keys`).
 """
 
 from __future__ import annotations
@@ -38,8 +31,7 @@ from haiku_state.data.splits import (
 
 # Keys compared only when both records know them (`unchecked_keys`).
 _MAY_BE_UNKNOWN = ("train_content", "test_content")
-# `stat_digest` stats the files in blocks of this many, this many blocks at once: a
-# network filesystem answers many requests at once faster than one after the other.
+# `stat_digest` stats blocks of files in parallel: a network filesystem answers faster.
 STAT_BLOCK = 4096
 STAT_THREADS = 16
 # In this host's cache of an ArrayRecord folder: the shards read and found to match.
@@ -47,7 +39,9 @@ VERIFIED_FILE = "verified.json"
 
 
 def _records_digest(split: AnySplit, name: str) -> str | None:
-    digest = getattr(split.records, name, None)
+    """The records' `digest()` or `content_digest()`; None for a split in memory or records
+    that offer none (`split_digest` covers the pixels of a split in memory)."""
+    digest = getattr(split.records, name, None) if isinstance(split, EncodedSplit) else None
     return digest() if digest is not None else None
 
 
@@ -63,15 +57,7 @@ def split_digest(split: AnySplit) -> str | None:
     return hasher.hexdigest()
 
 
-def content_digest(split: AnySplit) -> str | None:
-    """A digest of the content of an encoded split's examples; None where not known."""
-    if not isinstance(split, EncodedSplit):
-        return None  # `split_digest` covers the pixels.
-    return _records_digest(split, "content_digest")
-
-
 def identity(dataset: Dataset) -> dict[str, Any]:
-    """The record of `dataset` as read: sizes, class names, statistics, digests."""
     return {
         "train_examples": num_examples(dataset.train),
         "test_examples": num_examples(dataset.test),
@@ -82,8 +68,8 @@ def identity(dataset: Dataset) -> dict[str, Any]:
         "std": _floats(dataset.std),
         "train_digest": split_digest(dataset.train),
         "test_digest": split_digest(dataset.test),
-        "train_content": content_digest(dataset.train),
-        "test_content": content_digest(dataset.test),
+        "train_content": _records_digest(dataset.train, "content_digest"),
+        "test_content": _records_digest(dataset.test, "content_digest"),
     }
 
 
@@ -92,8 +78,8 @@ def _floats(values: Any) -> list[float] | None:
 
 
 def unchecked_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """The keys `identity_changes` cannot compare: missing from an older record (where
-    `current` knows them), or a content digest only one of the two knows."""
+    """The keys `identity_changes` cannot compare: missing from an older record, or a content
+    digest only one of the two knows."""
     return sorted(
         key
         for key, value in current.items()
@@ -107,11 +93,7 @@ def unchecked_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> l
 
 
 def identity_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """How `current` differs from `recorded`, one line per difference, e.g.
-    `dataset.classes: class 3 was 'n01440764', now 'n01443537'`.
-
-    Only the keys both records hold and know are compared (`unchecked_keys`).
-    """
+    """How `current` differs from `recorded`, one line per difference."""
     changes = []
     for key in sorted(set(recorded) & set(current)):
         old, new = recorded[key], current[key]
@@ -138,7 +120,6 @@ def identity_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) ->
 
 
 def _class_change(old: list[str], new: list[str]) -> str:
-    """The first class whose name (and so whose label) differs."""
     for label, (was, now) in enumerate(zip(old, new, strict=False)):
         if was != now:
             return f"dataset.classes: class {label} was {was!r}, now {now!r}"
@@ -146,14 +127,8 @@ def _class_change(old: list[str], new: list[str]) -> str:
 
 
 def stat_digest(path: Callable[[int], str], count: int) -> str:
-    """A digest of the size and modification time of files `path(0..count-1)`, in order.
-
-    An image overwritten under its name (or touched) changes it; no pixel is read:
-    one `stat` per file, `STAT_THREADS` at a time.
-
-    Raises:
-      MissingDataError: naming a file that is gone.
-    """
+    """A digest of the size and modification time of files `path(0..count-1)`, in order: an
+    image overwritten (or touched) changes it, and no pixel is read."""
 
     def sizes_and_times(indices: range) -> np.ndarray:
         stats = np.empty((len(indices), 2), np.int64)
@@ -175,7 +150,7 @@ def stat_digest(path: Callable[[int], str], count: int) -> str:
 
 
 def file_sha256(path: str) -> str:
-    """The SHA-256 of a file's bytes, in hex (about 0.7 GB/s on one core)."""
+    """The SHA-256 of a file's bytes, in hex (about 0.7 GB/s)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -183,23 +158,21 @@ def file_sha256(path: str) -> str:
 def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: str) -> None:
     """Refuses a shard whose content is not the one `dataset_file` records for it.
 
-    A shard with the recorded size and modification time costs a `stat`; another
-    (a copy) is read once and, if its SHA-256 matches, remembered in this host's
-    cache (`host_cache`). Shards without a recorded SHA-256 (an older `prepare`)
-    are named in a warning: they are checked by name, count and size only.
-
-    Raises:
-      DataError: naming the first shard whose size or SHA-256 differs.
+    A shard with the recorded size and time costs a `stat`; another (a copy) is read once
+    and, if its SHA-256 matches, remembered in this host's cache (`host_cache`).
     """
     cache = os.path.join(
         host_cache.cache_dir("arrayrecord", os.path.realpath(data_dir)), VERIFIED_FILE
     )
-    verified = _read_verified(cache)
+    try:
+        with open(cache) as f:
+            verified = json.load(f)
+    except (OSError, ValueError):
+        verified = {}
+    verified = verified if isinstance(verified, dict) else {}
     unrecorded = [entry["file"] for entry in entries if "sha256" not in entry]
     newly_verified = {}
-    for entry in entries:
-        if "sha256" not in entry:
-            continue
+    for entry in [entry for entry in entries if "sha256" in entry]:
         path = os.path.join(data_dir, entry["file"])
         stat = os.stat(path)
         seen = [stat.st_size, stat.st_mtime_ns]
@@ -236,17 +209,7 @@ def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: st
         )
 
 
-def _read_verified(path: str) -> dict[str, list]:
-    try:
-        with open(path) as f:
-            verified = json.load(f)
-        return verified if isinstance(verified, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def _record_verified(path: str, verified: dict[str, list]) -> None:
-    """Writes the cache of verified shards whole (a temporary file renamed), if it can."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temporary = f"{path}.{os.getpid()}.tmp"
