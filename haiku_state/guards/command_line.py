@@ -44,7 +44,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         config = config_lib.load_config_file(config_path)
     except Exception as e:  # Whatever the file does wrong, say where, in one line.
         sys.exit(f"--config={config_arg} cannot be loaded: {type(e).__name__}: {e}")
-    keys = config_lib.config_keys(config)
+    keys = config_lib.flatten(config)
     for override in _config_overrides(argv):
         if override not in keys:
             sys.exit(f"--config.{override}: {config_checks.unknown_key_error(override, config)}")

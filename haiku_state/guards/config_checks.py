@@ -26,7 +26,7 @@ from haiku_state.config import Key, value_of
 def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
     """Raises one ValueError naming every missing or unknown key and bad value, or else every
     broken rule, of a config to run on `num_devices` (of the whole run) in `num_processes`."""
-    values = {key: value_of(config, key) for key in config_lib.config_keys(config)}
+    values = config_lib.flatten(config)
     keys = _check_keys(values)  # Without the schema's keys no other check can read the config.
     problems = _problems(functools.partial(check_value, key, values[key.name]) for key in keys)
     if not problems:  # A rule reads values of the right type and range.
@@ -113,7 +113,7 @@ def unknown_key_error(name: str, config: Any) -> str:
             f"config.{name} is an option of the {takers} model, not of {model!r}, whose "
             f"options are {own}."
         )
-    hint = _did_you_mean(name, config_lib.config_keys(config))
+    hint = _did_you_mean(name, list(config_lib.flatten(config)))
     if not hint and name.startswith("model."):
         hint = f" (the {model!r} model's options are {own})"
     return f"Unknown config key {name!r}{hint}; --helpconfig lists every key and what it sets."

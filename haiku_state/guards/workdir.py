@@ -154,17 +154,6 @@ def _read_holder(path: str) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}"
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config as a flat dict of dotted keys: `{"optimizer.name": "sgd", ...}`."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _as_json(config: Any) -> dict[str, Any]:
     """The config as JSON would give it back (tuples become lists)."""
     return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config))
@@ -176,7 +165,7 @@ def trajectory_changes(
     """`key: old -> new` for each key whose change alters what a resumed run computes: all but
     `config.free_keys` and `also_free`. A key in only one of the two (added or removed by
     this version of the code) says nothing of the run's value: not compared."""
-    old, new = flatten(recorded), flatten(_as_json(config))
+    old, new = config_lib.flatten(recorded), config_lib.flatten(_as_json(config))
     return _changes(old, new, config_lib.free_keys(old, new) | set(also_free))
 
 
@@ -297,8 +286,8 @@ def _changes_since(
     """What changes the run between the record `previous` and `config` with `data`. The same
     data (by `data_identity`, both splits' digests known) at another `data.dir` resumes."""
     recorded_data = previous.get("data") or {}
-    old_dir = flatten(previous["config"]).get("data.dir")
-    new_dir = flatten(_as_json(config)).get("data.dir")
+    old_dir = config_lib.flatten(previous["config"]).get("data.dir")
+    new_dir = config_lib.flatten(_as_json(config)).get("data.dir")
     moved = (
         old_dir != new_dir
         and not data_identity.identity_changes(recorded_data, data)
@@ -345,7 +334,7 @@ def with_recorded(
     """`config` with the recorded values of every key of both but `keep`, and the keys that
     differed, but the `unreported` ones (a default the run fitted to its data)."""
     config = config.copy_and_resolve_references()
-    old, new = flatten(recorded), flatten(_as_json(config))
+    old, new = config_lib.flatten(recorded), config_lib.flatten(_as_json(config))
     changed = _changes(new, old, frozenset(keep) | frozenset(unreported))
     for key in sorted(set(old) & set(new) - set(keep)):
         if old[key] != new[key]:
@@ -377,7 +366,7 @@ def check_same_config_on_every_process(config: Any) -> None:
         return
     flat = {
         key: value
-        for key, value in sorted(flatten(config.to_dict()).items())
+        for key, value in sorted(config_lib.flatten(config.to_dict()).items())
         if key not in PER_HOST_KEYS
     }
     digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
