@@ -185,6 +185,7 @@ SCHEMA = (
         help="the decay of BatchNorm's moving statistics"),
 )  # fmt: skip
 
+KEYS = {key.name: key for key in SCHEMA}  # The schema's entry of each dotted key.
 # Schedules that do not depend on the run's length: with one, `steps` may change on resume.
 STEP_INDEPENDENT_SCHEDULES = ("constant",)
 # Keys that, left at their defaults, follow the data and the run's length (`fit_to_data`).
@@ -211,14 +212,6 @@ IGNORED_WHEN = (
 )  # fmt: skip
 
 
-def schema_key(name: str) -> Key:
-    """The schema's entry of the dotted key `name`."""
-    for key in SCHEMA:
-        if key.name == name:
-            return key
-    raise KeyError(f"{name!r} is not a config key.")
-
-
 def keys_of(model: str | None) -> tuple[Key, ...]:
     """The keys of a config of the network `model`: those of every config, and its own."""
     return tuple(key for key in SCHEMA if not key.for_models or model in key.for_models)
@@ -233,7 +226,7 @@ def value_of(config: Any, dotted_key: str) -> Any:
 
 def at_default(config: Any, name: str) -> bool:
     """Whether the dotted key `name` of `config` holds its schema default."""
-    return value_of(config, name) == schema_key(name).default
+    return value_of(config, name) == KEYS[name].default
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

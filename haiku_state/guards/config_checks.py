@@ -65,7 +65,7 @@ def ignored_settings(config: Any) -> list[str]:
         for name in names:
             value = value_of(config, name)
             value = tuple(value) if isinstance(value, list) else value
-            default = config_lib.schema_key(name).default
+            default = config_lib.KEYS[name].default
             if ignored(lambda key: value_of(config, key)) and value != default:
                 lines.append(f"config.{name}={value!r} is ignored: {why}.")
     return lines
@@ -80,7 +80,7 @@ def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
             "(haiku_state.config.default_config()), which has every key."
         )
     model = values["model.name"]
-    check_value(config_lib.schema_key("model.name"), model)
+    check_value(config_lib.KEYS["model.name"], model)
     keys = config_lib.keys_of(model)
     missing = [key.name for key in keys if key.name not in values]
     if missing:
@@ -107,7 +107,7 @@ def unknown_key_error(name: str, config: Any) -> str:
     option, the models that take it, or the config's model's own): one line."""
     model = config.get("model", {}).get("name")
     own = ", ".join(key.name for key in config_lib.keys_of(model) if key.for_models)
-    entry = next((key for key in config_lib.SCHEMA if key.name == name), None)
+    entry = config_lib.KEYS.get(name)
     if entry is not None and entry.for_models and model not in entry.for_models:
         takers = " and ".join(entry.for_models)
         return (
@@ -133,13 +133,6 @@ def _did_you_mean(name: str, keys: list[str]) -> str:
     return ""
 
 
-def _is_a(value: Any, type_: type) -> bool:
-    if type_ in (int, float):  # A bool is no number here; an int is a float.
-        kind = numbers.Integral if type_ is int else numbers.Real
-        return isinstance(value, kind) and not isinstance(value, bool)
-    return isinstance(value, (tuple, list) if type_ is tuple else type_)
-
-
 def check_value(key: Key, value: Any) -> None:
     """Refuses a value of the wrong type, not finite, not among the choices or out of range."""
     if value is None and key.allow_none:
@@ -147,7 +140,11 @@ def check_value(key: Key, value: Any) -> None:
     if key.choices is not None and value not in key.choices:
         raise ValueError(f"Unknown config.{key.name} {value!r}; expected one of {key.choices}.")
     wrong = f"config.{key.name}={value!r} must be {key.requirement()} ({key.help})."
-    if not _is_a(value, key.type):
+    if key.type in (int, float):  # A bool is no number here; an int is a float.
+        kind = numbers.Integral if key.type is int else numbers.Real
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(wrong)
+    elif not isinstance(value, (tuple, list) if key.type is tuple else key.type):
         raise ValueError(wrong)
     values = value if isinstance(value, (tuple, list)) else (value,)
     if any(isinstance(v, float) and not math.isfinite(v) for v in values):

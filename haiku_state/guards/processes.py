@@ -156,9 +156,7 @@ def exit_if_lost(error: Exception) -> None:
 
 def any_process(flag: bool) -> bool:
     """Whether `flag` is true on any process; a collective in a multi-process run."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+    return bool(max_over_processes(flag))
 
 
 def max_over_processes(value: int) -> int:

@@ -18,11 +18,7 @@ class Stopped(Exception):
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or signal.SIGTERM)
+        self.exit_code = 128 + (signum or signal.SIGTERM)
 
 
 class StopRequest:

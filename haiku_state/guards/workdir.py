@@ -7,10 +7,9 @@
       metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
       profile/          jax.profiler traces (config.profile_steps)
 
-One training run at a time (evaluation beside it takes no lock). A resume whose
-config or data would change the trajectory (a key `config.SCHEMA` does not mark
-`free`) is refused unless allowed. Only a run with a checkpoint is bound by the
-record, else by its latest checkpoint's metadata; a refused run writes nothing.
+One training run at a time (evaluation beside it takes no lock). A resume whose config
+or data would change the trajectory (keys `config.SCHEMA` does not mark `free`) is
+refused unless allowed; a refused run writes nothing.
 """
 
 from __future__ import annotations
@@ -72,10 +71,6 @@ def check_usable(workdir: str) -> None:
                     f"--workdir={workdir}: {folder} is not writable ({e.strerror}); a run could "
                     "not save its checkpoints there. Make it writable or choose another --workdir."
                 ) from None
-    _check_path_lengths(workdir, existing)
-
-
-def _check_path_lengths(workdir: str, existing: str) -> None:
     path = os.path.abspath(workdir)
     path_max = os.pathconf(existing, "PC_PATH_MAX")
     name_max = os.pathconf(existing, "PC_NAME_MAX")
@@ -162,9 +157,8 @@ def _as_json(config: Any) -> dict[str, Any]:
 def trajectory_changes(
     recorded: Mapping[str, Any], config: Any, also_free: Collection[str] = ()
 ) -> list[str]:
-    """`key: old -> new` for each key whose change alters what a resumed run computes: all but
-    `config.free_keys` and `also_free`. A key in only one of the two (added or removed by
-    this version of the code) says nothing of the run's value: not compared."""
+    """`key: old -> new` for each key of both whose change alters what a resumed run computes
+    (all but `config.free_keys` and `also_free`)."""
     old, new = config_lib.flatten(recorded), config_lib.flatten(_as_json(config))
     return _changes(old, new, config_lib.free_keys(old, new) | set(also_free))
 
@@ -208,8 +202,7 @@ class ConfigRecord:
 
 
 def read_record(workdir: str) -> tuple[dict[str, Any] | None, str]:
-    """`config.json` of `workdir` and "", or None and why not ("" if there is none).
-    Writes nothing: an evaluator beside a training run reads it too."""
+    """`config.json` of `workdir` and "", or None and why not ("" if there is none)."""
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
         return None, ""
