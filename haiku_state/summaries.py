@@ -1,8 +1,7 @@
 """Where metrics go: `metrics.jsonl`, TensorBoard event files, a progress line, curves.png.
 
-A training run and an evaluator beside it may both write `metrics.jsonl`: each record is
-appended, and a resumed run rewrites the file, under a lock on `metrics.jsonl.lock`, so
-every writer's records land in the current file, whole.
+A training run and an evaluator beside it both write `metrics.jsonl`, under a lock on
+`metrics.jsonl.lock`, so every writer's records land in the current file, whole.
 """
 
 from __future__ import annotations
@@ -61,13 +60,9 @@ def format_progress(
 
 
 class MetricWriter:
-    """Writes each event to `metrics.jsonl` and TensorBoard, and reports progress: training on
-    one line updated in place on a terminal (else logged), evaluation on a line of its own.
-
-    Only process 0 is `enabled`. The records past a resumed run's `resume_step` are
-    superseded and purged from TensorBoard: it logs them again. `tensorboard_run`: the
-    TensorBoard subdirectory ("eval" for an evaluator).
-    """
+    """Writes each event to `metrics.jsonl` and TensorBoard, and reports progress (training's
+    on one line updated in place on a terminal). Only process 0 is `enabled`; the records past
+    a resumed run's `resume_step` are superseded and purged from TensorBoard."""
 
     def __init__(
         self,

@@ -10,11 +10,8 @@ from haiku_state.guards.processes import any_process, max_over_processes
 
 
 class Stopped(Exception):
-    """A signal stopped a run or an evaluation before its end, after it saved what it had.
-
-    Its message says where it stopped and what was saved. `exit_code` is 128 + the signal's
-    number, as a shell reports it, so a scheduler's restart policy runs it again.
-    """
+    """A signal stopped a run or an evaluation after it saved what it had, as its message says.
+    `exit_code`: 128 + the signal's number, as a shell says it, so a scheduler runs it again."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -24,10 +21,9 @@ class Stopped(Exception):
 class StopRequest:
     """Turns SIGTERM/SIGINT into a decision the loop reads between steps.
 
-    Installed for the whole life of a run, so a signal at any moment ends in a saved step
-    and a `Stopped` error; further signals are only recorded. A signal may reach only some
-    processes, but all must stop at the same step (the save is collective): they agree every
-    `agree_every` steps on whether any was signalled.
+    Installed for the whole life of a run; further signals are only recorded. A signal may
+    reach only some processes, but all must stop at the same step (the save is collective):
+    they agree every `agree_every` steps on whether any was signalled.
     """
 
     def __init__(self, agree_every: int = 1):

@@ -7,9 +7,8 @@
       metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
       profile/          jax.profiler traces (config.profile_steps)
 
-One training run at a time (evaluation beside it takes no lock). A resume whose config
-or data would change the trajectory (keys `config.SCHEMA` does not mark `free`) is
-refused unless allowed; a refused run writes nothing.
+One training run at a time (evaluation beside it takes no lock). A resume that would
+change the trajectory is refused unless allowed; a refused run writes nothing.
 """
 
 from __future__ import annotations
@@ -103,9 +102,8 @@ def _refuse_broken_link(workdir: str, link: str) -> None:
 
 @contextlib.contextmanager
 def exclusive_lock(workdir: str) -> Iterator[None]:
-    """Holds `WORKDIR/lock` for a training run: an `flock`, which the kernel releases when
-    the holder dies (a killed run's lock is taken over with a warning); the file names the
-    holder's host and pid for the error a second run gets."""
+    """Holds `WORKDIR/lock` (an `flock`, released by the kernel when the holder dies) for a
+    training run; the file names the holder for the error a second run gets."""
     path = os.path.join(workdir, LOCK_FILE)
     try:
         os.makedirs(workdir, exist_ok=True)
@@ -379,16 +377,17 @@ def check_same_config_on_every_process(config: Any) -> None:
     )
 
 
-def on_process_0(what: str, fn: Callable[[], Any]) -> None:
-    """Runs `fn` on process 0; if it raises, every process raises (none goes on alone)."""
-    error = None
+def on_process_0(what: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` on process 0 (None on the others); if it raises, every process raises."""
+    result = error = None
     if jax.process_index() == 0:
         try:
-            fn()
+            result = fn()
         except WorkdirError as e:
             error = e
     if processes.any_process(error is not None):
         raise error or WorkdirError(f"{what} failed on process 0; see its log.")
+    return result
 
 
 @contextlib.contextmanager
@@ -401,11 +400,7 @@ def owning(workdir: str) -> Iterator[None]:
 
 def check_config_on_process_0(workdir: str, config: Any, **kwargs: Any) -> ConfigRecord | None:
     """`check_config` on process 0 (None on the others); a refusal raises on every process."""
-    record = []
-    on_process_0(
-        "Checking the config", lambda: record.append(check_config(workdir, config, **kwargs))
-    )
-    return record[0] if record else None
+    return on_process_0("Checking the config", lambda: check_config(workdir, config, **kwargs))
 
 
 def write_record_on_process_0(record: ConfigRecord | None) -> None:
