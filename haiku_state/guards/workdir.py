@@ -51,15 +51,14 @@ CHECKPOINT_PATH_ROOM = 200
 def check_usable(workdir: str) -> None:
     """Refuses, before anything is written, a workdir under a file or a broken symlink, one
     (or its `checkpoints`) not writable, or a path past the filesystem's PATH_MAX or NAME_MAX."""
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise WorkdirError(f"--workdir={workdir} is a file, not a directory.")
     existing = workdir
     while not os.path.exists(existing):
         if os.path.islink(existing):  # A link that leads nowhere: `exists` follows it.
             _refuse_broken_link(workdir, existing)
         existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
-        raise WorkdirError(f"--workdir={workdir}: {existing} is a file, not a directory.")
+        where = "" if existing == workdir else f": {existing}"
+        raise WorkdirError(f"--workdir={workdir}{where} is a file, not a directory.")
     for folder in (existing, os.path.join(workdir, "checkpoints")):
         if os.path.isdir(folder):
             try:
@@ -277,11 +276,13 @@ def _changes_since(
     """What changes the run between the record `previous` and `config` with `data`. The same
     data (by `data_identity`, both splits' digests known) at another `data.dir` resumes."""
     recorded_data = previous.get("data") or {}
+    # The batch order depends on the data as read: compared like trajectory keys.
+    data_changes = data_identity.identity_changes(recorded_data, data)
     old_dir = config_lib.flatten(previous["config"]).get("data.dir")
     new_dir = config_lib.flatten(_as_json(config)).get("data.dir")
     moved = (
         old_dir != new_dir
-        and not data_identity.identity_changes(recorded_data, data)
+        and not data_changes
         and all(
             recorded_data.get(key) and recorded_data[key] == data.get(key)
             for key in ("train_digest", "test_digest")
@@ -296,8 +297,7 @@ def _changes_since(
             source,
         )
     changes = trajectory_changes(previous["config"], config, ("data.dir",) if moved else ())
-    # The batch order depends on the data as read: compared like trajectory keys.
-    changes += data_identity.identity_changes(recorded_data, data)
+    changes += data_changes
     unchecked = data_identity.unchecked_keys(recorded_data, data)
     if unchecked:
         logging.warning(
