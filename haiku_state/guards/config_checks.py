@@ -154,14 +154,12 @@ def check_value(key: Key, value: Any) -> None:
 
 
 def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> None:
-    devices = f"{num_devices} local devices"
-    if num_processes != 1:
-        devices = f"{num_devices} devices of the {num_processes} processes"
+    devices = "local devices" if num_processes == 1 else f"devices of the {num_processes} processes"
     for key in ("batch_size", "eval_batch_size"):
         if config[key] % num_devices:
             raise ValueError(
-                f"config.{key}={config[key]} is not divisible by the {devices}; use a "
-                f"multiple of {num_devices}."
+                f"config.{key}={config[key]} is not divisible by the {num_devices} {devices}; "
+                f"use a multiple of {num_devices}."
             )
 
 
