@@ -1,8 +1,6 @@
 """JAX's persistent compilation cache: a repeated or resumed run loads its programs, not compiles.
 
-Entries are keyed by the program, the devices, the compile options and the JAX
-version, so only a run that would compile the very same program loads one. Only
-process 0 writes them; every process reads. A directory this process cannot use
+Process 0 writes entries, every process reads them. A directory this process cannot use
 turns the cache off with one warning that says why; the run goes on, compiling.
 """
 
@@ -27,11 +25,8 @@ def default_directory() -> str:
 
 
 def enable(directory: str) -> None:
-    """Makes every later compile of this process use the cache in `directory` ("": off).
-
-    Every program is cached, however short its compile (JAX's default keeps only
-    those over a second: most CPU programs) or small. Idempotent.
-    """
+    """Makes every later compile of this process use the cache in `directory` ("": off),
+    caching every program however short its compile or small. Idempotent."""
     path = os.path.abspath(os.path.expanduser(directory)) if directory else None
     problem = path and _why_unusable(path)
     if problem:
@@ -53,8 +48,7 @@ def enable(directory: str) -> None:
 
 
 def _why_unusable(path: str) -> str | None:
-    """Why this process cannot use the cache directory `path` (created if missing), or None:
-    process 0 must be able to create a file there, the others to read it."""
+    """Why this process cannot use `path` (made if missing; process 0 writes there), or None."""
     try:
         os.makedirs(path, exist_ok=True)
         if jax.process_index() == 0:

@@ -1,16 +1,9 @@
 """Experiment configs: the schema of every key, its defaults, loading `get_config()` files.
 
-`SCHEMA` is the one description of the config: one `Key` per dotted key, with its
-default, type, allowed values, whether a resumed run may change it, and a line of
-help. `default_config()`, the checks (`guards.config_checks`), the keys a resume
-may change (`free_keys`) and `--helpconfig` (`describe_keys`) derive from it:
-adding a key is one entry. Model options (`model.*` beside `model.name`) name the
-models that take them (`Key.for_models`). The keys of `FOLLOW_THE_DATA`, left at
-their defaults, are fitted to the training split (`fit_to_data`).
-
-An experiment is a Python file defining `get_config() -> ml_collections.ConfigDict`
-(`experiments/*.py`; names starting with `_` are shared helpers). Its directory is
-importable while it loads, so it may import its siblings.
+`SCHEMA` holds one `Key` per dotted key; the defaults, the checks
+(`guards.config_checks`), the keys a resume may change and `--helpconfig` derive
+from it, so adding a key is one entry. An experiment is a Python file defining
+`get_config()` (`experiments/*.py`; `_*.py` are shared helpers it may import).
 """
 
 from __future__ import annotations
@@ -63,15 +56,10 @@ _TYPE_NAMES[tuple] = "a tuple"
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """One config key.
-
-    `default` None without `allow_none`: every experiment sets it. `type` is int,
-    float (an int is taken too), str, bool or tuple (a list is taken too). `help`
-    says what it sets; errors about the key repeat it. `free`: a change alters only
-    how the run is observed or stored, so it may change on resume. `choices` or
-    `bounds` restrict its values; `for_models` names the `model.name`s taking a
-    model option (() for a key of every config).
-    """
+    """One config key. `default` None without `allow_none`: every experiment sets it. A float
+    takes an int, a tuple a list. `help` is repeated by errors. `free`: it changes only how the
+    run is observed or stored, so it may change on resume. `for_models`: the `model.name`s
+    taking a model option (() for a key of every config)."""
 
     name: str
     default: Any
@@ -197,14 +185,14 @@ SCHEMA = (
         help="the decay of BatchNorm's moving statistics"),
 )  # fmt: skip
 
-# Schedules whose value at a step does not depend on the run's length: with one of
-# them `steps` may change on resume too.
+KEYS = {key.name: key for key in SCHEMA}  # The schema's entry of each dotted key.
+# Schedules that do not depend on the run's length: with one, `steps` may change on resume.
 STEP_INDEPENDENT_SCHEDULES = ("constant",)
 # Keys that, left at their defaults, follow the data and the run's length (`fit_to_data`).
 FOLLOW_THE_DATA = ("batch_size", "optimizer.warmup_steps")
 FITTED_WARMUP_FRACTION = 0.1  # Of a run shorter than the default warmup.
-# The keys a combination of others ignores: (keys, whether, given a getter of dotted keys,
-# they are ignored, why); for `free_keys` and `guards.config_checks.ignored_settings`.
+# The keys a combination of others ignores: (keys, whether they are ignored given a getter of
+# dotted keys, why); for `free_keys` and `guards.config_checks.ignored_settings`.
 IGNORED_WHEN = (
     (("steps",), lambda get: get("num_epochs") is not None, "num_epochs sets the run's length"),
     (("keep_every_steps",), lambda get: get("max_to_keep") is None,
@@ -224,14 +212,6 @@ IGNORED_WHEN = (
 )  # fmt: skip
 
 
-def schema_key(name: str) -> Key:
-    """The schema's entry of the dotted key `name`."""
-    for key in SCHEMA:
-        if key.name == name:
-            return key
-    raise KeyError(f"{name!r} is not a config key.")
-
-
 def keys_of(model: str | None) -> tuple[Key, ...]:
     """The keys of a config of the network `model`: those of every config, and its own."""
     return tuple(key for key in SCHEMA if not key.for_models or model in key.for_models)
@@ -246,26 +226,23 @@ def value_of(config: Any, dotted_key: str) -> Any:
 
 def at_default(config: Any, name: str) -> bool:
     """Whether the dotted key `name` of `config` holds its schema default."""
-    return value_of(config, name) == schema_key(name).default
+    return value_of(config, name) == KEYS[name].default
 
 
-def config_keys(config: Any, prefix: str = "") -> list[str]:
-    """Every leaf key of a nested config, dotted: `["seed", ..., "optimizer.name", ...]`."""
-    keys = []
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config (or dict) as a flat dict of dotted keys: `{"optimizer.name": "sgd"}`."""
+    flat = {}
     for name, value in config.items():
         if hasattr(value, "items"):
-            keys += config_keys(value, f"{prefix}{name}.")
+            flat.update(flatten(value, f"{prefix}{name}."))
         else:
-            keys.append(f"{prefix}{name}")
-    return keys
+            flat[f"{prefix}{name}"] = value
+    return flat
 
 
 def default_config(model: str | None = None) -> ml_collections.ConfigDict:
     """Every key at its default, with `model.name = model` and its options (None: neither).
-
-    A None default is a placeholder of the key's type (`--config.num_epochs=90`
-    then parses as an int).
-    """
+    A None default is a placeholder of the key's type (`--config.num_epochs=90` parses)."""
     if model is not None and model not in models.MODELS:
         raise ValueError(f"Unknown model {model!r}; expected one of {models.MODELS}.")
     config = ml_collections.ConfigDict()
@@ -276,21 +253,17 @@ def default_config(model: str | None = None) -> ml_collections.ConfigDict:
             if name not in node:
                 node[name] = ml_collections.ConfigDict()
             node = node[name]
-        placeholder = key.default is None
-        node[leaf] = (
-            ml_collections.config_dict.placeholder(key.type) if placeholder else key.default
-        )
+        placeholder = ml_collections.config_dict.placeholder(key.type)
+        node[leaf] = placeholder if key.default is None else key.default
     if model is not None:
         config.model.name = model
     return config
 
 
 def free_keys(recorded: Mapping[str, Any], config: Mapping[str, Any]) -> set[str]:
-    """The dotted keys a resumed run may change, given the recorded and the new flat config.
-
-    The keys marked `free`, those both configs ignore (`IGNORED_WHEN`), and `steps`
-    if both have the same schedule and it does not depend on the run's length.
-    """
+    """The dotted keys a resumed run may change, given the recorded and the new flat config:
+    those marked `free`, those both ignore (`IGNORED_WHEN`), `steps` on the same
+    `STEP_INDEPENDENT_SCHEDULES` schedule."""
     free = {key.name for key in SCHEMA if key.free}
     for names, ignored, _ in IGNORED_WHEN:
         if ignored(recorded.get) and ignored(config.get):
@@ -335,8 +308,8 @@ def load_config_file(path: str) -> Any:
 
 
 def describe_keys(config: Any = None) -> str:
-    """The text of `--helpconfig`: every key of `config` (default: the schema's, of every
-    model) with its value, what it may be and what it sets."""
+    """`--helpconfig`: every key of `config` (None: of every model) with its value, what it
+    may be and what it sets."""
     keys = SCHEMA if config is None else keys_of(config.model.name)
     lines = []
     for key in keys:
@@ -355,14 +328,9 @@ def describe_keys(config: Any = None) -> str:
 
 
 def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple[Any, list[str]]:
-    """`config` with the keys of `FOLLOW_THE_DATA` fitted to the training split (a copy, if
-    any moved), and a line for the log for each that moved.
-
-    Left at its default, `batch_size` becomes at most the training examples (a multiple
-    of the `num_devices` of the whole run), and a warmup not shorter than the run a
-    tenth of it. A value set away from its default that the data does not allow, or
-    fewer training examples than devices, raise ValueError.
-    """
+    """`config` with the keys of `FOLLOW_THE_DATA` left at their defaults fitted to the
+    training split (a copy, if any moved), and a line for the log for each that moved. A value
+    set that the data does not allow, or fewer examples than devices, raise ValueError."""
     fitted, changes = copy.deepcopy(config), []
     batch_size, largest_batch = config.batch_size, num_train_examples // num_devices * num_devices
     if batch_size > num_train_examples:
@@ -398,13 +366,7 @@ def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple
 
 
 def training_steps(config: Any, num_train_examples: int) -> int:
-    """The run's length: `config.steps`, or `num_epochs` epochs of `num_train_examples //
-    batch_size` steps (the batch order drops each epoch's remainder)."""
-    steps_per_epoch = num_train_examples // config.batch_size
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"config.batch_size={config.batch_size} is larger than the {num_train_examples} "
-            "training examples: an epoch holds no step."
-        )
-    num_epochs = config.get("num_epochs")
-    return config.steps if num_epochs is None else num_epochs * steps_per_epoch
+    """The run's length: `config.steps`, or `num_epochs` epochs (each drops its remainder)."""
+    if config.get("num_epochs") is None:
+        return config.steps
+    return config.num_epochs * (num_train_examples // config.batch_size)

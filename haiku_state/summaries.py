@@ -1,10 +1,7 @@
 """Where metrics go: `metrics.jsonl`, TensorBoard event files, a progress line, curves.png.
 
-The writer sees only host numbers, handed over every `log_every` steps. A training
-run and an evaluator beside it (`--mode=eval_follow`) may both write
-`metrics.jsonl`: each record is appended by opening the file anew under an
-exclusive lock on `metrics.jsonl.lock`, and a resumed run rewrites the file under
-the same lock, so every writer's records land in the current file, whole.
+A training run and an evaluator beside it both write `metrics.jsonl`, under a lock on
+`metrics.jsonl.lock`, so every writer's records land in the current file, whole.
 """
 
 from __future__ import annotations
@@ -63,15 +60,9 @@ def format_progress(
 
 
 class MetricWriter:
-    """Writes each event to `metrics.jsonl` and TensorBoard, and reports progress.
-
-    A training event updates one progress line in place when stderr is a terminal,
-    and is logged otherwise; an evaluation event is logged on a line of its own.
-    Only the first process of a run is `enabled`. A resumed run passes its
-    `resume_step`: the records past it are marked superseded (`supersede_after`)
-    and purged from TensorBoard, since it logs those steps again.
-    `tensorboard_run` is the TensorBoard subdirectory ("eval" for an evaluator).
-    """
+    """Writes each event to `metrics.jsonl` and TensorBoard, and reports progress (training's
+    on one line updated in place on a terminal). Only process 0 is `enabled`; the records past
+    a resumed run's `resume_step` are superseded and purged from TensorBoard."""
 
     def __init__(
         self,
@@ -171,30 +162,20 @@ def _append_record(path: str, record: Mapping[str, Any]) -> None:
     with _locked(path):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            _drop_cut_line(fd, path)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                end = os.pread(fd, size, 0).rfind(b"\n") + 1
+                logging.warning(
+                    "%s: dropping its last line, cut short (%d bytes).", path, size - end
+                )
+                os.ftruncate(fd, end)
             os.write(fd, (json.dumps(record) + "\n").encode())
         finally:
             os.close(fd)
 
 
-def _drop_cut_line(fd: int, path: str) -> None:
-    """Truncates the file after its last newline, if it does not end with one."""
-    size = end = os.fstat(fd).st_size
-    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
-        return
-    while end > 0:
-        start = max(0, end - 65536)
-        newline = os.pread(fd, end - start, start).rfind(b"\n")
-        end = start if newline < 0 else start + newline + 1
-        if newline >= 0:
-            break
-    logging.warning("%s: dropping its last line, cut short (%d bytes).", path, size - end)
-    os.ftruncate(fd, end)
-
-
 def _parse_records(path: str) -> tuple[list[dict[str, Any]], list[int], int]:
-    """The records of a metrics file, the numbers of its lines that are not records, and
-    the number of its last line."""
+    """The records of a metrics file, the numbers of its other lines, and of its last line."""
     records, bad, last = [], [], 0
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
@@ -219,12 +200,9 @@ def _numbers(lines: list[int]) -> str:
 
 
 def supersede_after(workdir: str, step: int) -> None:
-    """Marks the records past `step` `"superseded": true` (a resumed run logs them again).
-
-    The file is rewritten whole (atomically), without a truncated last line. A file
-    damaged in the middle keeps its readable records, and is first moved aside
-    whole (`metrics.jsonl.damaged-<time>`) with a warning, never deleted.
-    """
+    """Marks the records past `step` `"superseded": true` (a resumed run logs them again),
+    rewriting the file atomically; a file damaged in the middle is first moved aside whole
+    (`metrics.jsonl.damaged-<time>`), never deleted, and its readable records kept."""
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return
@@ -252,11 +230,8 @@ def supersede_after(workdir: str, step: int) -> None:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """The current events of `metrics.jsonl`, by split and step; superseded ones left out.
-
-    A step logged twice (an evaluation run apart from training) keeps its last record;
-    lines that are not records are skipped with a warning.
-    """
+    """The current events of `metrics.jsonl`, by split and step: the last record of each,
+    none superseded; lines that are not records are skipped with a warning."""
     path = os.path.join(workdir, METRICS_FILE)
     records, bad, _ = _parse_records(path)
     if bad:

@@ -155,4 +155,4 @@ def test_a_cache_path_that_is_a_file_or_not_a_string_is_refused(tmp_path):
         config_checks.validate_config(not_a_string, 4)
     for good in ("", str(tmp_path / "not_yet_made")):
         config_checks.validate_config(mlp_config(compilation_cache_dir=good), 4)
-    assert config_lib.schema_key("compilation_cache_dir").free  # It changes no step of a run.
+    assert config_lib.KEYS["compilation_cache_dir"].free  # It changes no step of a run.

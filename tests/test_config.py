@@ -23,7 +23,7 @@ def test_experiments_are_the_files_not_starting_with_an_underscore():
 def test_every_experiment_extends_the_base_and_passes_validation(name):
     base = config_lib.load_config_file(os.path.join(REPO, "experiments", "_base.py"))
     config = config_lib.load_config_file(os.path.join(REPO, "experiments", f"{name}.py"))
-    assert set(config_lib.config_keys(base)) <= set(config_lib.config_keys(config))
+    assert set(config_lib.flatten(base)) <= set(config_lib.flatten(config))
     assert config.model.name == name
     config_checks.validate_config(config, num_devices=4)
 
@@ -88,7 +88,7 @@ def _set(config, dotted_key, value):
 def test_an_experiment_has_exactly_the_keys_of_the_schema_for_its_model(name):
     config = _experiment(name)
     expected = {key.name for key in config_lib.keys_of(config.model.name)}
-    assert set(config_lib.config_keys(config)) == expected
+    assert set(config_lib.flatten(config)) == expected
 
 
 @pytest.mark.parametrize("name", EXPERIMENT_FILES)
@@ -108,7 +108,7 @@ def test_keys_both_configs_ignore_may_change_on_resume():
 def test_the_base_config_is_every_key_of_the_schema_at_its_default():
     base = config_lib.load_config_file(os.path.join(REPO, "experiments", "_base.py"))
     shared = [key for key in config_lib.SCHEMA if not key.for_models]
-    assert set(config_lib.config_keys(base)) == {key.name for key in shared}
+    assert set(config_lib.flatten(base)) == {key.name for key in shared}
     for key in shared:
         assert config_lib.value_of(base, key.name) == key.default, key.name
     resnet = config_lib.default_config("resnet")

@@ -1,8 +1,4 @@
-"""The command line's refusals: every mistake in its flags, in one line, before JAX starts.
-
-An unknown experiment, an unknown config key (with the nearest one), a bad
-flag or value, a missing --workdir. `--helpconfig` lists the config keys.
-"""
+"""The command line's refusals: every mistake in its flags, in one line, before JAX starts."""
 
 from __future__ import annotations
 
@@ -18,11 +14,8 @@ from haiku_state.guards import config_checks
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, every mistake refused in one line; --helpconfig lists the keys.
-
-    The mistakes: an unknown experiment, an unknown config key (with the nearest
-    one), a bad flag or value, a missing --workdir; all before JAX starts.
-    """
+    """absl's flag parsing, refusing in one line an unknown experiment, an unknown config key
+    (with the nearest one), a bad flag or value, a missing --workdir; --helpconfig lists keys."""
     config_arg = next(
         (arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")), None
     )
@@ -44,9 +37,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         config = config_lib.load_config_file(config_path)
     except Exception as e:  # Whatever the file does wrong, say where, in one line.
         sys.exit(f"--config={config_arg} cannot be loaded: {type(e).__name__}: {e}")
-    keys = config_lib.config_keys(config)
-    for override in _config_overrides(argv):
-        if override not in keys:
+    overrides = (re.match(r"--?(?:no)?config\.([^=]+)", arg) for arg in argv[1:])
+    for override in (match.group(1) for match in overrides if match):
+        if override not in config_lib.flatten(config):
             sys.exit(f"--config.{override}: {config_checks.unknown_key_error(override, config)}")
     try:
         # The --config flag loads the file again: it may import the files beside it.
@@ -70,14 +63,8 @@ def _parse_absl_flags(argv: list[str]) -> list[str]:
         sys.exit(f"{e} (--helpfull lists the flags)")
 
 
-def _config_overrides(argv: list[str]) -> list[str]:
-    """The dotted config keys the command line sets: `steps` of `--config.steps=3`."""
-    overrides = (re.match(r"--?(?:no)?config\.([^=]+)", arg) for arg in argv[1:])
-    return [match.group(1) for match in overrides if match]
-
-
 def _print_config_keys(config: Any, config_arg: str | None) -> None:
-    """Prints --helpconfig's list of the config keys (of `config`, else the schema's), exits."""
+    """Prints --helpconfig's list of the keys (of `config`, else the schema's), and exits."""
     if config is None:
         print(
             "The config keys at the defaults every experiment starts from; "

@@ -1,8 +1,6 @@
 """The refusals of a config that cannot run, before anything runs, and the settings it ignores.
 
-`validate_config` checks every key against its `config.SCHEMA` entry, then the
-rules that relate several keys, naming every problem at once. The problems that
-need the data (a batch larger than the training split) are `config.fit_to_data`'s.
+Those that need the data (a batch larger than the training split) are `config.fit_to_data`'s.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from haiku_state.config import Key, value_of
 def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
     """Raises one ValueError naming every missing or unknown key and bad value, or else every
     broken rule, of a config to run on `num_devices` (of the whole run) in `num_processes`."""
-    values = {key: value_of(config, key) for key in config_lib.config_keys(config)}
-    keys = _check_keys(values)  # Without the schema's keys no other check can read the config.
+    values = config_lib.flatten(config)
+    keys = _check_keys(values)  # Without them no other check can read the config.
     problems = _problems(functools.partial(check_value, key, values[key.name]) for key in keys)
     if not problems:  # A rule reads values of the right type and range.
         run = (config, num_devices, num_processes)
@@ -37,7 +35,13 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
     if problems:
         listed = " ".join(f"({number}) {problem}" for number, problem in enumerate(problems, 1))
         raise ValueError(f"The config has {len(problems)} problems: {listed}")
-    _warn_workers(config)
+    cores = len(os.sched_getaffinity(0))
+    if config.data.workers is not None and config.data.workers > cores:
+        logging.warning(
+            "config.data.workers=%d decoding processes, but this process may use %d cores: "
+            "they share the cores and decode slower; use at most %d (None: cores less one).",
+            *(config.data.workers, cores, cores),
+        )
     for line in ignored_settings(config):
         logging.warning("%s", line)
 
@@ -54,14 +58,14 @@ def _problems(checks: Any) -> list[str]:
 
 
 def ignored_settings(config: Any) -> list[str]:
-    """A line for each key set away from its default that this combination of keys ignores
-    (`config.IGNORED_WHEN`): `validate_config` warns of each, so none is ignored silently."""
+    """A line for each key set away from its default that the others make ignored
+    (`config.IGNORED_WHEN`), so that none is ignored silently."""
     lines = []
     for names, ignored, why in config_lib.IGNORED_WHEN:
         for name in names:
             value = value_of(config, name)
             value = tuple(value) if isinstance(value, list) else value
-            default = config_lib.schema_key(name).default
+            default = config_lib.KEYS[name].default
             if ignored(lambda key: value_of(config, key)) and value != default:
                 lines.append(f"config.{name}={value!r} is ignored: {why}.")
     return lines
@@ -76,7 +80,7 @@ def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
             "(haiku_state.config.default_config()), which has every key."
         )
     model = values["model.name"]
-    check_value(config_lib.schema_key("model.name"), model)
+    check_value(config_lib.KEYS["model.name"], model)
     keys = config_lib.keys_of(model)
     missing = [key.name for key in keys if key.name not in values]
     if missing:
@@ -99,32 +103,26 @@ def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
 
 
 def unknown_key_error(name: str, config: Any) -> str:
-    """Why the dotted `name` is no key of `config`, and the nearest that is: one line.
-
-    For an option of another model it names the models that take it; for an
-    unknown option, the config's model's own.
-    """
+    """Why the dotted `name` is no key of `config`, and the nearest that is (for a model
+    option, the models that take it, or the config's model's own): one line."""
     model = config.get("model", {}).get("name")
     own = ", ".join(key.name for key in config_lib.keys_of(model) if key.for_models)
-    entry = next((key for key in config_lib.SCHEMA if key.name == name), None)
+    entry = config_lib.KEYS.get(name)
     if entry is not None and entry.for_models and model not in entry.for_models:
         takers = " and ".join(entry.for_models)
         return (
             f"config.{name} is an option of the {takers} model, not of {model!r}, whose "
             f"options are {own}."
         )
-    hint = _did_you_mean(name, config_lib.config_keys(config))
+    hint = _did_you_mean(name, list(config_lib.flatten(config)))
     if not hint and name.startswith("model."):
         hint = f" (the {model!r} model's options are {own})"
     return f"Unknown config key {name!r}{hint}; --helpconfig lists every key and what it sets."
 
 
 def _did_you_mean(name: str, keys: list[str]) -> str:
-    """` (did you mean 'steps'?)` for the key nearest to the dotted `name`, or "" if none is.
-
-    Its last part is looked for as it is under another parent (`data.batch_size`),
-    then near its siblings' (`optimizer.lerning_rate`), then near any key's.
-    """
+    """` (did you mean 'steps'?)` for the key nearest to the dotted `name`, or "": its last
+    part as it is under another parent, then near its siblings', then near any key's."""
     parent, _, leaf = name.rpartition(".")
     anywhere = {key.rpartition(".")[2]: key for key in keys}
     siblings = {key.rpartition(".")[2]: key for key in keys if key.rpartition(".")[0] == parent}
@@ -135,13 +133,6 @@ def _did_you_mean(name: str, keys: list[str]) -> str:
     return ""
 
 
-def _is_a(value: Any, type_: type) -> bool:
-    if type_ in (int, float):  # A bool is no number here; an int is a float.
-        kind = numbers.Integral if type_ is int else numbers.Real
-        return isinstance(value, kind) and not isinstance(value, bool)
-    return isinstance(value, (tuple, list) if type_ is tuple else type_)
-
-
 def check_value(key: Key, value: Any) -> None:
     """Refuses a value of the wrong type, not finite, not among the choices or out of range."""
     if value is None and key.allow_none:
@@ -149,7 +140,11 @@ def check_value(key: Key, value: Any) -> None:
     if key.choices is not None and value not in key.choices:
         raise ValueError(f"Unknown config.{key.name} {value!r}; expected one of {key.choices}.")
     wrong = f"config.{key.name}={value!r} must be {key.requirement()} ({key.help})."
-    if not _is_a(value, key.type):
+    if key.type in (int, float):  # A bool is no number here; an int is a float.
+        kind = numbers.Integral if key.type is int else numbers.Real
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(wrong)
+    elif not isinstance(value, (tuple, list) if key.type is tuple else key.type):
         raise ValueError(wrong)
     values = value if isinstance(value, (tuple, list)) else (value,)
     if any(isinstance(v, float) and not math.isfinite(v) for v in values):
@@ -159,20 +154,17 @@ def check_value(key: Key, value: Any) -> None:
 
 
 def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> None:
-    devices = f"{num_devices} local devices"
-    if num_processes != 1:
-        devices = f"{num_devices} devices of the {num_processes} processes"
+    devices = "local devices" if num_processes == 1 else f"devices of the {num_processes} processes"
     for key in ("batch_size", "eval_batch_size"):
         if config[key] % num_devices:
             raise ValueError(
-                f"config.{key}={config[key]} is not divisible by the {devices}; use a "
-                f"multiple of {num_devices}."
+                f"config.{key}={config[key]} is not divisible by the {num_devices} {devices}; "
+                f"use a multiple of {num_devices}."
             )
 
 
 def _check_warmup(config: Any, *_: int) -> None:
-    """The warmup is shorter than the run; with num_epochs, or left at its default (then it
-    follows the run), `fit_to_data` checks it once the run's length is known."""
+    """With num_epochs, or at its default (it follows the run), `fit_to_data` checks it."""
     if config_lib.at_default(config, "optimizer.warmup_steps"):
         return
     if config.num_epochs is None and not config.optimizer.warmup_steps < config.steps:
@@ -191,7 +183,6 @@ def _check_profile_steps(config: Any, *_: int) -> None:
 
 
 def _check_init_skip(config: Any, *_: int) -> None:
-    """A regex, and only with a checkpoint to warm-start from."""
     try:
         re.compile(config.init_skip)
     except re.error as e:
@@ -218,7 +209,6 @@ def _check_decoder(config: Any, *_: int) -> None:
 
 
 def _check_param_sharding(config: Any, *_: int) -> None:
-    """Only the jit backend splits params and opt_state; the per-device ones replicate them."""
     if config.param_sharding != "replicated" and config.backend != "jit":
         raise ValueError(
             f"config.param_sharding={config.param_sharding!r} needs config.backend='jit'; "
@@ -227,12 +217,8 @@ def _check_param_sharding(config: Any, *_: int) -> None:
 
 
 def _check_retention(config: Any, *_: int) -> None:
-    """A retention setting that would keep nothing, or not what it says, is refused.
-
-    The best step is ranked by the evaluation at the step it is saved, so every
-    save on the `checkpoint_every` cadence must be evaluated (a save on the timer
-    is kept as the newest, never ranked).
-    """
+    """Refuses retention that would keep nothing, or not what it says. The best step is
+    ranked by its evaluation, so every save on the `checkpoint_every` cadence needs one."""
     best_by, mode = config.keep_best_by, config.keep_best_mode
     if mode and not best_by:
         raise ValueError(
@@ -261,9 +247,8 @@ def _check_retention(config: Any, *_: int) -> None:
 
 
 def _check_host_memory(config: Any, _: int, num_processes: int) -> None:
-    """The crops of an encoded dataset's batches in flight fit in this host's memory: each
-    decoding worker holds `READ_AHEAD + 1` batches, the devices `prefetch`, the loop one;
-    the same for the evaluation's pipeline."""
+    """The crops of an encoded dataset's batches in flight (`READ_AHEAD + 1` per decoding
+    worker, `prefetch`, the loop's one; training's and evaluation's) fit in host memory."""
     size = config.data.image_size
     if size is None or config.data.name not in data.ENCODED_DATASETS:
         return
@@ -281,21 +266,7 @@ def _check_host_memory(config: Any, _: int, num_processes: int) -> None:
         )
 
 
-def _warn_workers(config: Any) -> None:
-    """More decoding processes than cores only makes them wait for each other."""
-    cores = len(os.sched_getaffinity(0))
-    if config.data.workers is not None and config.data.workers > cores:
-        logging.warning(
-            "config.data.workers=%d decoding processes, but this process may use %d cores: "
-            "they share the cores and decode slower; use at most %d (None: cores less one).",
-            config.data.workers,
-            cores,
-            cores,
-        )
-
-
-# The rules between keys, each `rule(config, num_devices, num_processes)`, in the order
-# their problems are named.
+# The rules between keys, `rule(config, num_devices, num_processes)`, in the order told.
 _RULES = (
     _check_batch_sizes,
     _check_warmup,

@@ -1,12 +1,8 @@
 """The processes of one run: they join, agree, and stop together when one is lost.
 
-A multi-process run (one process per host, or per GPU) starts through JAX's
-runtime (`initialize_distributed`). Each process then beats in the coordinator's
-key-value store and stops in one line when another falls silent, before JAX's
-own heartbeat aborts every process with a dump of every thread; a collective
-that fails because its other end died is named the same way
-(`exit_if_lost`). `any_process` and `max_over_processes` are the small
-collectives the run's decisions (stop, save on a timer) agree by.
+Each process beats in the coordinator's key-value store and stops in one line when
+another falls silent, before JAX's own heartbeat aborts every process with a dump of
+every thread; a collective that failed because its other end died is named the same way.
 """
 
 from __future__ import annotations
@@ -23,14 +19,11 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-# How long a process may go silent before JAX's coordinator gives it up for lost and
-# aborts every process (with a fatal error and a dump of every thread): the last resort,
-# well after LOST_AFTER_S. The coordinator counts from the lost process's last heartbeat,
-# which can precede the loss by seconds, and a busy host delays the beats below: at 15 s
-# a survivor on a loaded 2-core machine was once aborted before its beats named the loss.
+# When JAX's coordinator gives a silent process up and aborts every process: the last
+# resort, well after LOST_AFTER_S (at 15 s a survivor on a loaded 2-core machine was once
+# aborted before its beats named the loss).
 HEARTBEAT_TIMEOUT_S = 30
-# Each process sets its own key in the coordinator's key-value store every BEAT_S and
-# stops, in one line, when another's key has not changed for LOST_AFTER_S: before JAX does.
+# Each process beats every BEAT_S and stops when another's beat is LOST_AFTER_S old.
 BEAT_S = 1.0
 LOST_AFTER_S = 10.0
 _BEATS_KEY = "haiku_state/beats/"
@@ -42,19 +35,10 @@ def initialize_distributed(
     process_id: int | None,
     auto_detect: bool = False,
 ) -> None:
-    """Joins JAX's multi-process runtime when asked to; a no-op for a single process.
-
-    Must run before anything starts a JAX backend. With all three of
-    `coordinator_address`, `num_processes` and `process_id` the cluster is given
-    explicitly (any machine, CPU collectives through gloo); with `auto_detect`,
-    `jax.distributed.initialize` fills in whatever is missing from the cluster's
-    environment (SLURM, TPU pods, Kubernetes). Processes other than 0 then log
-    warnings and errors only.
-
-    Raises:
-      ValueError: for an incomplete or inconsistent set of arguments, before
-        anything connects.
-    """
+    """Joins JAX's multi-process runtime when asked to, before any JAX backend starts: given
+    all three arguments, or with `auto_detect` what the cluster's environment (SLURM, TPU pods)
+    tells. Processes other than 0 then log warnings and errors only. ValueError for an
+    incomplete or inconsistent set of arguments, before anything connects."""
     if not _check_cluster_flags(coordinator_address, num_processes, process_id, auto_detect):
         return
     jax.distributed.initialize(
@@ -90,11 +74,8 @@ def _check_cluster_flags(
     auto_detect: bool,
 ) -> bool:
     """Whether to join a cluster at all; refuses an incomplete or inconsistent set of flags."""
-    explicit = {
-        "coordinator_address": coordinator_address,
-        "num_processes": num_processes,
-        "process_id": process_id,
-    }
+    names = ("coordinator_address", "num_processes", "process_id")
+    explicit = dict(zip(names, (coordinator_address, num_processes, process_id), strict=True))
     given = {name: value for name, value in explicit.items() if value is not None}
     if not given and not auto_detect:
         return False
@@ -123,19 +104,9 @@ def _check_cluster_flags(
 _LOST_PROCESS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Gloo ")
 
 
-def lost_a_process(error: Exception) -> bool:
-    """Whether `error` is a collective that failed because another process died."""
-    return jax.process_count() > 1 and any(sign in str(error) for sign in _LOST_PROCESS_SIGNS)
-
-
 def _watch_other_processes(client: Any) -> None:
-    """Beats for this process; stops it when another process falls silent.
-
-    A collective whose other end has died can wait forever (XLA:CPU with several
-    devices per process, NCCL) until JAX's heartbeat aborts every process with a
-    fatal error. Runs until the process exits; ends quietly when the runtime
-    shuts down or fails (which JAX reports itself).
-    """
+    """Beats for this process; stops it when another falls silent (a collective whose other
+    end died can wait forever). Ends quietly when the runtime shuts down or fails."""
     me = jax.process_index()
     others = [str(k) for k in range(jax.process_count()) if k != me]
     last_beat = dict.fromkeys(others, "")
@@ -158,13 +129,8 @@ def _watch_other_processes(client: Any) -> None:
 
 
 def _exit_lost(lost: str, how: str) -> None:
-    """Exits at once, naming the lost process in one line.
-
-    JAX's own exit would wait at a shutdown barrier for the dead process until its
-    heartbeat times out, then abort with a stack trace of every thread. Nothing
-    the user saved is at stake: a checkpoint in flight is either complete or
-    ignored on resume.
-    """
+    """Exits at once, naming the lost process in one line. JAX's own exit would wait for it
+    at a shutdown barrier, then abort; a checkpoint in flight is complete or ignored on resume."""
     logging.error(
         "Process %d of %d lost %s: %s. Stopping; run every process again to resume from "
         "the latest checkpoint.",
@@ -181,7 +147,7 @@ def _exit_lost(lost: str, how: str) -> None:
 def exit_if_lost(error: Exception) -> None:
     """Exits in one line naming the lost process if `error` is a collective that failed
     because another process died; returns otherwise."""
-    if not lost_a_process(error):
+    if jax.process_count() == 1 or not any(sign in str(error) for sign in _LOST_PROCESS_SIGNS):
         return
     others = [k for k in range(jax.process_count()) if k != jax.process_index()]
     lost = f"process {others[0]}" if len(others) == 1 else "another process"
@@ -190,9 +156,7 @@ def exit_if_lost(error: Exception) -> None:
 
 def any_process(flag: bool) -> bool:
     """Whether `flag` is true on any process; a collective in a multi-process run."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+    return bool(max_over_processes(flag))
 
 
 def max_over_processes(value: int) -> int:

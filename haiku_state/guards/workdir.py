@@ -7,18 +7,8 @@
       metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
       profile/          jax.profiler traces (config.profile_steps)
 
-One training run at a time: a second is refused naming the live one, while
-evaluation beside it (`--mode=eval`, `eval_follow`) takes no lock. On resume
-the config is compared with the recorded one, and a change that would alter
-the trajectory (a key `config.SCHEMA` does not mark `free`) is refused unless
-explicitly allowed.
-
-The record binds only a run that has a checkpoint: `check_config` reads and
-compares, writing nothing (a refused run leaves the workdir as it was), and the
-driver writes the record it returns once the resume succeeded. Without a
-readable `config.json` the check is made against the config the latest
-checkpoint's metadata holds; an unreadable `config.json` is set aside (renamed,
-never deleted) when the new record is written.
+One training run at a time (evaluation beside it takes no lock). A resume that would
+change the trajectory is refused unless allowed; a refused run writes nothing.
 """
 
 from __future__ import annotations
@@ -53,47 +43,32 @@ class WorkdirError(ValueError):
 
 
 # The longest path a checkpoint writes below the workdir, with room to spare: Orbax's
-# temporary `checkpoints/<step>.orbax-checkpoint-tmp-<time>/train_state.orbax-checkpoint-
-# tmp-<time>/ocdbt.process_<k>/d/<32 hex digits>`.
+# `checkpoints/<step>.orbax-checkpoint-tmp-<time>/train_state.orbax-checkpoint-tmp-<time>/
+# ocdbt.process_<k>/d/<32 hex digits>`.
 CHECKPOINT_PATH_ROOM = 200
 
 
 def check_usable(workdir: str) -> None:
-    """Refuses a workdir that cannot hold a run, before anything is written.
-
-    Refused: a path that is, or lies under, a file or a broken symlink (dangling, or
-    a loop); a workdir, or its `checkpoints` folder, that
-    cannot be written (permissions, a read-only filesystem), tried with a file
-    that never gets a name; a path so long that the checkpoints' paths would pass
-    the filesystem's PATH_MAX, or with a name past its NAME_MAX.
-    """
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise WorkdirError(f"--workdir={workdir} is a file, not a directory.")
+    """Refuses, before anything is written, a workdir under a file or a broken symlink, one
+    (or its `checkpoints`) not writable, or a path past the filesystem's PATH_MAX or NAME_MAX."""
     existing = workdir
     while not os.path.exists(existing):
         if os.path.islink(existing):  # A link that leads nowhere: `exists` follows it.
             _refuse_broken_link(workdir, existing)
         existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
-        raise WorkdirError(f"--workdir={workdir}: {existing} is a file, not a directory.")
+        where = "" if existing == workdir else f": {existing}"
+        raise WorkdirError(f"--workdir={workdir}{where} is a file, not a directory.")
     for folder in (existing, os.path.join(workdir, "checkpoints")):
         if os.path.isdir(folder):
-            _check_writable(workdir, folder)
-    _check_path_lengths(workdir, existing)
-
-
-def _check_writable(workdir: str, folder: str) -> None:
-    try:
-        with tempfile.TemporaryFile(dir=folder):  # O_TMPFILE: nothing appears in `folder`.
-            pass
-    except OSError as e:
-        raise WorkdirError(
-            f"--workdir={workdir}: {folder} is not writable ({e.strerror}); a run could not "
-            "save its checkpoints there. Make it writable or choose another --workdir."
-        ) from None
-
-
-def _check_path_lengths(workdir: str, existing: str) -> None:
+            try:
+                with tempfile.TemporaryFile(dir=folder):  # O_TMPFILE: nothing appears there.
+                    pass
+            except OSError as e:
+                raise WorkdirError(
+                    f"--workdir={workdir}: {folder} is not writable ({e.strerror}); a run could "
+                    "not save its checkpoints there. Make it writable or choose another --workdir."
+                ) from None
     path = os.path.abspath(workdir)
     path_max = os.pathconf(existing, "PC_PATH_MAX")
     name_max = os.pathconf(existing, "PC_NAME_MAX")
@@ -126,12 +101,8 @@ def _refuse_broken_link(workdir: str, link: str) -> None:
 
 @contextlib.contextmanager
 def exclusive_lock(workdir: str) -> Iterator[None]:
-    """Holds `WORKDIR/lock` for the duration of a training run.
-
-    The lock is an `flock` on the file, which the kernel releases when the
-    holder dies, so a lock left by a killed run is taken over (with a warning);
-    the file names the holder's host and pid for the error a second run gets.
-    """
+    """Holds `WORKDIR/lock` (an `flock`, released by the kernel when the holder dies) for a
+    training run; the file names the holder for the error a second run gets."""
     path = os.path.join(workdir, LOCK_FILE)
     try:
         os.makedirs(workdir, exist_ok=True)
@@ -152,11 +123,7 @@ def exclusive_lock(workdir: str) -> Iterator[None]:
         previous = _read_holder(path)
         if previous != "nobody":
             logging.warning("Taking over the lock of a run that is gone (%s).", previous)
-        holder = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        }
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": _stamp(iso=True)}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         os.fsync(fd)
@@ -179,17 +146,6 @@ def _read_holder(path: str) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}"
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config as a flat dict of dotted keys: `{"optimizer.name": "sgd", ...}`."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _as_json(config: Any) -> dict[str, Any]:
     """The config as JSON would give it back (tuples become lists)."""
     return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config))
@@ -198,38 +154,10 @@ def _as_json(config: Any) -> dict[str, Any]:
 def trajectory_changes(
     recorded: Mapping[str, Any], config: Any, also_free: Collection[str] = ()
 ) -> list[str]:
-    """The keys whose change would alter what a resumed run computes, `key: old -> new`.
-
-    The keys that may change are the schema's (`config.free_keys`: those marked
-    `free`, and `steps` where the schedule does not depend on it), and
-    `also_free`. Keys in only one of the two (a key this version of the code
-    added or removed) are not compared: their absence says nothing about the
-    value the run used.
-    """
-    old, new = flatten(recorded), flatten(_as_json(config))
+    """`key: old -> new` for each key of both whose change alters what a resumed run computes
+    (all but `config.free_keys` and `also_free`)."""
+    old, new = config_lib.flatten(recorded), config_lib.flatten(_as_json(config))
     return _changes(old, new, config_lib.free_keys(old, new) | set(also_free))
-
-
-def moved_data(
-    recorded: Mapping[str, Any],
-    config: Any,
-    recorded_data: Mapping[str, Any],
-    data: Mapping[str, Any],
-) -> tuple[str, str] | None:
-    """`(old data.dir, new data.dir)` if the data moved and is the data the record describes.
-
-    The data is recognised when its identity (`data_identity.identity`: sizes, class
-    names, statistics, the digests of both splits' examples and content, none of
-    which depends on where the data lies) is the recorded one, with the digests
-    of both splits known. None if `data.dir` did not change, or the data did.
-    """
-    old_dir, new_dir = flatten(recorded).get("data.dir"), flatten(_as_json(config)).get("data.dir")
-    if old_dir == new_dir or data_identity.identity_changes(recorded_data, data):
-        return None
-    digests = ("train_digest", "test_digest")
-    if not all(recorded_data.get(key) and recorded_data[key] == data.get(key) for key in digests):
-        return None
-    return old_dir, new_dir
 
 
 def _changes(
@@ -245,14 +173,8 @@ def _changes(
 
 @dataclasses.dataclass(frozen=True)
 class ConfigRecord:
-    """The `config.json` a checked run writes once it has resumed (`check_config`).
-
-    Attributes:
-      path: `WORKDIR/config.json`.
-      record: what it will hold: the config, the data as read, the changes so far.
-      changes: the changes this run makes to the recorded config (allowed ones).
-      set_aside: why the file there now is set aside rather than replaced ("" if not).
-    """
+    """The `config.json` a checked run writes once it has resumed: its `record`, the allowed
+    `changes` it makes, and why the file there now is set aside rather than replaced."""
 
     path: str
     record: dict[str, Any]
@@ -267,14 +189,17 @@ class ConfigRecord:
             logging.warning("%s %s; moved aside to %s.", self.path, self.set_aside, moved)
         if self.changes:
             logging.warning("Resuming with a changed config: %s", "; ".join(self.changes))
-        _write_json_atomically(self.path, self.record)
+        temporary = f"{self.path}.tmp-{os.getpid()}"
+        with open(temporary, "w") as f:
+            json.dump(self.record, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, self.path)
 
 
 def read_record(workdir: str) -> tuple[dict[str, Any] | None, str]:
-    """`config.json` of `workdir` and "", or None and why not ("" if there is none).
-
-    Writes nothing: an evaluator beside a training run reads it too.
-    """
+    """`config.json` of `workdir` and "", or None and why not ("" if there is none)."""
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
         return None, ""
@@ -302,40 +227,35 @@ def check_config(
     has_checkpoint: bool = True,
     checkpoint_metadata: Mapping[str, Any] | None = None,
 ) -> ConfigRecord:
-    """Checks `config` and `data` against the run's record; writes nothing.
-
-    The record is `config.json`, else the latest checkpoint's metadata
-    (`checkpoint_metadata`, which holds the config and data too). `data` is the
-    data as read (`data_identity.identity`): changed files change the batches as surely as
-    a changed config; the same data at another `data.dir` resumes. A workdir
-    without a checkpoint binds nothing. Returns the record to `write()` once the
-    run has resumed; raises WorkdirError for a change of the trajectory unless
-    `allow_change`.
-    """
+    """Checks `config` and `data` (`data_identity.identity`) against `config.json`, else the
+    latest checkpoint's metadata; writes nothing. A workdir without a checkpoint binds nothing.
+    Returns the record to `write()` once the run resumed; WorkdirError for a change of the
+    trajectory unless `allow_change`."""
     path = os.path.join(workdir, CONFIG_FILE)
     record = {"config": _as_json(config), "data": dict(data or {}), "changes": []}
     previous, problem = read_record(workdir)
-    set_aside = problem
     if not has_checkpoint:
         if previous is not None:
             logging.info(
                 "%s records a run that saved no checkpoint; it is replaced by this run's config.",
                 path,
             )
-        return ConfigRecord(path, record, set_aside=set_aside)
+        return ConfigRecord(path, record, set_aside=problem)
     source = path
     if previous is None:
-        previous, source = (
-            _checkpoint_record(checkpoint_metadata),
-            "the latest checkpoint's metadata",
-        )
+        source = "the latest checkpoint's metadata"
+        if checkpoint_metadata and isinstance(checkpoint_metadata.get("config"), Mapping):
+            previous = {
+                "config": checkpoint_metadata["config"],
+                "data": checkpoint_metadata.get("data") or {},
+            }
         if problem:
             logging.warning("%s %s; checking the config against %s instead.", path, problem, source)
         elif previous is not None:
             logging.warning("%s is missing; checking the config against %s.", path, source)
     if previous is None:
         logging.warning("%s: no record of the config to check against.", workdir)
-        return ConfigRecord(path, record, set_aside=set_aside)
+        return ConfigRecord(path, record, set_aside=problem)
     changes = _changes_since(previous, config, dict(data or {}), source)
     if changes and not allow_change:
         raise WorkdirError(
@@ -347,25 +267,37 @@ def check_config(
     record["changes"] = list(previous.get("changes", []))
     if changes:
         record["changes"].append({"at": _stamp(iso=True), "changes": changes})
-    return ConfigRecord(path, record, tuple(changes), set_aside)
+    return ConfigRecord(path, record, tuple(changes), problem)
 
 
 def _changes_since(
     previous: Mapping[str, Any], config: Any, data: dict[str, Any], source: str
 ) -> list[str]:
-    """What changes the run between the record `previous` and `config` with `data`."""
+    """What changes the run between the record `previous` and `config` with `data`. The same
+    data (by `data_identity`, both splits' digests known) at another `data.dir` resumes."""
     recorded_data = previous.get("data") or {}
-    moved = moved_data(previous["config"], config, recorded_data, data)
+    # The batch order depends on the data as read: compared like trajectory keys.
+    data_changes = data_identity.identity_changes(recorded_data, data)
+    old_dir = config_lib.flatten(previous["config"]).get("data.dir")
+    new_dir = config_lib.flatten(_as_json(config)).get("data.dir")
+    moved = (
+        old_dir != new_dir
+        and not data_changes
+        and all(
+            recorded_data.get(key) and recorded_data[key] == data.get(key)
+            for key in ("train_digest", "test_digest")
+        )
+    )
     if moved:
         logging.info(
             "The data moved: data.dir was %r, now %r, and is the data %s records (the same "
             "classes, files and content); resuming on it.",
-            *moved,
+            old_dir,
+            new_dir,
             source,
         )
     changes = trajectory_changes(previous["config"], config, ("data.dir",) if moved else ())
-    # The batch order depends on the data as read: compared like trajectory keys.
-    changes += data_identity.identity_changes(recorded_data, data)
+    changes += data_changes
     unchecked = data_identity.unchecked_keys(recorded_data, data)
     if unchecked:
         logging.warning(
@@ -375,13 +307,6 @@ def _changes_since(
             ", ".join(f"dataset.{key}" for key in unchecked),
         )
     return changes
-
-
-def _checkpoint_record(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The record a checkpoint's run metadata amounts to, if it holds a config."""
-    if not metadata or not isinstance(metadata.get("config"), Mapping):
-        return None
-    return {"config": metadata["config"], "data": metadata.get("data") or {}}
 
 
 def record_config(
@@ -397,14 +322,10 @@ def with_recorded(
     keep: Collection[str],
     unreported: Collection[str] = (),
 ) -> tuple[Any, list[str]]:
-    """`config` with the recorded values of every key but `keep`; and those that differed.
-
-    Keys in only one of the two are left as `config` has them (as on resume).
-    The `unreported` keys take their recorded values too but are not listed as
-    differing (a default the run fitted to its data).
-    """
+    """`config` with the recorded values of every key of both but `keep`, and the keys that
+    differed, but the `unreported` ones (a default the run fitted to its data)."""
     config = config.copy_and_resolve_references()
-    old, new = flatten(recorded), flatten(_as_json(config))
+    old, new = config_lib.flatten(recorded), config_lib.flatten(_as_json(config))
     changed = _changes(new, old, frozenset(keep) | frozenset(unreported))
     for key in sorted(set(old) & set(new) - set(keep)):
         if old[key] != new[key]:
@@ -422,16 +343,6 @@ def _stamp(iso: bool = False) -> str:
     return now.isoformat(timespec="seconds") if iso else now.strftime("%Y%m%dT%H%M%SZ")
 
 
-def _write_json_atomically(path: str, value: Any) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
 # Every process of a run: one config, one writer.
 
 # Keys that say where this host finds things or how hard it works, not what the run
@@ -440,20 +351,13 @@ PER_HOST_KEYS = ("compilation_cache_dir", "data.dir", "data.workers", "data.pref
 
 
 def check_same_config_on_every_process(config: Any) -> None:
-    """Refuses processes started with different configs, naming the keys and the processes.
-
-    A collective of a multi-process run: every process compares a digest of each
-    config key's value (`PER_HOST_KEYS` aside) with those of the others. Without
-    it, the replicas would drift apart and only the first replica check would tell.
-
-    Raises:
-      ValueError: naming the keys that differ from process 0's, and the processes.
-    """
+    """Refuses processes started with different configs (`PER_HOST_KEYS` aside), naming the
+    keys and the processes, by comparing digests; else the replicas would drift apart."""
     if jax.process_count() == 1:
         return
     flat = {
         key: value
-        for key, value in sorted(flatten(config.to_dict()).items())
+        for key, value in sorted(config_lib.flatten(config.to_dict()).items())
         if key not in PER_HOST_KEYS
     }
     digests = np.array([zlib.crc32(repr(item).encode()) for item in flat.items()], np.uint32)
@@ -473,16 +377,17 @@ def check_same_config_on_every_process(config: Any) -> None:
     )
 
 
-def on_process_0(what: str, fn: Callable[[], Any]) -> None:
-    """Runs `fn` on process 0; if it raises, every process raises (none goes on alone)."""
-    error = None
+def on_process_0(what: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` on process 0 (None on the others); if it raises, every process raises."""
+    result = error = None
     if jax.process_index() == 0:
         try:
-            fn()
+            result = fn()
         except WorkdirError as e:
             error = e
     if processes.any_process(error is not None):
         raise error or WorkdirError(f"{what} failed on process 0; see its log.")
+    return result
 
 
 @contextlib.contextmanager
@@ -495,11 +400,7 @@ def owning(workdir: str) -> Iterator[None]:
 
 def check_config_on_process_0(workdir: str, config: Any, **kwargs: Any) -> ConfigRecord | None:
     """`check_config` on process 0 (None on the others); a refusal raises on every process."""
-    record = []
-    on_process_0(
-        "Checking the config", lambda: record.append(check_config(workdir, config, **kwargs))
-    )
-    return record[0] if record else None
+    return on_process_0("Checking the config", lambda: check_config(workdir, config, **kwargs))
 
 
 def write_record_on_process_0(record: ConfigRecord | None) -> None:
