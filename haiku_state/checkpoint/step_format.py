@@ -1,38 +1,27 @@
 """The on-disk format of a checkpoint step and its `FORMAT_VERSION`: the one module that knows it.
 
-Changing what a step holds is an edit here and a new `FORMAT_VERSION` (the
-versions still read in `READABLE_FORMAT_VERSIONS`). In every version a step is
-`<directory>/<step>/`, complete once it holds Orbax's commit marker, with a JSON
-item `step` (file `step/metadata`) whose integer `format_version` (none: 1) says
-how to read the rest; a version not read here raises `UnsupportedFormatError`
-before anything else is read, and the step is left where it is.
+A step is `<directory>/<step>/`, complete once it holds Orbax's commit marker.
+Its JSON item `step` (file `step/metadata`) holds an integer `format_version`
+(none: 1); a version not in `READABLE_FORMAT_VERSIONS` raises
+`UnsupportedFormatError` before anything else is read, and the step is left as it is.
 
-Version 2 (written) holds three items:
+Version 2 (written): `train_state`, one Orbax pytree of `{"params", "state",
+"opt_state", "rng": {"key_data"}}`, the first three unreplicated (per-device:
+one replica, written by process 0, and every device's key; `jit`: its global
+arrays and the one key; one item, as Orbax's per-item handlers are the cost of
+a small save); `step`, JSON `{"format_version", "step", "key_impl",
+"key_layout", "fingerprints"}`; `metadata`, JSON with `package_versions`,
+`device_count`, eval `metrics` and the caller's extras (the config). The JSON
+items are files of their own, not Orbax's `custom_metadata` (which it may rewrite).
 
-* `train_state`: one Orbax pytree checkpoint of `{"params", "state",
-  "opt_state", "rng": {"key_data"}}`, the first three unreplicated. Per-device
-  (`pmap`, `shard_map`): host copies of one replica, written by process 0, and
-  every device's key in global device order. `jit`: its global arrays, each
-  process writing the shards it holds, and the one key. One item, not one per
-  tree: for a small model Orbax's per-item handlers are the cost of a save;
-* `step`: JSON `{"format_version", "step", "key_impl", "key_layout"
-  ("per_device" or "global"), "fingerprints"}`, a uint32 per array computed
-  where the arrays are (`guards.checkpoint_integrity.fingerprint`);
-* `metadata`: JSON with `package_versions`, `device_count`, the step's eval
-  `metrics` (for keeping the best) and the caller's extras (the config).
+Version 1 (main wrote it 2026-12-03 to 12-04): version 2 of a per-device state
+without `key_layout`, with CRC-32 `checksums` for `fingerprints`; it fits one
+device, so it is verified on the host.
 
-Version 1 (read: main wrote it from 2026-12-03 to 12-04, across landed submissions) is
-version 2 from a per-device train state without `key_layout`, with `checksums`
-(CRC-32 of each array's bytes) for `fingerprints`; it fits one device, so it is
-verified on the host.
-
-A restore reads each array straight into its target sharding. Keys move between
-layouts by one rule: a `jit` key is the base key per-device backends derive each
-device's from (`fold_in(key, global device index)`, as `Updater.init` does); a
-`jit` run resumed from per-device keys takes global device 0's. The JSON items
-are files of their own, not Orbax's `custom_metadata` (which it may rewrite).
-Readers raise `DamagedCheckpointError` when a complete step of a readable version
-cannot be read back as written; the `Checkpointer` then falls back.
+Keys move between layouts by one rule: a `jit` key is the base key per-device
+backends fold each global device index into; a `jit` run resumed from
+per-device keys takes global device 0's. A complete step of a readable version
+that cannot be read back as written raises `DamagedCheckpointError`.
 """
 
 from __future__ import annotations
@@ -77,11 +66,9 @@ class DamagedCheckpointError(Exception):
 class Encoded(NamedTuple):
     """A `TrainState` as it is written: host copies, and what a restore needs besides them."""
 
-    # {"params", "state", "opt_state", "rng": {"key_data"}}: numpy arrays (per-device
-    # layouts) or global arrays in host memory, in the train state's shardings (jit).
-    trees: dict[str, PyTree]
+    trees: dict[str, PyTree]  # numpy (per-device) or global arrays in host memory (jit).
     step: int
-    key_impl: str  # The PRNG implementation of the keys, e.g. "threefry2x32".
+    key_impl: str  # e.g. "threefry2x32".
     key_layout: str  # PER_DEVICE or GLOBAL.
     fingerprints: dict[str, int]  # By leaf name.
     device_count: int  # Of the run that saved it.
@@ -114,8 +101,8 @@ def package_versions() -> dict[str, str]:
 def orbax_manager(
     directory: epath.Path, preservation_policy: Any, read_only: bool
 ) -> ocp.CheckpointManager:
-    """An Orbax `CheckpointManager` of these items, synchronous (the `Checkpointer` has its
-    own writer thread); `preservation_policy` decides which steps Orbax may delete."""
+    """A synchronous Orbax `CheckpointManager` of these items (the `Checkpointer` has its
+    own writer thread)."""
     handlers = {TRAIN_STATE: ocp.StandardCheckpointHandler()}
     handlers.update({name: ocp.JsonCheckpointHandler(_JSON_FILE) for name in (STEP, METADATA)})
     options = ocp.CheckpointManagerOptions(
@@ -130,15 +117,11 @@ def orbax_manager(
     )
 
 
-# Writing.
-
-
 def encode(train_state: TrainState) -> Encoded:
     """Copies of `train_state` in host memory (donatable once this returns), and fingerprints.
 
-    Per-device: numpy copies of device 0's replica and of every device's key,
-    gathered from every process. `jit`: its global arrays copied shard by shard to
-    host memory, nothing gathered. In a multi-process run every process calls it.
+    Per-device: device 0's replica and every device's key, gathered. `jit`: its
+    global arrays copied shard by shard. Every process calls it.
     """
     key_impl = str(jax.random.key_impl(train_state.rng))
     step = step_of(train_state)
@@ -179,10 +162,7 @@ def metadata_item(
     encoded: Encoded, metadata: Mapping[str, Any] | None, metrics: Mapping[str, float] | None
 ) -> dict[str, Any]:
     """The `metadata` item: package versions, device count, the caller's extras, eval metrics.
-
-    Raises:
-      TypeError: if `metadata` is not JSON-serialisable.
-    """
+    TypeError if `metadata` is not JSON-serialisable."""
     item = {
         "package_versions": package_versions(),
         "device_count": encoded.device_count,
@@ -200,7 +180,7 @@ def metadata_item(
 
 
 def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
-    """The Orbax items of one step, in the current `FORMAT_VERSION` (see the module docstring)."""
+    """The Orbax items of one step, in the current `FORMAT_VERSION`."""
     step_item = {
         "format_version": FORMAT_VERSION,
         "step": encoded.step,
@@ -217,16 +197,12 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
     )
 
 
-# Reading. Each reader checks the format version first (`_read_step_item`).
+# Reading. Each reader checks the format version first (`_read_step_item`), so each raises
+# `UnsupportedFormatError` for a version not read here and `DamagedCheckpointError` for damage.
 
 
 def read_metadata(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """The `metadata` item of `step`.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      DamagedCheckpointError: if the item cannot be read.
-    """
+    """The `metadata` item of `step`."""
     _read_step_item(manager, step)
     try:
         return dict(json.loads(_item_file(manager, step, METADATA).read_text()))
@@ -238,12 +214,7 @@ def restore_step(
     manager: ocp.CheckpointManager, step: int, like: TrainState, axis_name: str
 ) -> TrainState:
     """Restores one step as a `TrainState` in the layout and shardings of `like`.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      ValueError: if the step does not fit `like` (nothing is read).
-      DamagedCheckpointError: if it fits but cannot be read back as written.
-    """
+    ValueError if it does not fit `like` (nothing is read)."""
     header = read_header(manager, step)
     expected = _expected_trees(like)
     problem = checkpoint_integrity.first_mismatch(expected, header.trees)
@@ -266,26 +237,14 @@ def restore_step(
 
 
 def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """Every saved tree of `step` as host arrays in their saved shapes, verified.
-
-    By `TrainState` field: `params`, `state`, `opt_state` without a device axis,
-    and `rng` as `{"key_data"}`: `[devices, ...]` per device, or the one key.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      DamagedCheckpointError: if it cannot be read back as written.
-    """
+    """Every saved tree of `step` as verified host arrays in their saved shapes: `rng` is
+    `{"key_data"}`, `[devices, ...]` per device, or the one key."""
     header = read_header(manager, step)
     return _read_on_host(manager, step, _saved_shapes(header), header)
 
 
 def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
-    """The `step` item and the array shapes of a step, without reading its arrays.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      DamagedCheckpointError: if its `step` item or array metadata cannot be read.
-    """
+    """The `step` item and the array shapes of a step, without reading its arrays."""
     item = _read_step_item(manager, step)
     version = item.get("format_version", 1)
     mismatch = _fields_mismatch(item, version)
@@ -314,12 +273,7 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
 
 
 def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """The `step` item of `step`, once its format version is known to be one this code reads.
-
-    Raises:
-      DamagedCheckpointError: if the item cannot be read (its version is then unknown).
-      UnsupportedFormatError: if its version is not in `READABLE_FORMAT_VERSIONS`.
-    """
+    """The `step` item of `step`, once its format version is known to be one read here."""
     try:
         item = json.loads(_item_file(manager, step, STEP).read_text())
         version = item.get("format_version", 1)  # Version 1 did not record it.
@@ -344,8 +298,8 @@ _STEP_ITEM_FIELDS = {
 
 
 def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
-    """Why the `step` item's fields are not those of the version it states, or None: its
-    version, the fields it lacks and the version whose fields it holds (a hand-edited step)."""
+    """Why the `step` item's fields are not those of the version it states (a hand-edited
+    step), or None."""
     missing = [field for field in _STEP_ITEM_FIELDS[version] if field not in item]
     if not missing:
         return None
@@ -401,9 +355,6 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."
 
 
-# Where the arrays go, and a TrainState from what was read.
-
-
 def _expected_trees(like: TrainState) -> dict[str, PyTree]:
     """The shapes and dtypes a checkpoint of `like`'s model holds (keys without device axis)."""
     per_device = not sharding.is_global(like)
@@ -435,8 +386,7 @@ def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
 
 
 def _abstract(shapes: PyTree, shardings: PyTree | jax.sharding.Sharding) -> PyTree:
-    """Abstract arrays for Orbax to read into: explicit targets, so a checkpoint written on
-    other hardware restores here."""
+    """Explicit targets for Orbax to read into, so a checkpoint of other hardware restores."""
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, shapes)
     return jax.tree.map(
@@ -495,12 +445,8 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
 
 
 def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax.Array:
-    """This process's typed per-device keys: its rows of the saved ones, or derived.
-
-    On another device count, or from a jit run's one key, each device's key is
-    `per_device_keys(base key, ...)` (`fold_in` of the global device index, as
-    `Updater.init` derives them), from device 0's saved key or the jit key.
-    """
+    """This process's typed per-device keys: its rows of the saved ones, or (on another device
+    count, or from a jit run's one key) derived from device 0's or the jit key."""
     num_devices = jax.local_device_count()
     first_index = jax.process_index() * num_devices
     keys = jax.random.wrap_key_data(key_data, impl=header.key_impl)
