@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -161,26 +161,13 @@ def _checkpoint_config(workdir: str) -> dict[str, Any] | None:
     return None if found is None else {"config": found[1]}
 
 
-def _evaluate_and_record(
-    experiment: Experiment,
-    train_state: TrainState,
-    config: Any,
-    writer: summaries.MetricWriter,
-    stop: signals.StopRequest | None,
-) -> dict[str, float] | None:
-    metrics = evaluate_test_split(experiment, train_state, config.eval_batch_size, stop)
-    if metrics is not None:
-        writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
-    return metrics
-
-
 def evaluate_checkpoint(
     config: Any, workdir: str, *, step: int | str | None = None, stop=None
 ) -> dict[str, float]:
     """Evaluates one checkpoint of `workdir` (`step`, "best" by `config.keep_best_by`, or
     None: the latest) on the test split and records it; `stop` raises `signals.Stopped`."""
     config, experiment, like, directory = _prepare(config, workdir)
-    with _reading(config, workdir, directory) as (checkpointer, writer):
+    with _reading(config, workdir, experiment, stop) as (checkpointer, evaluate):
         if step == "best":
             if not config.keep_best_by:
                 raise ValueError(
@@ -198,17 +185,14 @@ def evaluate_checkpoint(
         train_state = checkpointer.restore(like, step)
         if train_state is None:
             raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
-        metrics = _evaluate_and_record(experiment, train_state, config, writer, stop)
+        metrics = evaluate(train_state)
         if metrics is None:
             raise stop.stopped(
                 f"stopped the evaluation of step {step_of(train_state)}; nothing recorded."
             )
     if jax.process_index() == 0:
-        print(
-            f"Eval of {directory} at step {step_of(train_state)}: "
-            + summaries.format_metrics(metrics),
-            flush=True,
-        )
+        summary = summaries.format_metrics(metrics)
+        print(f"Eval of {directory} at step {step_of(train_state)}: {summary}", flush=True)
     return metrics
 
 
@@ -223,7 +207,7 @@ def follow_checkpoints(
     config, experiment, like, directory = _prepare(config, workdir, wait=stop)
     results: dict[int, dict[str, float]] = {}
     skipped: dict[int, str] = {}  # Why each step without metrics was skipped.
-    with _reading(config, workdir, directory) as (checkpointer, writer):
+    with _reading(config, workdir, experiment, stop) as (checkpointer, evaluate):
         done = False
         while not done and not stop.should_stop_now():
             new_steps = [s for s in checkpointer.all_steps() if s > max(results, default=-1)]
@@ -242,7 +226,7 @@ def follow_checkpoints(
                     logging.warning("Skipping checkpoint step %d: %s", step, e)
                     results[step], skipped[step] = {}, str(e)
                     continue
-                metrics = _evaluate_and_record(experiment, train_state, config, writer, stop)
+                metrics = evaluate(train_state)
                 if metrics is None:
                     break
                 results[step] = metrics
@@ -269,15 +253,25 @@ def _evaluated(results: dict[int, dict[str, float]]) -> list[int]:
 
 @contextlib.contextmanager
 def _reading(
-    config: Any, workdir: str, directory: str
-) -> Iterator[tuple[checkpoint.Checkpointer, summaries.MetricWriter]]:
-    """A read-only Checkpointer (that knows which step is best) and the eval writer."""
+    config: Any, workdir: str, experiment: Experiment, stop: signals.StopRequest | None
+) -> Iterator[tuple[checkpoint.Checkpointer, Callable[[TrainState], dict[str, float] | None]]]:
+    """A read-only Checkpointer (that knows which step is best), and `evaluate`: a train
+    state's metrics on the test split, recorded (None if `stop` interrupted them)."""
     best = {"keep_best_by": config.keep_best_by, "keep_best_mode": keep_best_mode(config)}
     enabled = jax.process_index() == 0
     with (
-        checkpoint.Checkpointer(directory, read_only=True, **best) as checkpointer,
+        checkpoint.Checkpointer(
+            os.path.join(workdir, "checkpoints"), read_only=True, **best
+        ) as checkpointer,
         summaries.MetricWriter(
             workdir, config.steps, enabled=enabled, tensorboard_run="eval"
         ) as writer,
     ):
-        yield checkpointer, writer
+
+        def evaluate(train_state: TrainState) -> dict[str, float] | None:
+            metrics = evaluate_test_split(experiment, train_state, config.eval_batch_size, stop)
+            if metrics is not None:
+                writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
+            return metrics
+
+        yield checkpointer, evaluate

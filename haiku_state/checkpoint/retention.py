@@ -96,9 +96,8 @@ class Retention:
         if step not in self._metrics:
             try:
                 self._metrics[step] = self._read_metrics(step)
-            except step_format.UnsupportedFormatError:
+            except Exception as e:  # An unreadable metadata item ranks nowhere.
                 self._metrics[step] = None
-                self._unsupported.add(step)
-            except Exception:  # An unreadable metadata item ranks nowhere.
-                self._metrics[step] = None
+                if isinstance(e, step_format.UnsupportedFormatError):
+                    self._unsupported.add(step)
         return self._metrics[step]

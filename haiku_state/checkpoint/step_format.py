@@ -82,8 +82,8 @@ class StepHeader(NamedTuple):
     key_impl: str
     key_layout: str  # PER_DEVICE or GLOBAL.
     integrity: dict[str, int]  # By leaf name: fingerprints (version 2) or CRC-32s (version 1).
-    key_count: int  # Devices whose keys were saved (PER_DEVICE); 1 (GLOBAL).
     trees: dict[str, PyTree]  # Shapes and dtypes; the keys without their device axis.
+    saved: dict[str, PyTree]  # Shapes and dtypes as saved.
 
 
 @functools.lru_cache(maxsize=1)
@@ -226,7 +226,7 @@ def restore_step(
             f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
             f"{problem}. Nothing was restored and no file was changed."
         )
-    expected["rng"] = _saved_shapes(header)["rng"]  # With the saved number of keys.
+    expected["rng"] = header.saved["rng"]  # With the saved number of keys.
     placements = _target_shardings(like, axis_name)
     if header.version == 1 and sharding.is_global(like):
         # Written by a per-device run, so it fits one device: verified on the host, then placed.
@@ -240,7 +240,7 @@ def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any
     """Every saved tree of `step` as verified host arrays in their saved shapes: `rng` is
     `{"key_data"}`, `[devices, ...]` per device, or the one key."""
     header = read_header(manager, step)
-    return _read_on_host(manager, step, _saved_shapes(header), header)
+    return _read_on_host(manager, step, header.saved, header)
 
 
 def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
@@ -255,21 +255,19 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
             tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
         if tree_metadata is None:
             raise FileNotFoundError(f"item {TRAIN_STATE!r} has no readable metadata")
-        trees = dict(getattr(tree_metadata, "tree", tree_metadata))
+        saved = dict(getattr(tree_metadata, "tree", tree_metadata))
         saved_step, key_impl = int(item["step"]), str(item["key_impl"])
         key_layout = item.get("key_layout", PER_DEVICE)  # Version 1 saved a key per device.
         if key_layout not in (PER_DEVICE, GLOBAL):
             raise ValueError(f"unknown key_layout {key_layout!r}")
         integrity = dict(item["checksums"] if version == 1 else item["fingerprints"])
-        key_shape = tuple(trees["rng"]["key_data"].shape)
-        key_dtype = trees["rng"]["key_data"].dtype
+        key = saved["rng"]["key_data"]
+        key_shape = tuple(key.shape)[1:] if key_layout == PER_DEVICE else tuple(key.shape)
+        one_key = jax.ShapeDtypeStruct(key_shape, key.dtype)
     except Exception as e:  # The version is readable, so any failure to read is damage.
         raise DamagedCheckpointError(_reason(e)) from e
-    key_count = 1
-    if key_layout == PER_DEVICE:
-        key_count, *key_shape = key_shape
-    trees["rng"] = {"key_data": jax.ShapeDtypeStruct(tuple(key_shape), key_dtype)}
-    return StepHeader(version, saved_step, key_impl, key_layout, integrity, key_count, trees)
+    trees = {**saved, "rng": {"key_data": one_key}}
+    return StepHeader(version, saved_step, key_impl, key_layout, integrity, trees, saved)
 
 
 def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -339,7 +337,8 @@ def _read_verified(
 def _read_on_host(manager, step: int, shapes: PyTree, header: StepHeader) -> dict[str, Any]:
     """The `train_state` item read onto one device and verified, as host arrays."""
     first_device = SingleDeviceSharding(jax.local_devices()[0])
-    return jax.device_get(_read_verified(manager, step, _abstract(shapes, first_device), header))
+    targets = _abstract(shapes, jax.tree.map(lambda _: first_device, shapes))
+    return jax.device_get(_read_verified(manager, step, targets, header))
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -366,16 +365,6 @@ def _expected_trees(like: TrainState) -> dict[str, PyTree]:
     return _trees(jax.tree.map(saved_shape, like._replace(rng=())), saved_shape(key_data))
 
 
-def _saved_shapes(header: StepHeader) -> dict[str, PyTree]:
-    """The header's trees, with the keys in their saved shape (a device axis per device)."""
-    key_data = header.trees["rng"]["key_data"]
-    shape = (header.key_count, *key_data.shape) if header.key_layout == PER_DEVICE else None
-    return {
-        **header.trees,
-        "rng": {"key_data": jax.ShapeDtypeStruct(shape or key_data.shape, key_data.dtype)},
-    }
-
-
 def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
     """Where each saved array goes: by the leaves of `like` (jit), or every local device."""
     if sharding.is_global(like):
@@ -385,10 +374,8 @@ def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
     return jax.tree.map(lambda _: on_every_device, _trees(like._replace(rng=()), like.rng))
 
 
-def _abstract(shapes: PyTree, shardings: PyTree | jax.sharding.Sharding) -> PyTree:
+def _abstract(shapes: PyTree, shardings: PyTree) -> PyTree:
     """Explicit targets for Orbax to read into, so a checkpoint of other hardware restores."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, shapes)
     return jax.tree.map(
         lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), shapes, shardings
     )
@@ -405,22 +392,15 @@ def _decode(
     """The `TrainState` of restored trees, in the layout of `like`."""
     key_data = trees["rng"]["key_data"]
     if sharding.is_global(like):
-        step = np.asarray(header.step, like.step.dtype)
-        train_state = TrainState(
-            **{name: trees[name] for name in REPLICATED_TREES},
-            rng=_global_key(key_data, header, like.rng.sharding),
-            step=_place(step, like.step.sharding),
-        )
+        fields = {name: trees[name] for name in REPLICATED_TREES}
+        rng = _global_key(key_data, header, like.rng.sharding)
+        step = _place(np.asarray(header.step, like.step.dtype), like.step.sharding)
     else:
-        replicated = {
-            name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES
-        }
-        step_array = np.full((jax.local_device_count(),), header.step, like.step.dtype)
-        train_state = TrainState(
-            **replicated,
-            rng=_device_keys(key_data, header, axis_name),
-            step=jax.device_put(step_array, replication.device_axis_sharding(axis_name)),
-        )
+        fields = {name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES}
+        rng = _device_keys(key_data, header, axis_name)
+        steps = np.full((jax.local_device_count(),), header.step, like.step.dtype)
+        step = jax.device_put(steps, replication.device_axis_sharding(axis_name))
+    train_state = TrainState(**fields, rng=rng, step=step)
     if jax.tree.structure(train_state) != jax.tree.structure(like):
         raise AssertionError("restored TrainState does not have the structure of `like`.")
     return train_state
@@ -435,7 +415,7 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
             "from the key of global device 0: deterministic, but a different random "
             "stream from the run that saved it.",
             header.step,
-            header.key_count,
+            key_data.shape[0],
         )
 
     def wrap(data):

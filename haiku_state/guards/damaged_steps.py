@@ -52,7 +52,7 @@ class StepDirectories:
             )
             return False
         if self.step_dir(step).exists():
-            self._set_aside_unfinished(step, "it has no commit marker")
+            self._set_aside_saying(step, "incomplete", "it has no commit marker")
         return True
 
     def set_aside(self, step: int, reason: str) -> epath.Path | None:
@@ -63,27 +63,20 @@ class StepDirectories:
 
     def set_aside_damaged(self, step: int, reason: object, then: str = "") -> None:
         """Sets a damaged step aside with a warning naming both paths, then `then`."""
-        path = self.step_dir(step)
         try:
-            moved = self.set_aside(step, "damaged")
+            self._set_aside_saying(step, "damaged", reason, then)
         except OSError as e:
             raise OSError(
-                f"Checkpoint {path} is damaged ({reason}) and cannot be moved aside: {e}. "
-                "Make the folder writable, or move the step away yourself."
+                f"Checkpoint {self.step_dir(step)} is damaged ({reason}) and cannot be moved "
+                f"aside: {e}. Make the folder writable, or move the step away yourself."
             ) from None
-        logging.warning(
-            "Checkpoint %s is damaged (%s)%s%s.",
-            path,
-            reason,
-            f"; moved aside to {moved}, not deleted" if moved else "",
-            f"; {then}" if then else "",
-        )
 
     def set_aside_incomplete(self) -> None:
         """Sets aside every step without its commit marker (called by the workdir's writer)."""
         for step in self.named_steps():
             if not self.is_complete(step):
-                self._set_aside_unfinished(step, "it has no commit marker: it never finished")
+                reason = "it has no commit marker: it never finished"
+                self._set_aside_saying(step, "incomplete", reason)
 
     def after_fallback(self, damaged: list[tuple[int, Exception]], restored: int | None) -> None:
         """Sets aside the `damaged` steps newer than the `restored` one; with none restored,
@@ -129,14 +122,17 @@ class StepDirectories:
                 f"from step {latest} ({type(error).__name__}: {str(error)[:200]})",
             ) from None
 
-    def _set_aside_unfinished(self, step: int, reason: str) -> None:
+    def _set_aside_saying(self, step: int, what: str, reason: object, then: str = "") -> None:
+        """Sets `step` aside as `what` ("damaged", "incomplete"), warning with both paths."""
         path = self.step_dir(step)
-        moved = self.set_aside(step, "incomplete")
+        moved = self.set_aside(step, what)
         logging.warning(
-            "Checkpoint %s is incomplete (%s)%s.",
+            "Checkpoint %s is %s (%s)%s%s.",
             path,
+            what,
             reason,
             f"; moved aside to {moved}, not deleted" if moved else "",
+            f"; {then}" if then else "",
         )
 
     def _rename_aside(self, step: int, reason: str) -> epath.Path | None:
