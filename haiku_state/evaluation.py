@@ -247,7 +247,6 @@ def follow_checkpoints(
 
 
 def _evaluated(results: dict[int, dict[str, float]]) -> list[int]:
-    """The steps of `results` that were evaluated (not skipped), ascending."""
     return sorted(step for step, metrics in results.items() if metrics)
 
 

@@ -74,9 +74,7 @@ class Encoded(NamedTuple):
     device_count: int  # Of the run that saved it.
 
 
-class StepHeader(NamedTuple):
-    """What a step says about itself, read before its arrays."""
-
+class StepHeader(NamedTuple):  # What a step says about itself, read before its arrays.
     version: int
     step: int
     key_impl: str
@@ -204,10 +202,7 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
 def read_metadata(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     """The `metadata` item of `step`."""
     _read_step_item(manager, step)
-    try:
-        return dict(json.loads(_item_file(manager, step, METADATA).read_text()))
-    except Exception as e:  # The version is readable, so a failed read is damage.
-        raise DamagedCheckpointError(_reason(e)) from e
+    return _read_json(manager, step, METADATA)
 
 
 def restore_step(
@@ -272,11 +267,8 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
 
 def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     """The `step` item of `step`, once its format version is known to be one read here."""
-    try:
-        item = json.loads(_item_file(manager, step, STEP).read_text())
-        version = item.get("format_version", 1)  # Version 1 did not record it.
-    except Exception as e:
-        raise DamagedCheckpointError(_reason(e)) from e
+    item = _read_json(manager, step, STEP)
+    version = item.get("format_version", 1)  # Version 1 did not record it.
     if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
         raise UnsupportedFormatError(
             f"Checkpoint {_step_dir(manager, step)} has format version {version!r}; this "
@@ -335,7 +327,6 @@ def _read_verified(
 
 
 def _read_on_host(manager, step: int, shapes: PyTree, header: StepHeader) -> dict[str, Any]:
-    """The `train_state` item read onto one device and verified, as host arrays."""
     first_device = SingleDeviceSharding(jax.local_devices()[0])
     targets = _abstract(shapes, jax.tree.map(lambda _: first_device, shapes))
     return jax.device_get(_read_verified(manager, step, targets, header))
@@ -345,8 +336,11 @@ def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
     return epath.Path(manager.directory) / str(step)
 
 
-def _item_file(manager: ocp.CheckpointManager, step: int, item: str) -> epath.Path:
-    return _step_dir(manager, step) / item / _JSON_FILE
+def _read_json(manager: ocp.CheckpointManager, step: int, item: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads((_step_dir(manager, step) / item / _JSON_FILE).read_text()))
+    except Exception as e:  # Unreadable JSON is damage, whatever the format version.
+        raise DamagedCheckpointError(_reason(e)) from e
 
 
 def _reason(error: BaseException) -> str:
