@@ -1,27 +1,21 @@
 """The on-disk format of a checkpoint step and its `FORMAT_VERSION`: the one module that knows it.
 
-A step is `<directory>/<step>/`, complete once it holds Orbax's commit marker.
-Its JSON item `step` (file `step/metadata`) holds an integer `format_version`
-(none: 1); a version not in `READABLE_FORMAT_VERSIONS` raises
-`UnsupportedFormatError` before anything else is read, and the step is left as it is.
+A step is `<directory>/<step>/`, complete once it holds Orbax's commit marker. Its JSON
+item `step` (file `step/metadata`) holds `format_version` (none: 1); a version not in
+`READABLE_FORMAT_VERSIONS` is refused (`UnsupportedFormatError`) before anything else is read.
 
-Version 2 (written): `train_state`, one Orbax pytree of `{"params", "state",
-"opt_state", "rng": {"key_data"}}`, the first three unreplicated (per-device:
-one replica, written by process 0, and every device's key; `jit`: its global
-arrays and the one key; one item, as Orbax's per-item handlers are the cost of
-a small save); `step`, JSON `{"format_version", "step", "key_impl",
+Version 2 (written): `train_state`, one Orbax pytree (one item: per-item handlers are the
+cost of a small save) of `{"params", "state", "opt_state", "rng": {"key_data"}}`, the
+first three unreplicated (per-device: one replica and every device's key; `jit`: global
+arrays and the one key); `step`, JSON `{"format_version", "step", "key_impl",
 "key_layout", "fingerprints"}`; `metadata`, JSON with `package_versions`,
-`device_count`, eval `metrics` and the caller's extras (the config). The JSON
-items are files of their own, not Orbax's `custom_metadata` (which it may rewrite).
+`device_count`, eval `metrics` and the caller's extras. JSON items are files of their
+own, not Orbax's `custom_metadata` (which it may rewrite). Version 1 (written
+2026-12-03 to 12-04): version 2 of a per-device state without `key_layout`, with CRC-32
+`checksums` for `fingerprints`, verified on the host.
 
-Version 1 (main wrote it 2026-12-03 to 12-04): version 2 of a per-device state
-without `key_layout`, with CRC-32 `checksums` for `fingerprints`; it fits one
-device, so it is verified on the host.
-
-Keys move between layouts by one rule: a `jit` key is the base key per-device
-backends fold each global device index into; a `jit` run resumed from
-per-device keys takes global device 0's. A complete step of a readable version
-that cannot be read back as written raises `DamagedCheckpointError`.
+A `jit` key is the base key per-device backends fold each global device index into; a
+`jit` run resumed from per-device keys takes global device 0's.
 """
 
 from __future__ import annotations

@@ -92,8 +92,13 @@ def verify_checksums(trees: dict[str, PyTree], expected: dict[str, int]) -> str 
 
 
 def leaf_name(path: tuple) -> str:
-    """A key path as one stable name, `params/mlp/linear/w`, whatever the containers."""
-    return "/".join(_path_names(path))
+    """A key path as one stable name, `params/mlp/linear/w`, whatever the containers (so a
+    NamedTuple field matches a saved dict key)."""
+    names = []
+    for key in path:
+        attribute = next((a for a in ("key", "name", "idx") if hasattr(key, a)), None)
+        names.append(str(key if attribute is None else getattr(key, attribute)))
+    return "/".join(names)
 
 
 def first_mismatch(model: Mapping[str, PyTree], saved: Mapping[str, PyTree]) -> str | None:
@@ -116,19 +121,10 @@ def first_mismatch(model: Mapping[str, PyTree], saved: Mapping[str, PyTree]) -> 
     return None
 
 
-def _path_names(path: tuple) -> tuple[str, ...]:
-    """A key path as plain names, so a NamedTuple field matches a saved dict key."""
-    names = []
-    for key in path:
-        attribute = next((a for a in ("key", "name", "idx") if hasattr(key, a)), None)
-        names.append(str(key if attribute is None else getattr(key, attribute)))
-    return tuple(names)
-
-
-def _leaf_signatures(tree: PyTree) -> dict[tuple[str, ...], tuple[str, tuple[int, ...], np.dtype]]:
-    """Each leaf by its plain names: (printable path, shape, dtype)."""
+def _leaf_signatures(tree: PyTree) -> dict[str, tuple[str, tuple[int, ...], np.dtype]]:
+    """Each leaf by its `leaf_name`: (printable path, shape, dtype)."""
     return {
-        _path_names(path): (
+        leaf_name(path): (
             jax.tree_util.keystr(path),
             tuple(getattr(leaf, "shape", ())),
             np.dtype(leaf.dtype),

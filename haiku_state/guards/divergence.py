@@ -1,17 +1,12 @@
 """A diverging run: telling it from the fetched losses, and which checkpoints it spoiled.
 
-A loss that is not finite, or over `EXPLOSION_FACTOR` x the run's first, explodes.
-The checkpoint of step `s` holds the params step `s + 1`'s loss is computed with,
-so the checkpoints from the step before the first exploding loss hold diverged
-params: while the loss explodes the last good one is kept from retention, and a
-non-finite loss ends the run with the diverged ones set aside (renamed, never
-deleted), so a rerun resumes from a good one. A run whose loss is still exploding
-at its end fails with `LossExplodedError`.
-
-A run can also collapse with a finite loss: `Outcome` judges its end on what it
-logged (see `Outcome.problems`), and `EndedWorseError` ends it, after the final
-save and evaluation. The outcome so far is saved with every checkpoint, so a
-resumed run is judged as the uninterrupted run would be.
+A loss that is not finite, or over `EXPLOSION_FACTOR` x the run's first, explodes. The
+checkpoint of step `s` holds the params step `s + 1`'s loss is computed with, so those
+from the step before the first exploding loss on hold diverged params: while the loss
+explodes the last good one is kept, a non-finite loss sets the diverged ones aside
+(renamed, never deleted), and a loss still exploding at the end is `LossExplodedError`.
+A run can also collapse with a finite loss: `Outcome` judges its end, saved with each
+checkpoint so a resumed run is judged as the uninterrupted one (`EndedWorseError`).
 """
 
 from __future__ import annotations
