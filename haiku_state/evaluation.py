@@ -1,16 +1,10 @@
 """Evaluation: exact metrics over a split, of one checkpoint or of each as training saves it.
 
-`evaluate_checkpoint` is `--mode=eval`; `follow_checkpoints` is
-`--mode=eval_follow`, jaxline's evaluator job: beside a training run in
-another process, it evaluates every new complete checkpoint as it appears and
-exits after the final step's. Both read the checkpoints without touching them
-(no lock, nothing moved or deleted) and write their results to `metrics.jsonl`
-(split `eval`, marked `"separate": true`) and to TensorBoard's `eval` run.
-
-Both evaluate the run as it was trained: the keys of its recorded config
-(`config.json`, else the latest checkpoint's metadata) replace the command
-line's, with a warning naming those that differ, except the keys of how this
-process evaluates (`EVALUATOR_KEYS`). So `eval_follow` knows the run's last step.
+`evaluate_checkpoint` is `--mode=eval`; `follow_checkpoints` is `--mode=eval_follow`,
+beside a training run, evaluating each new complete checkpoint until the last step's.
+Both read the checkpoints without touching them, write to `metrics.jsonl` (split
+`eval`, marked `"separate": true`) and TensorBoard's `eval` run, and evaluate the
+run as it was trained: its recorded config but `EVALUATOR_KEYS`.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -55,11 +49,8 @@ def evaluate_split(
     options: data.PipelineOptions = data.DEFAULT_OPTIONS,
     stop: signals.StopRequest | None = None,
 ) -> dict[str, float] | None:
-    """Exact mean metrics over every example of `split` (padding excluded).
-
-    Returns None if `stop` asks for it between two batches: a preemption notice
-    does not wait for a whole evaluation.
-    """
+    """Exact mean metrics over every example of `split` (padding excluded); None if `stop`
+    asks for it between two batches (a preemption notice does not wait)."""
     per_batch = []
     batches = data.eval_batches(
         split, batch_size, process=data.ProcessSlice.current(), options=options
@@ -102,10 +93,8 @@ def evaluate_test_split(
 def _prepare(
     config: Any, workdir: str, *, wait: signals.StopRequest | None = None
 ) -> tuple[Any, Experiment, TrainState, str]:
-    """The run's config, the experiment, a train state to restore into, the checkpoint directory.
-
-    With `wait`, waits for the run's record to appear (a training run about to start).
-    """
+    """The run's config, the experiment, a train state to restore into, the checkpoint
+    directory; with `wait`, once the run's record appears (a training run about to start)."""
     directory = os.path.join(workdir, "checkpoints")
     if wait is not None and not _recorded(workdir):
         logging.info("Waiting for %s to hold a run's record (a training run to start).", workdir)
@@ -134,11 +123,8 @@ def _recorded(workdir: str) -> bool:
 
 
 def run_config(config: Any, workdir: str) -> Any:
-    """`config` with the keys of the run's recorded config, but `EVALUATOR_KEYS`.
-
-    The record is `config.json`, else the metadata of the latest checkpoint; with
-    neither, `config` as it is.
-    """
+    """`config` with the keys of the run's recorded config (`config.json`, else the latest
+    checkpoint's metadata), but `EVALUATOR_KEYS`; warns naming those that differ."""
     record, problem = workdir_lib.read_record(workdir)
     source = os.path.join(workdir, workdir_lib.CONFIG_FILE)
     if record is None:
@@ -175,35 +161,13 @@ def _checkpoint_config(workdir: str) -> dict[str, Any] | None:
     return None if found is None else {"config": found[1]}
 
 
-def _evaluate_and_record(
-    experiment: Experiment,
-    train_state: TrainState,
-    config: Any,
-    writer: summaries.MetricWriter,
-    stop: signals.StopRequest | None,
-) -> dict[str, float] | None:
-    metrics = evaluate_test_split(experiment, train_state, config.eval_batch_size, stop)
-    if metrics is not None:
-        writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
-    return metrics
-
-
 def evaluate_checkpoint(
     config: Any, workdir: str, *, step: int | str | None = None, stop=None
 ) -> dict[str, float]:
-    """Evaluates one checkpoint of `workdir` on the test split and records the result.
-
-    Args:
-      config: the experiment config; the run's recorded one replaces it (`run_config`).
-      workdir: the run's directory.
-      step: a step, "best" (by `config.keep_best_by`), or None for the latest.
-      stop: interrupts the evaluation between batches.
-
-    Raises:
-      signals.Stopped: when `stop` interrupted the evaluation (nothing is recorded).
-    """
+    """Evaluates one checkpoint of `workdir` (`step`, "best" by `config.keep_best_by`, or
+    None: the latest) on the test split and records it; `stop` raises `signals.Stopped`."""
     config, experiment, like, directory = _prepare(config, workdir)
-    with _reading(config, workdir, directory) as (checkpointer, writer):
+    with _reading(config, workdir, experiment, stop) as (checkpointer, evaluate):
         if step == "best":
             if not config.keep_best_by:
                 raise ValueError(
@@ -221,40 +185,29 @@ def evaluate_checkpoint(
         train_state = checkpointer.restore(like, step)
         if train_state is None:
             raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
-        metrics = _evaluate_and_record(experiment, train_state, config, writer, stop)
+        metrics = evaluate(train_state)
         if metrics is None:
             raise stop.stopped(
                 f"stopped the evaluation of step {step_of(train_state)}; nothing recorded."
             )
     if jax.process_index() == 0:
-        print(
-            f"Eval of {directory} at step {step_of(train_state)}: "
-            + summaries.format_metrics(metrics),
-            flush=True,
-        )
+        summary = summaries.format_metrics(metrics)
+        print(f"Eval of {directory} at step {step_of(train_state)}: {summary}", flush=True)
     return metrics
 
 
 def follow_checkpoints(
     config: Any, workdir: str, *, stop: signals.StopRequest, poll_secs: float = FOLLOW_POLL_SECS
 ) -> dict[int, dict[str, float]]:
-    """Evaluates every new complete checkpoint until the one of the run's last step.
+    """The metrics by step of every new complete checkpoint until the run's last step's.
 
-    A checkpoint that is gone (retention deleted it) or damaged by the time it
-    is read is skipped with a warning, unless it is the last step's. Returns the
-    metrics by step.
-
-    Raises:
-      signals.Stopped: when `stop` asked to stop before the last step's evaluation.
-      checkpoint.UnsupportedFormatError: at a step of a format version this code
-        does not read, naming it and its version (the steps after it would be of
-        that version too).
-      ValueError: if the last step's checkpoint is damaged, naming it and why.
+    One gone (retention deleted it) or damaged by the time it is read is skipped with
+    a warning, unless it is the last step's; an unread format version stops it.
     """
     config, experiment, like, directory = _prepare(config, workdir, wait=stop)
     results: dict[int, dict[str, float]] = {}
     skipped: dict[int, str] = {}  # Why each step without metrics was skipped.
-    with _reading(config, workdir, directory) as (checkpointer, writer):
+    with _reading(config, workdir, experiment, stop) as (checkpointer, evaluate):
         done = False
         while not done and not stop.should_stop_now():
             new_steps = [s for s in checkpointer.all_steps() if s > max(results, default=-1)]
@@ -273,7 +226,7 @@ def follow_checkpoints(
                     logging.warning("Skipping checkpoint step %d: %s", step, e)
                     results[step], skipped[step] = {}, str(e)
                     continue
-                metrics = _evaluate_and_record(experiment, train_state, config, writer, stop)
+                metrics = evaluate(train_state)
                 if metrics is None:
                     break
                 results[step] = metrics
@@ -294,21 +247,30 @@ def follow_checkpoints(
 
 
 def _evaluated(results: dict[int, dict[str, float]]) -> list[int]:
-    """The steps of `results` that were evaluated (not skipped), ascending."""
     return sorted(step for step, metrics in results.items() if metrics)
 
 
 @contextlib.contextmanager
 def _reading(
-    config: Any, workdir: str, directory: str
-) -> Iterator[tuple[checkpoint.Checkpointer, summaries.MetricWriter]]:
-    """A read-only Checkpointer (that knows which step is best) and the eval writer."""
+    config: Any, workdir: str, experiment: Experiment, stop: signals.StopRequest | None
+) -> Iterator[tuple[checkpoint.Checkpointer, Callable[[TrainState], dict[str, float] | None]]]:
+    """A read-only Checkpointer (that knows which step is best), and `evaluate`: a train
+    state's metrics on the test split, recorded (None if `stop` interrupted them)."""
     best = {"keep_best_by": config.keep_best_by, "keep_best_mode": keep_best_mode(config)}
     enabled = jax.process_index() == 0
     with (
-        checkpoint.Checkpointer(directory, read_only=True, **best) as checkpointer,
+        checkpoint.Checkpointer(
+            os.path.join(workdir, "checkpoints"), read_only=True, **best
+        ) as checkpointer,
         summaries.MetricWriter(
             workdir, config.steps, enabled=enabled, tensorboard_run="eval"
         ) as writer,
     ):
-        yield checkpointer, writer
+
+        def evaluate(train_state: TrainState) -> dict[str, float] | None:
+            metrics = evaluate_test_split(experiment, train_state, config.eval_batch_size, stop)
+            if metrics is not None:
+                writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
+            return metrics
+
+        yield checkpointer, evaluate

@@ -1,11 +1,6 @@
-"""Orbax checkpoints of the whole `TrainState`, with exact resume.
-
-* `checkpointer`: the `Checkpointer`, the library's one door: background saves,
-  restores that fall back over damaged steps; `complete_steps` only looks.
-* `step_format`: what a step holds and its `FORMAT_VERSION`; a step of a version
-  not in `READABLE_FORMAT_VERSIONS` is refused with `UnsupportedFormatError`.
-* `retention`: which steps to keep: the newest, milestones, the best.
-* `init_from`: `warm_start`, a fresh run's params and state from another run's checkpoint.
+"""Orbax checkpoints of the whole `TrainState`, with exact resume: the `Checkpointer`
+(`checkpointer`), the on-disk format (`step_format`), which steps to keep (`retention`)
+and `warm_start` from another run's checkpoint (`init_from`).
 """
 
 from haiku_state.checkpoint.checkpointer import Checkpointer, complete_steps

@@ -1,12 +1,7 @@
 """The `Checkpointer`: asynchronous saves of a `TrainState`, exact resumes, safe fallbacks.
 
-The library's one door to checkpoints: one Orbax step directory per saved step.
-What a step holds is `step_format`'s, which steps to keep `retention`'s;
-`guards.damaged_steps` sets aside damaged and unfinished steps. In a
-multi-process run every process calls `save` and `restore` at the same steps.
-Writes run in our own thread (Orbax's async mode starts its threads in the
-caller's, blocking the loop longer), so Orbax's barriers go through the
-`jax.distributed` client rather than device collectives.
+One Orbax step directory per step (its format: `step_format`; which to keep: `retention`).
+Every process calls `save` and `restore` at the same steps.
 """
 
 from __future__ import annotations
@@ -35,20 +30,8 @@ def complete_steps(directory: str | os.PathLike) -> list[int]:
 
 
 class Checkpointer:
-    """Saves and restores a `TrainState` of any backend's layout under one directory.
-
-    Args:
-      directory: where the step directories go; created if missing (unless `read_only`).
-      max_to_keep: how many of the newest complete checkpoints to keep; None keeps all.
-      keep_every_steps: steps divisible by this are kept forever; 0: none.
-      keep_best_by: an eval metric passed to `save(metrics=)`; the step with the
-        best value is kept too. "": none.
-      keep_best_mode: "max" or "min" for `keep_best_by`.
-      async_save: write in a background thread, once the arrays are in host memory.
-      axis_name: the device axis name of the `Updater` the states belong to.
-      read_only: for an evaluator beside a training run: never writes, moves or
-        deletes anything.
-    """
+    """Saves and restores a `TrainState` of any backend's layout under one directory;
+    `read_only` (an evaluator beside a training run) never writes, moves or deletes."""
 
     def __init__(
         self,
@@ -62,10 +45,9 @@ class Checkpointer:
         axis_name: str = replication.DEFAULT_AXIS_NAME,
         read_only: bool = False,
     ):
-        self._directory = epath.Path(os.path.abspath(os.fspath(directory)))
-        self._steps = damaged_steps.StepDirectories(self._directory, read_only=read_only)
+        self.directory = epath.Path(os.path.abspath(os.fspath(directory)))
+        self._steps = damaged_steps.StepDirectories(self.directory, read_only=read_only)
         self._axis_name = axis_name
-        self._read_only = read_only
         self.retention = retention.Retention(
             max_to_keep,
             self._steps.is_complete,
@@ -74,14 +56,10 @@ class Checkpointer:
             keep_best_by=keep_best_by,
             keep_best_mode=keep_best_mode,
         )
-        self._manager = step_format.orbax_manager(self._directory, self.retention, read_only)
+        self._manager = step_format.orbax_manager(self.directory, self.retention, read_only)
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
         self._thread = None if read_only else _writer_thread(async_save)
         self._in_flight: concurrent.futures.Future | None = None
-
-    @property
-    def directory(self) -> epath.Path:
-        return self._directory
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk (with Orbax's commit marker), ascending."""
@@ -89,8 +67,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None. Damage is only detected by `restore`."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return (self.all_steps() or [None])[-1]
 
     def best_step(self) -> int | None:
         """The complete step with the best `keep_best_by` eval metric, or None."""
@@ -103,11 +80,8 @@ class Checkpointer:
         past: type[Exception] | tuple[type[Exception], ...] = ValueError,
         failures: list[tuple[int, Exception]] | None = None,
     ) -> tuple[int, T] | None:
-        """`(step, read(step))` for the newest complete step `read` returns a value for.
-
-        Steps where it returns None or raises `past` are passed over, newest
-        first; those raising are added to `failures` with their error.
-        """
+        """`(step, read(step))` for the newest complete step `read` returns a value for; steps
+        raising `past` are passed over and added to `failures` with their error."""
         for step in reversed(self.all_steps()):
             try:
                 value = read(step)
@@ -126,15 +100,10 @@ class Checkpointer:
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> bool:
-        """Starts writing `train_state` (any backend's) as the checkpoint of its step.
-
-        The caller may donate `train_state` once this returns; a save in flight is
-        waited for first. `metadata`: JSON-serialisable extras (e.g. the config),
-        or TypeError; `metrics`: this step's eval metrics, for `keep_best_by`.
-        Returns whether a checkpoint was started: a complete step is never rewritten.
-        """
-        if self._read_only:
-            raise PermissionError(f"Checkpointer of {self._directory} is read-only.")
+        """Starts writing `train_state` (donatable once this returns) with JSON `metadata`
+        and eval `metrics`; whether it started (a complete step is never rewritten)."""
+        if self._steps.read_only:
+            raise PermissionError(f"Checkpointer of {self.directory} is read-only.")
         _check_layout(train_state, "save")
         encoded = step_format.encode(train_state)
         metadata_item = step_format.metadata_item(encoded, metadata, metrics)
@@ -143,7 +112,9 @@ class Checkpointer:
             return False
         self.retention.record(encoded.step, metadata_item["metrics"])
         quiet_logs.drop_late_loop_callbacks()  # A failed write is reported once, by `_write`.
-        logging.info("Saving checkpoint step %d to %s.", encoded.step, self._step_dir(encoded.step))
+        logging.info(
+            "Saving checkpoint step %d to %s.", encoded.step, self._steps.step_dir(encoded.step)
+        )
         if self._thread is None:
             self._write(encoded, metadata_item)
         else:
@@ -151,37 +122,22 @@ class Checkpointer:
         return True
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
-        """Restores `step` as a `TrainState` in the layout and shardings of `like`, or None.
-
-        `like` (e.g. `Updater.abstract_init`) gives structure, shapes, dtypes and,
-        under `jit`, shardings. `step` None: the newest complete step, falling back
-        over damaged ones (set aside, with a warning each); None if there is none.
-        Keys are re-derived if the device count or the key layout changed.
-
-        Raises:
-          step_format.UnsupportedFormatError: at the first step tried (newest
-            first) of a format version not read here; it is left as it is.
-          ValueError: if the checkpoint does not fit `like` (naming the first
-            mismatching path; nothing is touched), or the requested `step` is damaged.
-          FileNotFoundError: if the requested `step` is not a complete checkpoint.
-          RuntimeError: if every complete checkpoint is damaged, or there is none
-            but steps set aside as damaged; nothing is moved.
-        """
+        """Restores `step` (None: the newest, falling back over damaged ones, set aside) in
+        the layout and shardings of `like` (`Updater.abstract_init`); None if there is none."""
         self.wait_until_finished()  # A write in flight may be the newest step.
         _check_layout(like, "restore")
         self._manager.reload()  # Orbax caches the steps it knows.
         if step is None:
             damaged: list[tuple[int, Exception]] = []
             read = functools.partial(self._restore_step, like)
-            found = self.newest_readable(
-                read, past=step_format.DamagedCheckpointError, failures=damaged
-            )
+            damage = step_format.DamagedCheckpointError
+            found = self.newest_readable(read, past=damage, failures=damaged)
             self._steps.after_fallback(damaged, None if found is None else found[0])
             self._steps.set_aside_incomplete()
             return None if found is None else found[1]
         if step not in (steps := self.all_steps()):
             raise FileNotFoundError(
-                f"No complete checkpoint for step {step} in {self._directory} "
+                f"No complete checkpoint for step {step} in {self.directory} "
                 f"(complete steps: {steps})."
             )
         try:
@@ -203,11 +159,7 @@ class Checkpointer:
         return self._steps.set_aside(step, reason)
 
     def metadata(self, step: int | None = None) -> dict | None:
-        """The `metadata` item of `step` (default: the newest), or None.
-
-        Raises ValueError if it is damaged, `UnsupportedFormatError` (a ValueError)
-        if its format version is not read here.
-        """
+        """The `metadata` item of `step` (default: the newest), or None; ValueError if damaged."""
         step = self.latest_step() if step is None else step
         return None if step is None else self._read(step_format.read_metadata, step)
 
@@ -219,7 +171,6 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the save in flight, then releases the writer thread and Orbax's resources."""
         try:
             self.wait_until_finished()
         finally:
@@ -234,7 +185,6 @@ class Checkpointer:
         self.close()
 
     def _write(self, encoded: step_format.Encoded, metadata_item: dict[str, Any]) -> None:
-        """Writes one step (in the writer thread when saving asynchronously)."""
         self.retention.saving_step = encoded.step
         try:
             args = step_format.save_args(encoded, metadata_item)
@@ -248,22 +198,19 @@ class Checkpointer:
 
     def _restore_step(self, like: TrainState, step: int) -> TrainState:
         train_state = step_format.restore_step(self._manager, step, like, self._axis_name)
-        logging.info("Restored checkpoint step %d from %s.", step, self._step_dir(step))
+        logging.info("Restored checkpoint step %d from %s.", step, self._steps.step_dir(step))
         return train_state
 
     def _read(self, reader: Callable[[Any, int], T], step: int) -> T:
         try:
             return reader(self._manager, step)
         except step_format.DamagedCheckpointError as e:
-            raise ValueError(f"Checkpoint {self._step_dir(step)} is damaged: {e}") from None
-
-    def _step_dir(self, step: int) -> epath.Path:
-        return self._steps.step_dir(step)
+            raise ValueError(f"Checkpoint {self._steps.step_dir(step)} is damaged: {e}") from None
 
 
 def _check_layout(train_state: TrainState, where: str) -> None:
-    """A per-device train state must have its device axis; a jit one is global arrays on a mesh
-    (an unreplicated per-device one, `hs.unreplicate`, has one key too, but no mesh)."""
+    """A per-device train state must have its device axis, unless it is global arrays on a
+    mesh (jit; `hs.unreplicate` of a per-device one has no mesh)."""
     on_a_mesh = all(
         isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
         and isinstance(leaf.sharding, jax.sharding.NamedSharding)
@@ -274,13 +221,8 @@ def _check_layout(train_state: TrainState, where: str) -> None:
 
 
 def _writer_thread(async_save: bool) -> concurrent.futures.ThreadPoolExecutor | None:
-    """The one thread writes run in, or None to write synchronously.
-
-    Orbax's default barrier, a device collective, called from the writer thread
-    could interleave with the step's collectives in a different order on each
-    process and deadlock: its `jax.distributed` client barriers are chosen by an
-    absl flag, which takes effect only once flags are parsed.
-    """
+    """The one thread writes run in, or None to write synchronously. Orbax's default
+    barrier, a device collective, could deadlock with the step's from this thread."""
     if not async_save:
         return None
     if jax.process_count() > 1:

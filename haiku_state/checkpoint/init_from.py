@@ -1,10 +1,8 @@
 """`warm_start` (config key `init_from`): a fresh run's params and state from another run.
 
-Only params and state move (the new run's optimizer, step and keys start afresh).
 Leaves whose name (`params/logits/w`) matches the regex `skip` keep their fresh
-initialisation, e.g. a classifier head of another class count; every other
-difference is refused by name. The checkpoint is read through a read-only
-`Checkpointer`, so its format version and integrity are checked as on resume.
+initialisation (a classifier head of another class count); any other difference
+is refused by name. The read is a read-only `Checkpointer`'s, checked as on resume.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ def locate(path: str) -> tuple[str, int | None]:
 def _merge(
     fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems: list, skipped: list
 ) -> Any:
-    """`fresh` with every leaf taken from `saved`, except skipped ones; notes mismatches and
-    the names of the leaves skipped."""
+    """`fresh` with every leaf not skipped from `saved`; notes mismatches and skipped names."""
     saved_leaves = {
         leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(saved)
     }
@@ -87,16 +84,8 @@ def _check_skip_matches(pattern: re.Pattern, train_state: TrainState, saved: Any
 
 
 def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) -> TrainState:
-    """`train_state` (either layout; jit leaves keep their shardings) with params and state
-    from the checkpoint at `path`, of either layout (see the module doc).
-
-    Raises:
-      FileNotFoundError: if `path` holds no complete checkpoint.
-      ValueError: if `skip` matches no leaf (it would skip nothing).
-      checkpoint.UnsupportedFormatError: if the step is of a format version this
-        code does not read (a directory's newest step: no fallback past it).
-      ValueError: naming every leaf that differs and is not skipped; nothing is loaded.
-    """
+    """`train_state` (either layout) with params and state from the checkpoint at `path`
+    (either layout); a directory's newest step, with no fallback past it."""
     directory, step = locate(path)
     with Checkpointer(directory, read_only=True) as checkpointer:
         step = checkpointer.latest_step() if step is None else step
@@ -131,7 +120,6 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
 
 
 def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list[str]) -> None:
-    """Says how many leaves of params and state were loaded and skipped; warns if none loaded."""
     if len(skipped) == leaves:
         logging.warning(
             "Warm start from %s step %d loaded nothing: config.init_skip=%r matches all %d "
@@ -155,7 +143,6 @@ def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list
 
 
 def _listed(names: list[str], shown: int, sep: str = ", ", more: str = " and") -> str:
-    """The first `shown` of `names`, and how many more."""
     rest = len(names) - shown
     return sep.join(names[:shown]) + (f"{more} {rest} more" if rest > 0 else "")
 

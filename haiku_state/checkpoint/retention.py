@@ -1,10 +1,8 @@
 """Which checkpoints to keep: the newest, milestones, and the best by an eval metric.
 
-An Orbax preservation policy, hand-written because Orbax's own (`LatestN`,
-`EveryNSteps`, `BestN`) count every step Orbax lists and rank by metrics in its
-`_CHECKPOINT_METADATA`: here only countable steps (the one being saved, or complete
-in a format version read here) count, ranked by the metrics of our `metadata`
-item; any other step is always preserved, never taking the place of a good one.
+An Orbax preservation policy of our own, as Orbax's count every step it lists: here
+only the step being saved and complete steps of a format version read here count,
+ranked by our `metadata` item's metrics; any other step is always preserved.
 """
 
 from __future__ import annotations
@@ -20,18 +18,9 @@ Metrics = Mapping[str, float]
 
 
 class Retention:
-    """Keeps the newest `max_to_keep` steps, every `keep_every_steps`-th step, and the best one.
-
-    Args:
-      max_to_keep: the newest countable steps to keep; None keeps all.
-      is_complete: whether a step's directory is complete on disk.
-      read_metrics: the eval metrics recorded with a step, or None (read once per
-        step); raises `step_format.UnsupportedFormatError` for a step of a format
-        version not read here, which then never counts.
-      keep_every_steps: steps divisible by this are milestones, kept forever; 0: none.
-      keep_best_by: the eval metric that ranks steps; "": none.
-      keep_best_mode: "max" or "min": which end of the ranking is best.
-    """
+    """Keeps the newest `max_to_keep` steps (None: all), every `keep_every_steps`-th step, and
+    the best by `keep_best_by` ("": none). `read_metrics` raises `UnsupportedFormatError`
+    for a step of a format version not read here, which then never counts."""
 
     def __init__(
         self,
@@ -60,11 +49,7 @@ class Retention:
         self._told_unranked = False
 
     def record(self, step: int, metrics: Metrics | None) -> None:
-        """The eval metrics of a step being saved, so they need not be read back.
-
-        The first metrics without `keep_best_by` are named in a warning: a misnamed
-        metric would rank nothing, silently.
-        """
+        """The eval metrics of a step being saved; warns once if they lack `keep_best_by`."""
         if self.keep_best_by and metrics and self.keep_best_by not in metrics:
             if not self._told_unranked:
                 logging.warning(
@@ -79,7 +64,7 @@ class Retention:
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
         """Orbax's preservation-policy interface: a step not countable is always preserved."""
-        del context  # Unused.
+        del context
         countable = sorted(info.step for info in checkpoints if self._is_countable(info.step))
         keep = set(countable if self.max_to_keep is None else countable[-self.max_to_keep :])
         if self.keep_every_steps:
@@ -111,9 +96,8 @@ class Retention:
         if step not in self._metrics:
             try:
                 self._metrics[step] = self._read_metrics(step)
-            except step_format.UnsupportedFormatError:
+            except Exception as e:  # An unreadable metadata item ranks nowhere.
                 self._metrics[step] = None
-                self._unsupported.add(step)
-            except Exception:  # An unreadable metadata item ranks nowhere.
-                self._metrics[step] = None
+                if isinstance(e, step_format.UnsupportedFormatError):
+                    self._unsupported.add(step)
         return self._metrics[step]

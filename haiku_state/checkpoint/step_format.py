@@ -1,38 +1,21 @@
 """The on-disk format of a checkpoint step and its `FORMAT_VERSION`: the one module that knows it.
 
-Changing what a step holds is an edit here and a new `FORMAT_VERSION` (the
-versions still read in `READABLE_FORMAT_VERSIONS`). In every version a step is
-`<directory>/<step>/`, complete once it holds Orbax's commit marker, with a JSON
-item `step` (file `step/metadata`) whose integer `format_version` (none: 1) says
-how to read the rest; a version not read here raises `UnsupportedFormatError`
-before anything else is read, and the step is left where it is.
+A step is `<directory>/<step>/`, complete once it holds Orbax's commit marker. Its JSON
+item `step` (file `step/metadata`) holds `format_version` (none: 1); a version not in
+`READABLE_FORMAT_VERSIONS` is refused (`UnsupportedFormatError`) before anything else is read.
 
-Version 2 (written) holds three items:
+Version 2 (written): `train_state`, one Orbax pytree (one item: per-item handlers are the
+cost of a small save) of `{"params", "state", "opt_state", "rng": {"key_data"}}`, the
+first three unreplicated (per-device: one replica and every device's key; `jit`: global
+arrays and the one key); `step`, JSON `{"format_version", "step", "key_impl",
+"key_layout", "fingerprints"}`; `metadata`, JSON with `package_versions`,
+`device_count`, eval `metrics` and the caller's extras. JSON items are files of their
+own, not Orbax's `custom_metadata` (which it may rewrite). Version 1 (written
+2026-12-03 to 12-04): version 2 of a per-device state without `key_layout`, with CRC-32
+`checksums` for `fingerprints`, verified on the host.
 
-* `train_state`: one Orbax pytree checkpoint of `{"params", "state",
-  "opt_state", "rng": {"key_data"}}`, the first three unreplicated. Per-device
-  (`pmap`, `shard_map`): host copies of one replica, written by process 0, and
-  every device's key in global device order. `jit`: its global arrays, each
-  process writing the shards it holds, and the one key. One item, not one per
-  tree: for a small model Orbax's per-item handlers are the cost of a save;
-* `step`: JSON `{"format_version", "step", "key_impl", "key_layout"
-  ("per_device" or "global"), "fingerprints"}`, a uint32 per array computed
-  where the arrays are (`guards.checkpoint_integrity.fingerprint`);
-* `metadata`: JSON with `package_versions`, `device_count`, the step's eval
-  `metrics` (for keeping the best) and the caller's extras (the config).
-
-Version 1 (read: main wrote it from 2026-12-03 to 12-04, across landed submissions) is
-version 2 from a per-device train state without `key_layout`, with `checksums`
-(CRC-32 of each array's bytes) for `fingerprints`; it fits one device, so it is
-verified on the host.
-
-A restore reads each array straight into its target sharding. Keys move between
-layouts by one rule: a `jit` key is the base key per-device backends derive each
-device's from (`fold_in(key, global device index)`, as `Updater.init` does); a
-`jit` run resumed from per-device keys takes global device 0's. The JSON items
-are files of their own, not Orbax's `custom_metadata` (which it may rewrite).
-Readers raise `DamagedCheckpointError` when a complete step of a readable version
-cannot be read back as written; the `Checkpointer` then falls back.
+A `jit` key is the base key per-device backends fold each global device index into; a
+`jit` run resumed from per-device keys takes global device 0's.
 """
 
 from __future__ import annotations
@@ -77,26 +60,22 @@ class DamagedCheckpointError(Exception):
 class Encoded(NamedTuple):
     """A `TrainState` as it is written: host copies, and what a restore needs besides them."""
 
-    # {"params", "state", "opt_state", "rng": {"key_data"}}: numpy arrays (per-device
-    # layouts) or global arrays in host memory, in the train state's shardings (jit).
-    trees: dict[str, PyTree]
+    trees: dict[str, PyTree]  # numpy (per-device) or global arrays in host memory (jit).
     step: int
-    key_impl: str  # The PRNG implementation of the keys, e.g. "threefry2x32".
+    key_impl: str  # e.g. "threefry2x32".
     key_layout: str  # PER_DEVICE or GLOBAL.
     fingerprints: dict[str, int]  # By leaf name.
     device_count: int  # Of the run that saved it.
 
 
-class StepHeader(NamedTuple):
-    """What a step says about itself, read before its arrays."""
-
+class StepHeader(NamedTuple):  # What a step says about itself, read before its arrays.
     version: int
     step: int
     key_impl: str
     key_layout: str  # PER_DEVICE or GLOBAL.
     integrity: dict[str, int]  # By leaf name: fingerprints (version 2) or CRC-32s (version 1).
-    key_count: int  # Devices whose keys were saved (PER_DEVICE); 1 (GLOBAL).
     trees: dict[str, PyTree]  # Shapes and dtypes; the keys without their device axis.
+    saved: dict[str, PyTree]  # Shapes and dtypes as saved.
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,8 +93,8 @@ def package_versions() -> dict[str, str]:
 def orbax_manager(
     directory: epath.Path, preservation_policy: Any, read_only: bool
 ) -> ocp.CheckpointManager:
-    """An Orbax `CheckpointManager` of these items, synchronous (the `Checkpointer` has its
-    own writer thread); `preservation_policy` decides which steps Orbax may delete."""
+    """A synchronous Orbax `CheckpointManager` of these items (the `Checkpointer` has its
+    own writer thread)."""
     handlers = {TRAIN_STATE: ocp.StandardCheckpointHandler()}
     handlers.update({name: ocp.JsonCheckpointHandler(_JSON_FILE) for name in (STEP, METADATA)})
     options = ocp.CheckpointManagerOptions(
@@ -130,15 +109,11 @@ def orbax_manager(
     )
 
 
-# Writing.
-
-
 def encode(train_state: TrainState) -> Encoded:
     """Copies of `train_state` in host memory (donatable once this returns), and fingerprints.
 
-    Per-device: numpy copies of device 0's replica and of every device's key,
-    gathered from every process. `jit`: its global arrays copied shard by shard to
-    host memory, nothing gathered. In a multi-process run every process calls it.
+    Per-device: device 0's replica and every device's key, gathered. `jit`: its
+    global arrays copied shard by shard. Every process calls it.
     """
     key_impl = str(jax.random.key_impl(train_state.rng))
     step = step_of(train_state)
@@ -179,10 +154,7 @@ def metadata_item(
     encoded: Encoded, metadata: Mapping[str, Any] | None, metrics: Mapping[str, float] | None
 ) -> dict[str, Any]:
     """The `metadata` item: package versions, device count, the caller's extras, eval metrics.
-
-    Raises:
-      TypeError: if `metadata` is not JSON-serialisable.
-    """
+    TypeError if `metadata` is not JSON-serialisable."""
     item = {
         "package_versions": package_versions(),
         "device_count": encoded.device_count,
@@ -200,7 +172,7 @@ def metadata_item(
 
 
 def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
-    """The Orbax items of one step, in the current `FORMAT_VERSION` (see the module docstring)."""
+    """The Orbax items of one step, in the current `FORMAT_VERSION`."""
     step_item = {
         "format_version": FORMAT_VERSION,
         "step": encoded.step,
@@ -217,33 +189,21 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
     )
 
 
-# Reading. Each reader checks the format version first (`_read_step_item`).
+# Reading. Each reader checks the format version first (`_read_step_item`), so each raises
+# `UnsupportedFormatError` for a version not read here and `DamagedCheckpointError` for damage.
 
 
 def read_metadata(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """The `metadata` item of `step`.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      DamagedCheckpointError: if the item cannot be read.
-    """
+    """The `metadata` item of `step`."""
     _read_step_item(manager, step)
-    try:
-        return dict(json.loads(_item_file(manager, step, METADATA).read_text()))
-    except Exception as e:  # The version is readable, so a failed read is damage.
-        raise DamagedCheckpointError(_reason(e)) from e
+    return _read_json(manager, step, METADATA)
 
 
 def restore_step(
     manager: ocp.CheckpointManager, step: int, like: TrainState, axis_name: str
 ) -> TrainState:
     """Restores one step as a `TrainState` in the layout and shardings of `like`.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      ValueError: if the step does not fit `like` (nothing is read).
-      DamagedCheckpointError: if it fits but cannot be read back as written.
-    """
+    ValueError if it does not fit `like` (nothing is read)."""
     header = read_header(manager, step)
     expected = _expected_trees(like)
     problem = checkpoint_integrity.first_mismatch(expected, header.trees)
@@ -255,7 +215,7 @@ def restore_step(
             f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
             f"{problem}. Nothing was restored and no file was changed."
         )
-    expected["rng"] = _saved_shapes(header)["rng"]  # With the saved number of keys.
+    expected["rng"] = header.saved["rng"]  # With the saved number of keys.
     placements = _target_shardings(like, axis_name)
     if header.version == 1 and sharding.is_global(like):
         # Written by a per-device run, so it fits one device: verified on the host, then placed.
@@ -266,26 +226,14 @@ def restore_step(
 
 
 def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """Every saved tree of `step` as host arrays in their saved shapes, verified.
-
-    By `TrainState` field: `params`, `state`, `opt_state` without a device axis,
-    and `rng` as `{"key_data"}`: `[devices, ...]` per device, or the one key.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      DamagedCheckpointError: if it cannot be read back as written.
-    """
+    """Every saved tree of `step` as verified host arrays in their saved shapes: `rng` is
+    `{"key_data"}`, `[devices, ...]` per device, or the one key."""
     header = read_header(manager, step)
-    return _read_on_host(manager, step, _saved_shapes(header), header)
+    return _read_on_host(manager, step, header.saved, header)
 
 
 def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
-    """The `step` item and the array shapes of a step, without reading its arrays.
-
-    Raises:
-      UnsupportedFormatError: if the step is of a version this code does not read.
-      DamagedCheckpointError: if its `step` item or array metadata cannot be read.
-    """
+    """The `step` item and the array shapes of a step, without reading its arrays."""
     item = _read_step_item(manager, step)
     version = item.get("format_version", 1)
     mismatch = _fields_mismatch(item, version)
@@ -296,35 +244,25 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
             tree_metadata = manager.item_metadata(step)[TRAIN_STATE]
         if tree_metadata is None:
             raise FileNotFoundError(f"item {TRAIN_STATE!r} has no readable metadata")
-        trees = dict(getattr(tree_metadata, "tree", tree_metadata))
+        saved = dict(getattr(tree_metadata, "tree", tree_metadata))
         saved_step, key_impl = int(item["step"]), str(item["key_impl"])
         key_layout = item.get("key_layout", PER_DEVICE)  # Version 1 saved a key per device.
         if key_layout not in (PER_DEVICE, GLOBAL):
             raise ValueError(f"unknown key_layout {key_layout!r}")
         integrity = dict(item["checksums"] if version == 1 else item["fingerprints"])
-        key_shape = tuple(trees["rng"]["key_data"].shape)
-        key_dtype = trees["rng"]["key_data"].dtype
+        key = saved["rng"]["key_data"]
+        key_shape = tuple(key.shape)[1:] if key_layout == PER_DEVICE else tuple(key.shape)
+        one_key = jax.ShapeDtypeStruct(key_shape, key.dtype)
     except Exception as e:  # The version is readable, so any failure to read is damage.
         raise DamagedCheckpointError(_reason(e)) from e
-    key_count = 1
-    if key_layout == PER_DEVICE:
-        key_count, *key_shape = key_shape
-    trees["rng"] = {"key_data": jax.ShapeDtypeStruct(tuple(key_shape), key_dtype)}
-    return StepHeader(version, saved_step, key_impl, key_layout, integrity, key_count, trees)
+    trees = {**saved, "rng": {"key_data": one_key}}
+    return StepHeader(version, saved_step, key_impl, key_layout, integrity, trees, saved)
 
 
 def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """The `step` item of `step`, once its format version is known to be one this code reads.
-
-    Raises:
-      DamagedCheckpointError: if the item cannot be read (its version is then unknown).
-      UnsupportedFormatError: if its version is not in `READABLE_FORMAT_VERSIONS`.
-    """
-    try:
-        item = json.loads(_item_file(manager, step, STEP).read_text())
-        version = item.get("format_version", 1)  # Version 1 did not record it.
-    except Exception as e:
-        raise DamagedCheckpointError(_reason(e)) from e
+    """The `step` item of `step`, once its format version is known to be one read here."""
+    item = _read_json(manager, step, STEP)
+    version = item.get("format_version", 1)  # Version 1 did not record it.
     if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
         raise UnsupportedFormatError(
             f"Checkpoint {_step_dir(manager, step)} has format version {version!r}; this "
@@ -344,8 +282,8 @@ _STEP_ITEM_FIELDS = {
 
 
 def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
-    """Why the `step` item's fields are not those of the version it states, or None: its
-    version, the fields it lacks and the version whose fields it holds (a hand-edited step)."""
+    """Why the `step` item's fields are not those of the version it states (a hand-edited
+    step), or None."""
     missing = [field for field in _STEP_ITEM_FIELDS[version] if field not in item]
     if not missing:
         return None
@@ -383,25 +321,25 @@ def _read_verified(
 
 
 def _read_on_host(manager, step: int, shapes: PyTree, header: StepHeader) -> dict[str, Any]:
-    """The `train_state` item read onto one device and verified, as host arrays."""
     first_device = SingleDeviceSharding(jax.local_devices()[0])
-    return jax.device_get(_read_verified(manager, step, _abstract(shapes, first_device), header))
+    targets = _abstract(shapes, jax.tree.map(lambda _: first_device, shapes))
+    return jax.device_get(_read_verified(manager, step, targets, header))
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
     return epath.Path(manager.directory) / str(step)
 
 
-def _item_file(manager: ocp.CheckpointManager, step: int, item: str) -> epath.Path:
-    return _step_dir(manager, step) / item / _JSON_FILE
+def _read_json(manager: ocp.CheckpointManager, step: int, item: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads((_step_dir(manager, step) / item / _JSON_FILE).read_text()))
+    except Exception as e:  # Unreadable JSON is damage, whatever the format version.
+        raise DamagedCheckpointError(_reason(e)) from e
 
 
 def _reason(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}"
     return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."
-
-
-# Where the arrays go, and a TrainState from what was read.
 
 
 def _expected_trees(like: TrainState) -> dict[str, PyTree]:
@@ -415,16 +353,6 @@ def _expected_trees(like: TrainState) -> dict[str, PyTree]:
     return _trees(jax.tree.map(saved_shape, like._replace(rng=())), saved_shape(key_data))
 
 
-def _saved_shapes(header: StepHeader) -> dict[str, PyTree]:
-    """The header's trees, with the keys in their saved shape (a device axis per device)."""
-    key_data = header.trees["rng"]["key_data"]
-    shape = (header.key_count, *key_data.shape) if header.key_layout == PER_DEVICE else None
-    return {
-        **header.trees,
-        "rng": {"key_data": jax.ShapeDtypeStruct(shape or key_data.shape, key_data.dtype)},
-    }
-
-
 def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
     """Where each saved array goes: by the leaves of `like` (jit), or every local device."""
     if sharding.is_global(like):
@@ -434,11 +362,8 @@ def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
     return jax.tree.map(lambda _: on_every_device, _trees(like._replace(rng=()), like.rng))
 
 
-def _abstract(shapes: PyTree, shardings: PyTree | jax.sharding.Sharding) -> PyTree:
-    """Abstract arrays for Orbax to read into: explicit targets, so a checkpoint written on
-    other hardware restores here."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, shapes)
+def _abstract(shapes: PyTree, shardings: PyTree) -> PyTree:
+    """Explicit targets for Orbax to read into, so a checkpoint of other hardware restores."""
     return jax.tree.map(
         lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), shapes, shardings
     )
@@ -455,22 +380,15 @@ def _decode(
     """The `TrainState` of restored trees, in the layout of `like`."""
     key_data = trees["rng"]["key_data"]
     if sharding.is_global(like):
-        step = np.asarray(header.step, like.step.dtype)
-        train_state = TrainState(
-            **{name: trees[name] for name in REPLICATED_TREES},
-            rng=_global_key(key_data, header, like.rng.sharding),
-            step=_place(step, like.step.sharding),
-        )
+        fields = {name: trees[name] for name in REPLICATED_TREES}
+        rng = _global_key(key_data, header, like.rng.sharding)
+        step = _place(np.asarray(header.step, like.step.dtype), like.step.sharding)
     else:
-        replicated = {
-            name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES
-        }
-        step_array = np.full((jax.local_device_count(),), header.step, like.step.dtype)
-        train_state = TrainState(
-            **replicated,
-            rng=_device_keys(key_data, header, axis_name),
-            step=jax.device_put(step_array, replication.device_axis_sharding(axis_name)),
-        )
+        fields = {name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES}
+        rng = _device_keys(key_data, header, axis_name)
+        steps = np.full((jax.local_device_count(),), header.step, like.step.dtype)
+        step = jax.device_put(steps, replication.device_axis_sharding(axis_name))
+    train_state = TrainState(**fields, rng=rng, step=step)
     if jax.tree.structure(train_state) != jax.tree.structure(like):
         raise AssertionError("restored TrainState does not have the structure of `like`.")
     return train_state
@@ -485,7 +403,7 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
             "from the key of global device 0: deterministic, but a different random "
             "stream from the run that saved it.",
             header.step,
-            header.key_count,
+            key_data.shape[0],
         )
 
     def wrap(data):
@@ -495,12 +413,8 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
 
 
 def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax.Array:
-    """This process's typed per-device keys: its rows of the saved ones, or derived.
-
-    On another device count, or from a jit run's one key, each device's key is
-    `per_device_keys(base key, ...)` (`fold_in` of the global device index, as
-    `Updater.init` derives them), from device 0's saved key or the jit key.
-    """
+    """This process's typed per-device keys: its rows of the saved ones, or (on another device
+    count, or from a jit run's one key) derived from device 0's or the jit key."""
     num_devices = jax.local_device_count()
     first_index = jax.process_index() * num_devices
     keys = jax.random.wrap_key_data(key_data, impl=header.key_impl)

@@ -1,9 +1,5 @@
-"""Whether a checkpoint can be trusted, and whether it fits a model.
-
-Fingerprints (format version 2) and CRC-32 checksums (version 1) of every saved
-array, the all-finite check of restored params, and the first leaf where a
-checkpoint does not fit the model, named by a stable leaf name.
-"""
+"""Whether a checkpoint can be trusted (fingerprints, version 1's CRC-32s, finite params),
+and the first leaf where it does not fit a model, by a stable leaf name."""
 
 from __future__ import annotations
 
@@ -39,11 +35,9 @@ def _words(x: jax.Array) -> jax.Array:
 def fingerprint(x: jax.Array) -> jax.Array:
     """A uint32 digest of an array's bits and their positions, the same for any sharding.
 
-    The uint32 sum of `mix(bits + golden * flat index)` over the elements: an
-    integer sum is exact in any order, so it is the same on any mesh or process
-    count and is computed where the shards are, without moving them. The mixing
-    makes every changed or moved element or flipped bit change the sum, except
-    with odds about 2**-32 (a plain weighted sum misses two flipped sign bits).
+    The uint32 sum of `mix(bits + golden * flat index)`: exact in any order, so it is
+    computed where the shards are. The mixing makes any change show but with odds
+    about 2**-32 (a plain weighted sum misses two flipped sign bits).
     """
     words = _words(x)
     index = jnp.zeros(words.shape, jnp.uint32)
@@ -61,10 +55,7 @@ def _all_finite(x: jax.Array) -> jax.Array:
 
 
 def fingerprint_trees(trees: dict[str, PyTree]) -> dict[str, int]:
-    """The `fingerprint` of every array of `trees`, by leaf name, computed where they are.
-
-    In a multi-process run every process must call it for global arrays.
-    """
+    """The `fingerprint` of every array of `trees`, by leaf name; every process calls it."""
     return _named_values(jax.tree.map(fingerprint, trees), int)
 
 
@@ -76,11 +67,8 @@ def _named_values(tree: PyTree, kind: type) -> dict[str, Any]:
 
 
 def verify_fingerprints(trees: dict[str, PyTree], expected: dict[str, int]) -> str | None:
-    """Why restored `trees` (any sharding) cannot be trusted, or None.
-
-    An array unlike its saved fingerprint (files changed on disk), or params that
-    are not finite (saved after a divergence, or damage that decodes), is damage.
-    """
+    """Why restored `trees` cannot be trusted (an array unlike its fingerprint, or params
+    not finite), or None."""
     finite = jax.tree.map(_all_finite, trees["params"])
     for name, value in fingerprint_trees(trees).items():
         if expected.get(name) != value:
@@ -104,20 +92,18 @@ def verify_checksums(trees: dict[str, PyTree], expected: dict[str, int]) -> str 
 
 
 def leaf_name(path: tuple) -> str:
-    """A key path as one stable name, `params/mlp/linear/w`, whatever the containers."""
-    return "/".join(_path_names(path))
+    """A key path as one stable name, `params/mlp/linear/w`, whatever the containers (so a
+    NamedTuple field matches a saved dict key)."""
+    names = []
+    for key in path:
+        attribute = next((a for a in ("key", "name", "idx") if hasattr(key, a)), None)
+        names.append(str(key if attribute is None else getattr(key, attribute)))
+    return "/".join(names)
 
 
 def first_mismatch(model: Mapping[str, PyTree], saved: Mapping[str, PyTree]) -> str | None:
-    """`"<tree><path>: <what differs>"` at the first leaf where `saved` does not fit `model`.
-
-    Args:
-      model: the trees the model expects, by name (leaves with shape and dtype).
-      saved: the checkpoint's trees (metadata) under the same names.
-
-    Returns:
-      The description, or None when every leaf fits.
-    """
+    """`"<tree><path>: <what differs>"` at the first leaf where `saved` does not fit `model`
+    (trees by name, of leaves with shape and dtype), or None."""
     for name, model_tree in model.items():
         model_leaves = _leaf_signatures(model_tree)
         saved_leaves = _leaf_signatures(saved[name]) if saved.get(name) is not None else {}
@@ -135,19 +121,10 @@ def first_mismatch(model: Mapping[str, PyTree], saved: Mapping[str, PyTree]) -> 
     return None
 
 
-def _path_names(path: tuple) -> tuple[str, ...]:
-    """A key path as plain names, so a NamedTuple field matches a saved dict key."""
-    names = []
-    for key in path:
-        attribute = next((a for a in ("key", "name", "idx") if hasattr(key, a)), None)
-        names.append(str(key if attribute is None else getattr(key, attribute)))
-    return tuple(names)
-
-
-def _leaf_signatures(tree: PyTree) -> dict[tuple[str, ...], tuple[str, tuple[int, ...], np.dtype]]:
-    """Each leaf by its plain names: (printable path, shape, dtype)."""
+def _leaf_signatures(tree: PyTree) -> dict[str, tuple[str, tuple[int, ...], np.dtype]]:
+    """Each leaf by its `leaf_name`: (printable path, shape, dtype)."""
     return {
-        _path_names(path): (
+        leaf_name(path): (
             jax.tree_util.keystr(path),
             tuple(getattr(leaf, "shape", ())),
             np.dtype(leaf.dtype),

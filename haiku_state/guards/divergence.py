@@ -1,33 +1,12 @@
 """A diverging run: telling it from the fetched losses, and which checkpoints it spoiled.
 
-A loss that is not finite, or over `EXPLOSION_FACTOR` times the run's first
-loss, explodes (`is_exploding`). A checkpoint of step `s` holds the params the
-loss of step `s + 1` is computed with, so a checkpoint holds diverged params
-when it was saved at or after the step before the first exploding loss
-(`holds_diverged_params`). That one rule decides both what the run keeps from
-retention while the loss explodes (the last good step) and what it sets aside
-when the loss is no longer finite (the steps it saved from diverged params).
-
-`Monitor` follows one run: the training loop's `MetricWindow` shows it every
-loss it fetches, and the checkpoint action tells it what it saved.
-`setting_aside_diverged` wraps the loop: a non-finite loss ends the run with
-the diverged checkpoints moved aside (renamed, never deleted), so a rerun
-resumes from a good one instead of diverging again. A loss that explodes and
-stays finite trains to the end; if it is still exploding at the last fetched
-step, `Monitor.check_recovered` ends the run with `LossExplodedError` (after the
-final save and evaluation), naming where it began and the last good checkpoint.
-
-A run can also end badly without its loss exploding: its accuracy collapses
-to chance while the loss stays finite and modest. `Outcome` judges the end of
-a run on what it logged, its train windows and its evaluations, by two rules:
-its last logged train loss is over `LOSS_RISE_FACTOR` x its first (the loss
-ended above where it began), or its last logged train accuracy, or its final
-eval accuracy, is under `COLLAPSE_FRACTION` of the best of that split in the
-run and at least `COLLAPSE_MIN_DROP` below it (it ended far worse than its
-best). `Monitor.check_outcome` then ends the run with `EndedWorseError`, after
-the final save and evaluation. The outcome so far is saved with every
-checkpoint, so a resumed run, or a rerun of a finished one, is judged as the
-uninterrupted run would be.
+A loss that is not finite, or over `EXPLOSION_FACTOR` x the run's first, explodes. The
+checkpoint of step `s` holds the params step `s + 1`'s loss is computed with, so those
+from the step before the first exploding loss on hold diverged params: while the loss
+explodes the last good one is kept, a non-finite loss sets the diverged ones aside
+(renamed, never deleted), and a loss still exploding at the end is `LossExplodedError`.
+A run can also collapse with a finite loss: `Outcome` judges its end, saved with each
+checkpoint so a resumed run is judged as the uninterrupted one (`EndedWorseError`).
 """
 
 from __future__ import annotations
@@ -45,18 +24,14 @@ from haiku_state.guards import replicas
 if TYPE_CHECKING:  # The guard is given the run's Checkpointer; it imports no spine module.
     from haiku_state import checkpoint
 
-# A loss this many times the run's first loss means the run is diverging.
-EXPLOSION_FACTOR = 100.0
+EXPLOSION_FACTOR = 100.0  # A loss this many times the run's first: the run diverges.
 
-
-# A run ends badly when its last logged train loss is over this many times its first...
+# A run ends badly when its last train loss is over LOSS_RISE_FACTOR x its first, or its last
+# accuracy is under COLLAPSE_FRACTION of its best in that split and COLLAPSE_MIN_DROP below.
 LOSS_RISE_FACTOR = 1.25
-# ... or when its last logged train accuracy (or final eval accuracy) is under this fraction
-# of the best of the run in that split, and at least COLLAPSE_MIN_DROP below it.
 COLLAPSE_FRACTION = 0.5
 COLLAPSE_MIN_DROP = 0.1
-# The key of the outcome so far in a checkpoint's metadata.
-OUTCOME_KEY = "outcome"
+OUTCOME_KEY = "outcome"  # Of the outcome so far in a checkpoint's metadata.
 
 
 class LossExplodedError(RuntimeError):
@@ -68,23 +43,13 @@ class EndedWorseError(RuntimeError):
 
 
 class Figure(NamedTuple):
-    """A logged value of a metric, and its step."""
-
     step: int
     value: float
 
 
 @dataclasses.dataclass
 class Outcome:
-    """What the end of a run is judged by: its logged train windows and its evaluations.
-
-    Attributes:
-      first_train_loss: the loss of the run's first logged train window.
-      last_train_loss: the loss of its latest logged train window.
-      last_train_accuracy: the accuracy of its latest logged train window.
-      best_train_accuracy: the highest accuracy of a logged train window.
-      best_eval_accuracy: the highest accuracy of an evaluation during the run.
-    """
+    """What the end of a run is judged by: its logged train windows and its evaluations."""
 
     first_train_loss: Figure | None = None
     last_train_loss: Figure | None = None
@@ -108,15 +73,9 @@ class Outcome:
             self.best_eval_accuracy = _higher(self.best_eval_accuracy, evaluated)
 
     def problems(self, last_step: int, final_eval: Mapping[str, float]) -> list[str]:
-        """How the run ended far worse than it began or than its best, with the figures.
-
-        Args:
-          last_step: the run's last step.
-          final_eval: the evaluation of the last step.
-
-        Returns:
-          One phrase per rule broken (see the module docstring); [] for a run that ended well.
-        """
+        """One phrase per rule broken, with its figures: the last train loss over
+        `LOSS_RISE_FACTOR` x the first, or the last train (or final eval) accuracy under
+        `COLLAPSE_FRACTION` of the best and `COLLAPSE_MIN_DROP` below it."""
         found = _rose(self.first_train_loss, self.last_train_loss)
         found += _collapsed("train", self.last_train_accuracy, self.best_train_accuracy)
         if "accuracy" in final_eval:
@@ -125,7 +84,6 @@ class Outcome:
         return found
 
     def to_json(self) -> dict[str, list]:
-        """The figures as JSON, for a checkpoint's metadata."""
         return {
             field.name: list(figure)
             for field in dataclasses.fields(self)
@@ -181,35 +139,22 @@ def _collapsed(split: str, last: Figure | None, best: Figure | None) -> list[str
 
 
 def is_exploding(loss: float, first_loss: float | None) -> bool:
-    """Whether `loss` says the run diverges: not finite, or over `EXPLOSION_FACTOR` x `first_loss`.
-
-    Args:
-      loss: a fetched loss.
-      first_loss: the magnitude of the run's first finite loss; None while there is none.
-    """
+    """Whether `loss` is not finite, or over `EXPLOSION_FACTOR` x `first_loss` (the magnitude
+    of the run's first finite loss; None while there is none)."""
     if not math.isfinite(loss):
         return True
     return first_loss is not None and abs(loss) > EXPLOSION_FACTOR * first_loss
 
 
 def holds_diverged_params(saved_step: int, first_exploding_step: int) -> bool:
-    """Whether the checkpoint of `saved_step` holds params that had already exploded.
-
-    The checkpoint of step `s` holds the params the loss of step `s + 1` is
-    computed with: the checkpoint of the step before the first exploding loss
-    already holds the params that made it explode.
-    """
+    """Whether the checkpoint of `saved_step` holds params that had already exploded."""
     return saved_step >= first_exploding_step - 1
 
 
 class Monitor:
     """One run's losses and saved steps: whether it diverges, and which checkpoints it spoiled.
 
-    Args:
-      resumed_step: the step the run started from. Its checkpoint (if any) was
-        on disk before the run: a candidate to keep, never one to set aside.
-      outcome: the run's outcome up to `resumed_step`, from its checkpoint's
-        metadata; None: a fresh start.
+    The checkpoint of `resumed_step` is a candidate to keep, never one to set aside.
     """
 
     def __init__(self, resumed_step: int, outcome: Outcome | None = None):
@@ -221,11 +166,7 @@ class Monitor:
         self.saved_steps: list[int] = []  # This run's checkpoints, in the order saved.
 
     def observe(self, step_metrics: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
-        """Takes in fetched `(step, metrics)` pairs, in step order.
-
-        Raises:
-          FloatingPointError: naming the first step whose loss is not finite.
-        """
+        """Takes in fetched `(step, metrics)` pairs; FloatingPointError at a non-finite loss."""
         for step, metrics in step_metrics:
             loss = float(metrics["loss"])
             if self._first_loss is None and math.isfinite(loss):
@@ -236,16 +177,8 @@ class Monitor:
         replicas.check_finite_losses(step_metrics)
 
     def check_recovered(self, last_step: int, final: Mapping[str, float]) -> None:
-        """At the end of a run: says if the loss exploded; raises if it had not recovered.
-
-        Args:
-          last_step: the run's last step (saved and evaluated already).
-          final: the final evaluation's metrics, for the message.
-
-        Raises:
-          LossExplodedError: if the latest fetched loss still explodes, naming the
-            step it began at and the last good checkpoint (kept by retention).
-        """
+        """At the end of a run (saved and evaluated): says if the loss exploded; raises
+        `LossExplodedError` if it still explodes."""
         first = self.first_exploding_step
         if first is None:
             return
@@ -269,15 +202,8 @@ class Monitor:
         )
 
     def check_outcome(self, last_step: int, final: Mapping[str, float]) -> None:
-        """At the end of a run: raises if it ended far worse than it began or than its best.
-
-        Args:
-          last_step: the run's last step (saved and evaluated already).
-          final: the final evaluation's metrics.
-
-        Raises:
-          EndedWorseError: naming each rule the run broke, with its figures.
-        """
+        """At the end of a run (saved and evaluated): `EndedWorseError` if it ended far worse
+        than it began or than its best."""
         problems = self.outcome.problems(last_step, final)
         if not problems:
             return
@@ -307,11 +233,7 @@ class Monitor:
         return [s for s in self.saved_steps if self._holds_diverged_params(s)]
 
     def protect_last_good(self, checkpointer: checkpoint.Checkpointer) -> None:
-        """While the loss explodes, keeps the last good step from retention's deletion.
-
-        Called before each save: the saves of a diverging run must not push the
-        last good checkpoint out of `max_to_keep`.
-        """
+        """While the loss explodes, keeps the last good step from retention (before each save)."""
         good = self.last_good_step()
         if self.first_exploding_step is not None and good is not None:
             checkpointer.protect(good)
@@ -321,11 +243,8 @@ class Monitor:
 def setting_aside_diverged(
     monitor: Monitor, checkpointer: checkpoint.Checkpointer
 ) -> Iterator[None]:
-    """On a non-finite loss or params, sets aside the run's diverged checkpoints, and says so.
-
-    The FloatingPointError raised from the block is raised again with what was
-    moved aside and the step a rerun resumes from.
-    """
+    """On a non-finite loss or params (FloatingPointError), sets aside the run's diverged
+    checkpoints and raises it again naming them and the step a rerun resumes from."""
     try:
         yield
     except FloatingPointError as e:
@@ -349,8 +268,7 @@ def setting_aside_diverged(
 
 
 def outcome_at(checkpointer: checkpoint.Checkpointer, step: int) -> Outcome:
-    """The run's outcome up to `step` as its checkpoint recorded it; a fresh one for a run
-    that starts anew or a checkpoint that recorded none."""
+    """The run's outcome up to `step` as its checkpoint recorded it, else a fresh one."""
     if step not in checkpointer.all_steps():
         return Outcome()
     metadata = checkpointer.metadata(step) or {}

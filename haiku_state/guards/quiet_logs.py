@@ -1,16 +1,9 @@
 """Library noise kept off the terminal when the error it echoes is reported once, elsewhere.
 
-The leftovers of a failed checkpoint read. Orbax reads every array concurrently
-in an event loop of its own and closes it as soon as one read fails, while
-TensorStore still has the others in flight. Each of those then reports after the
-damage was handled: TensorStore's callback cannot reach the closed loop
-(`RuntimeError: Event loop is closed`, through `sys.unraisablehook`), suspended
-coroutines fail the same way when collected, and failed tasks are logged by
-asyncio as "Task exception was never retrieved": hundreds of lines of
-tracebacks. A failed write (a full disk) leaves the same late callbacks behind.
-
-And the libraries' INFO chatter (`keep_the_log_to_this_package`): the run's log
-is this package's lines and the libraries' warnings and errors.
+Orbax closes its event loop as soon as one array read (or write) fails, while
+TensorStore has others in flight: each then reports late ("Event loop is closed"
+through `sys.unraisablehook`, asyncio's "Task exception was never retrieved"),
+hundreds of lines of tracebacks. And the libraries' INFO chatter.
 """
 
 from __future__ import annotations
@@ -45,11 +38,8 @@ def _is_not_a_failed_read_task(record: std_logging.LogRecord) -> bool:
 
 
 def drop_late_loop_callbacks() -> None:
-    """Drops the callbacks that outlive the event loop of a failed read or write; idempotent.
-
-    Process-wide, as they come from other threads at any later time; installed by
-    the first checkpoint read or save, so every user of checkpoints has it.
-    """
+    """Drops the callbacks that outlive the event loop of a failed read or write; idempotent
+    and process-wide (they come from other threads at any later time)."""
     global _next_unraisablehook
     if sys.unraisablehook is not _drop_late_loop_callback:
         _next_unraisablehook = sys.unraisablehook
@@ -69,21 +59,14 @@ def failed_read_kept_quiet(step_dir: str) -> Iterator[None]:
     _reading_or_failed.discard(step_dir)  # Reached only when the read succeeded.
 
 
-# This package's modules: their INFO lines are the run's log; the libraries' are chatter.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def keep_the_log_to_this_package() -> None:
-    """Keeps the log to this package's lines and the libraries' warnings and errors.
-
-    At INFO, JAX logs each backend it could not start ("Unable to initialize
-    backend 'tpu'"), which on a CPU-only machine reads like an error, and Orbax
-    every file it renames. Of the libraries' warnings and errors, two of Orbax's
-    go too: that a directory is read only (evaluation opens the checkpoints read
-    only on purpose), and the error of a failed write (a full disk), logged with
-    its traceback by its threads before the error reaches the Checkpointer,
-    which reports it in one line.
-    """
+    """Keeps the log to this package's lines and the libraries' warnings and errors, but
+    Orbax's "read only" (evaluation reads so on purpose) and its tracebacks of a failed
+    write (the Checkpointer reports it in one line). At INFO, JAX names each backend it
+    could not start, which on a CPU-only machine reads like an error."""
 
     def keep(record) -> bool:
         if os.path.abspath(record.pathname).startswith(_PACKAGE_DIR):
