@@ -98,11 +98,8 @@ def initial_params_and_state(
     axis_name: str | None = None,
 ) -> tuple[hk.Params, hk.State]:
     """The params and state to start training from, as numpy arrays, for a typed `key` and one
-    device's shard of `batch` (its values read only if a parameter is computed from them).
-
-    `axis_name`: the axis of the network's BatchNorm, bound over this shard (NameError if needed
-    and None).
-    """
+    device's shard of `batch` (read only if a parameter is computed from it). `axis_name`: the
+    network's BatchNorm axis, bound over this shard (NameError if it needs one and None)."""
     draws: dict[str, _Draw] = {}  # In creation order: the order of the flat draws.
 
     def drawn_later(next_creator, shape, dtype, init, context):
@@ -172,10 +169,7 @@ def _trace_init(forward, key, batch, axis_name, creator):
 
 def _run_on_host(closed, key, batch_leaves, draws, skip=None):
     """Runs the traced init on the host device: its outputs (None where `skip`), and the draws.
-
-    Without `batch_leaves` the input is zeros made inside the program, dead code as long as
-    `skip` marks the outputs that read it.
-    """
+    Without `batch_leaves` the input is zeros, dead code where `skip` marks what reads it."""
     skip = skip or [False] * len(closed.jaxpr.outvars)
     sizes: dict[tuple, int] = {}  # Of each distribution's flat draw, in order of first use.
     for draw in draws.values():

@@ -53,11 +53,8 @@ class MLP(hk.Module):
 
 @dataclasses.dataclass
 class BasicBlock(hk.Module):
-    """Two 3x3 convolutions with a residual connection (ResNet-18/34 block).
-
-    The last BatchNorm's scale starts at zero, so each block starts as the identity: this
-    makes large-learning-rate SGD stable from the first step.
-    """
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34 block); the last scale
+    starts at zero, the block as the identity: large-learning-rate SGD is stable from the start."""
 
     channels: int
     stride: int
@@ -78,11 +75,8 @@ class BasicBlock(hk.Module):
 
 @dataclasses.dataclass
 class SmallImageResNet(hk.Module):
-    """A ResNet-18-shaped network for small images (8x8 digits, 32x32 CIFAR).
-
-    The ImageNet stem (7x7 stride-2 convolution and max-pool) would shrink an 8x8 image to 2x2:
-    this one is a 3x3 stride-1 convolution, and the stages halve the resolution from the second.
-    """
+    """A ResNet-18 for small images (8x8 digits, 32x32 CIFAR): the ImageNet stem would shrink an
+    8x8 image to 2x2, this one is a 3x3 stride-1 convolution; stages halve from the second."""
 
     num_classes: int
     width: int = 16
@@ -120,12 +114,9 @@ def make_network(
     image_std: Sequence[float] | None = None,
     **model_kwargs: Any,
 ) -> hk.TransformedWithState:
-    """The network `name` (of `MODELS`) as `init`/`apply` with params and state.
-
-    `precision`: a half type (`bfloat16`, or `float16`, which needs loss scaling) computes in
-    it, params, logits and BatchNorm's statistics staying float32. `image_mean`/`image_std`:
-    the dataset's (both None: the images as they are). `model_kwargs`: the module's options.
-    """
+    """The network `name` (of `MODELS`) as `init`/`apply` with params and state. A half
+    `precision` (float16 needs loss scaling) computes in it, params, logits and BatchNorm's
+    statistics float32. `image_mean`/`image_std`: the dataset's, or None for raw images."""
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
     if precision not in PRECISIONS:

@@ -151,13 +151,9 @@ def parallelize(
     out_axes: Any = 0,
     donate_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
-    """Runs `per_device_fn` on every device's slice of its arguments' leading axis.
-
-    `backend`: "pmap", or "shard_map" for `jax.jit(jax.shard_map(...))` over `global_mesh`,
-    in the same layout. `out_axes`: a tree prefix of the outputs, 0 to keep the device axis
-    or None for a value identical on every device (a `pmean`), returned once. The result has
-    `.lower(*args)`.
-    """
+    """Runs `per_device_fn` on every device's slice of its arguments' leading axis, by "pmap" or
+    "shard_map" (`jit(shard_map)` over `global_mesh`). `out_axes`: a tree prefix of the outputs,
+    0 to keep the device axis or None for a value alike on every device, returned once."""
     if backend not in PER_DEVICE_BACKENDS:
         raise ValueError(
             f"Unknown per-device backend {backend!r}; expected one of {PER_DEVICE_BACKENDS}."
@@ -166,11 +162,7 @@ def parallelize(
         return jax.pmap(
             per_device_fn, axis_name=axis_name, out_axes=out_axes, donate_argnums=donate_argnums
         )
-    return _shard_map(per_device_fn, axis_name, out_axes, donate_argnums)
-
-
-def _shard_map(per_device_fn, axis_name, out_axes, donate_argnums):
-    """`parallelize` with `jax.shard_map`: each device sees a block of one slice."""
+    # shard_map: each device sees a block of one slice.
     device_axis = PartitionSpec(axis_name)
     is_axis = lambda x: x is None or isinstance(x, int)  # noqa: E731
     out_specs = jax.tree.map(

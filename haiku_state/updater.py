@@ -37,8 +37,7 @@ class TrainState(NamedTuple):
     params: hk.Params
     state: hk.State
     opt_state: optax.OptState
-    # Typed PRNG keys: one per device, shape [devices] (pmap, shard_map), or one, shape () (jit).
-    rng: jax.Array
+    rng: jax.Array  # Typed PRNG keys: [devices] (pmap, shard_map), or one, shape () (jit).
     step: jax.Array  # int32: [devices] (pmap, shard_map) or () replicated (jit)
 
 
@@ -209,24 +208,22 @@ def _typed_key(key: jax.Array) -> jax.Array:
 
 
 class _Programs(NamedTuple):
-    """A backend's compiled step functions (the jit backend's: for train states of one shape)."""
+    """A backend's compiled step functions (jit: for train states of one shape, and shardings)."""
 
-    shardings: TrainState | None  # jit: of every leaf, by the param_sharding rule.
+    shardings: TrainState | None
     update: Callable[..., tuple[TrainState, Metrics]]
     evaluate: Callable[..., Metrics]
-    init: Callable[..., TrainState] | None = None  # jit only.
+    init: Callable[..., TrainState] | None = None
 
 
 class Updater:
     """Initialises and updates a `TrainState` with a data-parallel step.
 
-    `forward` is `hk.transform_with_state` of `f(batch, is_training)`; `loss_fn` maps
-    `(outputs, batch)` to a scalar loss and a dict of scalar metrics, of each device's shard
-    (pmap, shard_map) or of the global batch (jit); `augment_fn(key, batch)` runs on device in
-    every step. `axis_name` is the per-device backends' device axis (BatchNorm's
-    `cross_replica_axis`). `check_finite`: `update` raises `FloatingPointError` on a non-finite
-    loss (a host sync per step). `loss_scale`: a `jmp` scale (float16), kept in `opt_state`.
-    `param_sharding`: "replicated", or "fsdp" with `backend="jit"` (see `sharding`).
+    `loss_fn(outputs, batch)` gives a scalar loss and scalar metrics, of each device's shard
+    (pmap, shard_map) or the global batch (jit); `augment_fn(key, batch)` runs in every step.
+    `axis_name`: the per-device backends' device axis. `check_finite`: `update` raises
+    `FloatingPointError` on a non-finite loss (a host sync per step). `loss_scale`: a `jmp`
+    scale (float16), kept in `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`.
     """
 
     def __init__(
@@ -269,12 +266,8 @@ class Updater:
         )
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
-        """The first `TrainState` in the backend's layout, params and state drawn on the host.
-
-        `seed` (an int or a key) gives the params' key and the run's; of the device-sharded
-        `batch` only shapes and dtypes matter, unless a parameter is computed from the input.
-        """
-        replication.check_batch(batch, "init")
+        """The first `TrainState`, params and state drawn on the host from `seed` (int or key);
+        of the sharded `batch` only shapes matter, unless a parameter is computed from it."""
         with self._random_bits():  # The keys are split under it too.
             sequence = hk.PRNGSequence(seed)
             init_key, run_key = (_typed_key(next(sequence)) for _ in range(2))
@@ -287,17 +280,13 @@ class Updater:
             placed = sharding.put_global((params, state), (shardings.params, shardings.state))
             return self._global_programs_for(like).init(*placed, run_key_data, key_impl)
         num_devices = jax.local_device_count()
-        place = jax.jit(
-            functools.partial(self._initial, num_devices=num_devices),
-            static_argnames=("key_impl", "first_index"),
-            out_shardings=replication.device_axis_sharding(self.axis_name),
-        )
-        first_index = jax.process_index() * num_devices
-        return place(params, state, run_key_data, key_impl=key_impl, first_index=first_index)
+        per_device = dict(num_devices=num_devices, first_index=jax.process_index() * num_devices)
+        place = functools.partial(self._initial, key_impl=key_impl, **per_device)
+        out_shardings = replication.device_axis_sharding(self.axis_name)
+        return jax.jit(place, out_shardings=out_shardings)(params, state, run_key_data)
 
     def abstract_init(self, batch: Batch) -> TrainState:
         """What `init` would give, as sharded `jax.ShapeDtypeStruct`s: what a restore reads into."""
-        replication.check_batch(batch, "abstract_init")
         key = jax.random.key(0)
         initial = initialization.initial_shapes
         params, state = self._params_and_state(initial, key, batch, "abstract_init")
@@ -310,11 +299,8 @@ class Updater:
     def update(
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
-        """One step on a device-sharded batch; `train_state` is donated: use the one returned.
-
-        The metrics are the global batch's scalars: `loss`, the loss_fn's and, `with_norms`,
-        `l2_grads` (averaged), `l2_params` (after the update) and `l2_updates`.
-        """
+        """One step on a sharded batch, `train_state` donated; the global batch's `loss`, loss_fn
+        metrics and, `with_norms`, `l2_grads`, `l2_params` (updated) and `l2_updates`."""
         flag = self._norms_flag(with_norms)
         new_train_state, metrics = self._run("update", train_state, batch, flag)
         if not with_norms:  # The program's placeholders for them.
@@ -339,6 +325,7 @@ class Updater:
 
     def _params_and_state(self, initial: Callable, key: jax.Array, batch: Batch, where: str):
         """`initial(forward, key, first device's shard)`: the network's params and state."""
+        replication.check_batch(batch, where)
         axis_name = None if self.backend == "jit" else self.axis_name
         with updater_arguments.unbound_axis_refused(where, self.axis_name):
             return initial(self._forward, key, replication.unreplicate(batch), axis_name=axis_name)

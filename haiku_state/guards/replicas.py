@@ -64,9 +64,7 @@ _CHECK_AXIS = "replicas"
 
 def _differs_from_global_device_0(leaves: list[jax.Array]) -> list[jax.Array]:
     """Per leaf: `[global_devices]` booleans, does this device's copy differ from device 0's?
-
-    Device 0's bits reach every device through a psum only it contributes to (exact for ints).
-    """
+    Device 0's bits reach every device by a psum only it contributes to (exact for ints)."""
 
     def differs(x):
         bits = _leaf_bits(x)
@@ -86,11 +84,8 @@ _global_replica_mismatch = jax.pmap(
 
 
 def assert_replicas_identical(tree: PyTree) -> None:
-    """Asserts that all replicas (slices along the leading axis) are bit-identical.
-
-    Compared on device (across processes, with device 0 of process 0), a boolean per leaf and
-    device back: cheap enough every few hundred steps. Names the first leaf that differs.
-    """
+    """Asserts that all replicas (slices along the leading axis) are bit-identical, compared on
+    device (with device 0 of process 0): cheap enough every few hundred steps."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return  # An empty tree (a stateless model's state) has nothing to differ.
@@ -155,11 +150,8 @@ def assert_keys_distinct(keys: jax.Array) -> None:
 
 
 def assert_global_layout(tree: PyTree) -> None:
-    """Asserts the invariants of global arrays (the jit layout), naming the leaf that breaks one.
-
-    Every leaf lives on every device; a replicated leaf's copies are bit-identical; a sharded
-    leaf's shards tile it exactly, each holding the block its sharding assigns.
-    """
+    """Asserts that every leaf of the jit layout lives on every device, its copies bit-identical
+    (replicated) or its shards tiling it exactly, each the block its sharding assigns."""
     all_devices = set(jax.devices())
     replicated = []
     for name, leaf in _named_leaves(tree):

@@ -27,10 +27,7 @@ def check_backend(backend: str, param_sharding: str = "replicated") -> None:
 
 def check_arguments(train_state: Any, batch: Any, where: str, backend: str, kind: type) -> None:
     """Refuses what is not a `kind` (TrainState) in the backend's layout, or a batch not per device.
-
-    `shard_map` would quietly hand each device a slice of a leaf whose leading axis is a
-    multiple of the device count (the keys of a run on more devices): it checks every leaf.
-    """
+    shard_map would hand each device a slice of a leaf a multiple of the device count long."""
     if not isinstance(train_state, kind):
         raise TypeError(f"{where}: expected a {kind.__name__}, got {type(train_state).__name__}.")
     replication.check_batch(batch, where)
@@ -98,12 +95,8 @@ def unbound_axis_refused(where: str, axis_name: str) -> Iterator[None]:
 def rejection_explained(
     train_state: Any, where: str, axis_name: str, shardings: Any, param_sharding: str
 ) -> Iterator[None]:
-    """If a step program rejects its arguments, names the train-state leaf at fault.
-
-    pmap and jit refuse a misshapen or mis-sharded train state before they run or donate
-    anything, so the per-leaf check runs only when the call fails. `shardings`: the jit
-    layout's, or None for the per-device layout.
-    """
+    """If a step program rejects its arguments (before running or donating), names the leaf at
+    fault: against `shardings` (jit), or None for the per-device layout."""
     with unbound_axis_refused(where, axis_name):
         try:
             yield
