@@ -48,9 +48,7 @@ def fsdp_spec(
     first of two equally large; replicated below `min_bytes` or without such an axis."""
     if int(np.prod(shape)) * itemsize < min_bytes:
         return PartitionSpec()
-    # A stable sort: of two equally large axes, the first is split.
-    by_size = sorted(range(len(shape)), key=lambda axis: -shape[axis])
-    for axis in by_size:
+    for axis in sorted(range(len(shape)), key=lambda axis: -shape[axis]):  # Stable: first of ties.
         if shape[axis] % num_shards == 0:
             return PartitionSpec(*(axis_name if i == axis else None for i in range(axis + 1)))
     return PartitionSpec()
@@ -149,13 +147,11 @@ def bytes_per_device(train_state: Any) -> tuple[int, int]:
 
 def format_bytes_per_device(per_device_bytes: int, total_bytes: int) -> str:
     """E.g. `train state: 31.2 MB per device of 98.1 MB` (decimal units)."""
-    return (
-        f"train state: {_human_bytes(per_device_bytes)} per device of {_human_bytes(total_bytes)}"
-    )
 
+    def human(num_bytes: int) -> str:
+        for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if num_bytes >= size:
+                return f"{num_bytes / size:.1f} {unit}"
+        return f"{num_bytes} B"
 
-def _human_bytes(num_bytes: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
-    return f"{num_bytes} B"
+    return f"train state: {human(per_device_bytes)} per device of {human(total_bytes)}"

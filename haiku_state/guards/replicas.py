@@ -114,20 +114,15 @@ def _raise_first_mismatch(named_leaves, mismatch, copies_of) -> None:
                 f"global device 0 (process 0) across the {jax.process_count()} processes."
             )
         copies = copies_of(leaf)
-        report = _report(copies[0], copies[bad_devices[0]])
+        as_host = lambda x: np.asarray(_leaf_bits(x) if replication.is_key(x) else x)  # noqa: E731
+        report = ""
+        try:
+            chex.assert_trees_all_equal(as_host(copies[0]), as_host(copies[bad_devices[0]]))
+        except AssertionError as e:
+            report = f"\n{e}"
         raise AssertionError(
             f"Replicas differ at leaf {name}: devices {bad_devices} differ from device 0." + report
         )
-
-
-def _report(first: jax.Array, other: jax.Array) -> str:
-    """chex's report of how `other` differs from `first` (a single process's copies)."""
-    as_host = lambda x: np.asarray(_leaf_bits(x) if replication.is_key(x) else x)  # noqa: E731
-    try:
-        chex.assert_trees_all_equal(as_host(first), as_host(other))
-    except AssertionError as e:
-        return f"\n{e}"
-    return ""
 
 
 def assert_keys_distinct(keys: jax.Array) -> None:
