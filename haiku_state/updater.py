@@ -386,8 +386,7 @@ class Updater:
         updater_arguments.check_arguments(train_state, batch, where, self.backend, TrainState)
         if self.backend != "jit":
             return self._parallel, batch
-        programs = self._global_programs_for(train_state)
-        return programs, sharding.global_batch_view(batch, self._mesh)
+        return self._global_programs_for(train_state), sharding.global_batch_view(batch, self._mesh)
 
     def _run(self, where: str, train_state: TrainState, batch: Batch, *more: Any):
         """Checks the arguments and runs the `update` or `evaluate` program on them."""
