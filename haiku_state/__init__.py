@@ -2,9 +2,8 @@
 
 from haiku_state.guards import orphans
 
-# First: a process that `multiprocessing` spawns from a run (a decoding worker) imports
-# this package with the run's main module, and exits with the run from here on, not
-# only once the imports below (seconds) are done.
+# First: a decoding worker `multiprocessing` spawns imports this package, and exits with the
+# run from here on, not only once the imports below (seconds) are done.
 orphans.guard_spawned_child()
 
 from haiku_state.checkpoint import Checkpointer  # noqa: E402

@@ -1,7 +1,6 @@
 """What a config turns into: the data, the pieces of the training step, and their Updater.
 
-`driver` runs it, `evaluation` evaluates its checkpoints, and the benchmarks time
-the very same pieces: one place where a config becomes a model.
+The one place a config becomes a model, for the driver, the evaluation and the benchmarks.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ class Experiment(NamedTuple):
 
 
 def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineOptions]:
-    """The dataset a config's `data` names, and its host pipeline's options (each field of
-    `data.PipelineOptions` is the key of its name)."""
+    """The dataset `data_config` names, and its host pipeline's options (keys of their names)."""
     sizes = ("image_size", "image_shape", "num_classes", "num_train", "num_test")
     dataset = data.load_dataset(
         data_config.name,
@@ -52,11 +50,8 @@ def load_data(data_config: Any, seed: int) -> tuple[data.Dataset, data.PipelineO
 
 
 def build_experiment(config: Any) -> Experiment:
-    """Loads the data and builds network, optimizer, loss and Updater from a config.
-
-    The keys that follow the data, left at their defaults, are fitted to the training
-    split first (`config.fit_to_data`, each change logged).
-    """
+    """Loads the data and builds network, optimizer, loss and Updater from a config, its keys
+    left at their defaults fitted to the training split first (`fit_to_data`, each logged)."""
     dataset, input_options = load_data(config.data, config.seed)
     num_train_examples = data.num_examples(dataset.train)
     config, changes = fit_to_data(config, num_train_examples, jax.device_count())
@@ -85,11 +80,8 @@ def build_experiment(config: Any) -> Experiment:
 
 
 def make_network(config: Any, dataset: data.Dataset) -> hk.TransformedWithState:
-    """The network `config.model` names, built for `config.backend`.
-
-    BatchNorm normalises with the global batch's statistics on every backend: the
-    per-device backends reduce them over the device axis; under `jit` the step sees
-    the global batch and XLA inserts the reductions, so the network binds no axis.
+    """The network `config.model` names. BatchNorm's statistics are the global batch's: the
+    per-device backends reduce over the device axis; under `jit` XLA does, the network binds none.
     """
     model_options = {k: v for k, v in config.model.items() if k != "name"}
     return models.make_network(
@@ -104,8 +96,7 @@ def make_network(config: Any, dataset: data.Dataset) -> hk.TransformedWithState:
 
 
 def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
-    """A sharded all-zeros batch of the global `batch_size` (this process's slice of it): the
-    shapes `Updater.init` needs, before any data is read."""
+    """This process's slice of a sharded all-zeros batch: the shapes `Updater.init` needs."""
     local_batch_size = data.ProcessSlice.current().size(batch_size, "placeholder_batch")
     image = np.zeros((local_batch_size, *dataset.image_shape), dataset.image_dtype)
     return replication.shard({"image": image, "label": np.zeros((local_batch_size,), np.int32)})

@@ -1,23 +1,17 @@
 """A Haiku network's initial params and state, drawn on the host without compiling the network.
 
-Compiled, `forward.init` draws each parameter in an XLA kernel of its own, about a
-second each on a TPU (ResNet-50: ~53 s, and ~15 s more for the forward pass only
-BatchNorm's first moving averages need). `initial_params_and_state` instead makes,
-in one small program on the host's CPU under the partitionable threefry:
-
-* a parameter with one of Haiku's standard random initialisers (`TruncatedNormal`,
-  `RandomNormal`, `RandomUniform`) a slice of one flat draw per distribution, scaled
-  and shifted as its initialiser says (the distributions of `forward.init`, not its draws);
-* every other entry `forward.init`'s own value, the forward pass dead code;
-* state computed from the input (BatchNorm's moving averages, which the first step
-  overwrites) zero. A parameter computed from the input makes the whole
-  initialisation `forward.init` as it is, on one device's shard.
-
-The values, numpy arrays, are the same on every platform, backend and device count.
+Compiled, `forward.init` draws each parameter in a kernel of its own, about a second each on a
+TPU (ResNet-50: ~53 s, and ~15 s for the forward pass). Here one small program on the host's CPU
+cuts each parameter with a standard random initialiser (`TruncatedNormal`, `RandomNormal`,
+`RandomUniform`) from one flat draw per distribution, takes every other entry from
+`forward.init` with the forward pass dead code, and zeroes state computed from the input
+(BatchNorm's averages, which the first step overwrites). A parameter computed from the input
+makes it `forward.init` as it is. The numpy values are alike on every platform and device count.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -43,8 +37,7 @@ def _as_draw(init: Any, shape, dtype, full_name: str) -> _Draw | None:
     """The flat-draw equivalent of a Haiku initialiser, or None if it has none."""
     if not jnp.issubdtype(dtype, jnp.floating):
         return None
-    # Concrete scalars only: one traced in the network (`1 / jnp.sqrt(fan_in)`, or
-    # computed from the input) has no float value here; forward.init computes it.
+    # Concrete scalars only: one traced in the network (`1 / jnp.sqrt(fan_in)`) has no value.
     numbers = lambda *values: all(  # noqa: E731
         np.ndim(v) == 0 and not isinstance(v, jax.core.Tracer) for v in values
     )
@@ -79,10 +72,8 @@ def _standard_draw(key: jax.Array, distribution: tuple, size: int) -> jax.Array:
 
 
 def _depends_on(closed_jaxpr: jax_core.ClosedJaxpr, inputs: list[bool]) -> list[bool]:
-    """For each output of `closed_jaxpr`, whether it depends on an input marked in `inputs`.
-
-    Conservative: a nested jaxpr counts as one equation, all of whose outputs depend.
-    """
+    """For each output of `closed_jaxpr`, whether it depends on an input marked in `inputs`
+    (conservatively: a nested jaxpr is one equation, all of whose outputs depend)."""
     jaxpr = closed_jaxpr.jaxpr
     dependent = {var for var, marked in zip(jaxpr.invars, inputs, strict=True) if marked}
     for equation in jaxpr.eqns:
@@ -106,20 +97,9 @@ def initial_params_and_state(
     *,
     axis_name: str | None = None,
 ) -> tuple[hk.Params, hk.State]:
-    """The params and state to start training from, as numpy arrays (see the module docstring).
-
-    Args:
-      forward: `hk.transform_with_state` of `f(batch, is_training)`.
-      key: a typed PRNG key; the same key gives the same values everywhere.
-      batch: one device's shard of a batch, `[per_device_batch, ...]` (arrays or
-        `jax.ShapeDtypeStruct`s: its values are read only when a parameter is
-        computed from the input).
-      axis_name: the collective axis the network's BatchNorm reduces over
-        (`cross_replica_axis`), bound here over this one shard; None binds none.
-
-    Raises:
-      NameError: the network uses a collective axis and `axis_name` binds none.
-    """
+    """The params and state to start training from, as numpy arrays, for a typed `key` and one
+    device's shard of `batch` (read only if a parameter is computed from it). `axis_name`: the
+    network's BatchNorm axis, bound over this shard (NameError if it needs one and None)."""
     draws: dict[str, _Draw] = {}  # In creation order: the order of the flat draws.
 
     def drawn_later(next_creator, shape, dtype, init, context):
@@ -157,21 +137,15 @@ def initial_shapes(
     *,
     axis_name: str | None = None,
 ) -> tuple[hk.Params, hk.State]:
-    """The shapes and dtypes `initial_params_and_state` gives (`jax.ShapeDtypeStruct`s).
-
-    A trace, nothing compiled or run: what a restore needs to read a checkpoint into.
-    """
+    """The shapes and dtypes `initial_params_and_state` gives, traced: what a restore reads into."""
     return _trace_init(forward, key, batch, axis_name, creator=None)[1]
 
 
 def _trace_init(forward, key, batch, axis_name, creator):
     """`forward.init(key, batch, is_training=True)` as a jaxpr of `(key, *batch leaves)`."""
 
-    def init(key, batch):
-        if creator is None:
-            return forward.init(key, batch, is_training=True)
-        # hk.custom_creator is entered inside a transformed function; init runs inside one.
-        with hk.custom_creator(creator):
+    def init(key, batch):  # hk.custom_creator is entered inside a transformed function.
+        with hk.custom_creator(creator) if creator else contextlib.nullcontext():
             return forward.init(key, batch, is_training=True)
 
     transformed = hk.transform_with_state(init)
@@ -195,11 +169,7 @@ def _trace_init(forward, key, batch, axis_name, creator):
 
 def _run_on_host(closed, key, batch_leaves, draws, skip=None):
     """Runs the traced init on the host device: its outputs (None where `skip`), and the draws.
-
-    Without `batch_leaves` the input is zeros made inside the program, where they
-    are dead code: only outputs that do not read the input are kept (`skip` marks
-    the others).
-    """
+    Without `batch_leaves` the input is zeros, dead code where `skip` marks what reads it."""
     skip = skip or [False] * len(closed.jaxpr.outvars)
     sizes: dict[tuple, int] = {}  # Of each distribution's flat draw, in order of first use.
     for draw in draws.values():

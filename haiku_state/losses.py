@@ -10,18 +10,16 @@ import optax
 
 from haiku_state.updater import LossFn
 
-# The metrics an evaluation reports (`classification_loss` over masked batches), and
-# which end of each is best: what `config.keep_best_by` may rank checkpoints by.
+# The metrics an evaluation reports, and which end of each is best (`config.keep_best_by`).
 EVAL_METRICS = {"accuracy": "max", "loss": "min"}
 
 
 def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossFn:
     """Softmax cross-entropy on `batch["label"]`, with accuracy as a metric.
 
-    With a `mask` (evaluation batches padded to full size) padded examples count
-    zero and the metrics gain `weight`, the fraction of real ones: metric sums over
-    batches divided by the summed weight are exact means. With `replaced` (1.0 where
-    `data.skip_corrupt` stood in for an unreadable image) they gain `corrupt_fraction`.
+    With a `mask` (padded evaluation batches) padded examples count zero and the metrics gain
+    `weight`, the fraction of real ones: sums over batches divided by the summed weight are exact
+    means. With `replaced` (images `data.skip_corrupt` stood in for): `corrupt_fraction`.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")

@@ -1,14 +1,14 @@
 """The networks of the experiments, as Haiku modules, and their transformed forms.
 
-Every network maps `(batch, is_training) -> logits`, standardising `batch["image"]`
-(NHWC, uint8 as the pipeline delivers it) on the device first. BatchNorm reduces
-its statistics over `cross_replica_axis`: set to the Updater's axis, they are the
-global batch's, whatever the number of devices it is split over.
+Every network maps `(batch, is_training) -> logits`, standardising `batch["image"]` (NHWC,
+uint8) on the device first. BatchNorm reduces its statistics over `cross_replica_axis`: set to
+the Updater's axis, they are the global batch's on any number of devices.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,92 +29,73 @@ def _batch_norm(cross_replica_axis: str | None, decay_rate: float) -> Callable[.
     )
 
 
+@dataclasses.dataclass
 class MLP(hk.Module):
     """Linear -> BatchNorm -> ReLU -> Dropout blocks, then a linear classifier."""
 
-    def __init__(
-        self,
-        num_classes: int,
-        hidden_sizes: Sequence[int] = (256, 256),
-        dropout_rate: float = 0.1,
-        cross_replica_axis: str | None = None,
-        bn_decay_rate: float = 0.9,
-        name: str | None = None,
-    ):
-        super().__init__(name=name)
-        self._num_classes = num_classes
-        self._hidden_sizes = tuple(hidden_sizes)
-        self._dropout_rate = dropout_rate
-        self._bn = _batch_norm(cross_replica_axis, bn_decay_rate)
+    num_classes: int
+    hidden_sizes: Sequence[int] = (256, 256)
+    dropout_rate: float = 0.1
+    cross_replica_axis: str | None = None
+    bn_decay_rate: float = 0.9
+    name: str | None = None
 
     def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
+        bn = _batch_norm(self.cross_replica_axis, self.bn_decay_rate)
         x = hk.Flatten()(images)
-        for size in self._hidden_sizes:
+        for size in self.hidden_sizes:
             x = hk.Linear(size)(x)
-            x = jax.nn.relu(self._bn()(x, is_training))
-            if is_training and self._dropout_rate > 0:
-                x = hk.dropout(hk.next_rng_key(), self._dropout_rate, x)
-        return hk.Linear(self._num_classes)(x)
+            x = jax.nn.relu(bn()(x, is_training))
+            if is_training and self.dropout_rate > 0:
+                x = hk.dropout(hk.next_rng_key(), self.dropout_rate, x)
+        return hk.Linear(self.num_classes)(x)
 
 
+@dataclasses.dataclass
 class BasicBlock(hk.Module):
-    """Two 3x3 convolutions with a residual connection (ResNet-18/34 block).
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34 block); the last scale
+    starts at zero, the block as the identity: large-learning-rate SGD is stable from the start."""
 
-    The last BatchNorm's scale starts at zero, so each block starts as the
-    identity: this makes large-learning-rate SGD stable from the first step.
-    """
-
-    def __init__(
-        self, channels: int, stride: int, bn: Callable[..., hk.BatchNorm], name: str | None = None
-    ):
-        super().__init__(name=name)
-        self._channels, self._stride, self._bn = channels, stride, bn
+    channels: int
+    stride: int
+    bn: Callable[..., hk.BatchNorm]
+    name: str | None = None
 
     def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
         shortcut = x
-        if self._stride != 1 or x.shape[-1] != self._channels:
-            shortcut = hk.Conv2D(self._channels, 1, stride=self._stride, with_bias=False)(x)
-            shortcut = self._bn()(shortcut, is_training)
-        y = hk.Conv2D(self._channels, 3, stride=self._stride, with_bias=False)(x)
-        y = jax.nn.relu(self._bn()(y, is_training))
-        y = hk.Conv2D(self._channels, 3, with_bias=False)(y)
-        y = self._bn(scale_init=jnp.zeros)(y, is_training)
+        if self.stride != 1 or x.shape[-1] != self.channels:
+            shortcut = hk.Conv2D(self.channels, 1, stride=self.stride, with_bias=False)(x)
+            shortcut = self.bn()(shortcut, is_training)
+        y = hk.Conv2D(self.channels, 3, stride=self.stride, with_bias=False)(x)
+        y = jax.nn.relu(self.bn()(y, is_training))
+        y = hk.Conv2D(self.channels, 3, with_bias=False)(y)
+        y = self.bn(scale_init=jnp.zeros)(y, is_training)
         return jax.nn.relu(y + shortcut)
 
 
+@dataclasses.dataclass
 class SmallImageResNet(hk.Module):
-    """A ResNet-18-shaped network for small images (8x8 digits, 32x32 CIFAR).
+    """A ResNet-18 for small images (8x8 digits, 32x32 CIFAR): the ImageNet stem would shrink an
+    8x8 image to 2x2, this one is a 3x3 stride-1 convolution; stages halve from the second."""
 
-    The ImageNet stem (7x7 stride-2 convolution and max-pool) would shrink an
-    8x8 image to 2x2 before the first block; this stem is one 3x3 stride-1
-    convolution, and the stages halve the resolution from the second on.
-    """
-
-    def __init__(
-        self,
-        num_classes: int,
-        width: int = 16,
-        blocks_per_stage: Sequence[int] = (2, 2, 2, 2),
-        cross_replica_axis: str | None = None,
-        bn_decay_rate: float = 0.9,
-        name: str | None = None,
-    ):
-        super().__init__(name=name)
-        self._num_classes = num_classes
-        self._width = width
-        self._blocks_per_stage = tuple(blocks_per_stage)
-        self._bn = _batch_norm(cross_replica_axis, bn_decay_rate)
+    num_classes: int
+    width: int = 16
+    blocks_per_stage: Sequence[int] = (2, 2, 2, 2)
+    cross_replica_axis: str | None = None
+    bn_decay_rate: float = 0.9
+    name: str | None = None
 
     def __call__(self, images: jax.Array, is_training: bool) -> jax.Array:
-        x = hk.Conv2D(self._width, 3, with_bias=False, name="stem_conv")(images)
-        x = jax.nn.relu(self._bn(name="stem_bn")(x, is_training))
-        for stage, num_blocks in enumerate(self._blocks_per_stage):
+        bn = _batch_norm(self.cross_replica_axis, self.bn_decay_rate)
+        x = hk.Conv2D(self.width, 3, with_bias=False, name="stem_conv")(images)
+        x = jax.nn.relu(bn(name="stem_bn")(x, is_training))
+        for stage, num_blocks in enumerate(self.blocks_per_stage):
             for block in range(num_blocks):
                 stride = 2 if stage > 0 and block == 0 else 1
                 name = f"stage{stage}_block{block}"
-                x = BasicBlock(self._width * 2**stage, stride, self._bn, name=name)(x, is_training)
+                x = BasicBlock(self.width * 2**stage, stride, bn, name=name)(x, is_training)
         x = jnp.mean(x, axis=(1, 2))
-        return hk.Linear(self._num_classes, w_init=jnp.zeros, name="logits")(x)
+        return hk.Linear(self.num_classes, w_init=jnp.zeros, name="logits")(x)
 
 
 def standardize_images(images: jax.Array, mean: Sequence[float], std: Sequence[float]) -> jax.Array:
@@ -133,14 +114,9 @@ def make_network(
     image_std: Sequence[float] | None = None,
     **model_kwargs: Any,
 ) -> hk.TransformedWithState:
-    """The network `name` (of `MODELS`) as `init`/`apply` with params and state.
-
-    `cross_replica_axis`: the axis BatchNorm reduces its statistics over (None: this
-    device's). `precision`: `float32`, or a half type (`bfloat16`, `float16`, which
-    needs loss scaling) to compute in: params, logits and BatchNorm's statistics stay
-    float32. `image_mean`/`image_std`: the dataset's, to standardise the images with
-    (both None: taken as they are). `model_kwargs`: the module's own options.
-    """
+    """The network `name` (of `MODELS`) as `init`/`apply` with params and state. A half
+    `precision` (float16 needs loss scaling) computes in it, params, logits and BatchNorm's
+    statistics float32. `image_mean`/`image_std`: the dataset's, or None for raw images."""
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
     if precision not in PRECISIONS:

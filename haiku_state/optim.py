@@ -13,14 +13,9 @@ SCHEDULES = ("constant", "warmup_cosine")
 
 
 def haiku_weights(params: Any) -> Any:
-    """The weight-decay mask: the weights (`w`) of linear and convolution layers.
-
-    By Haiku's names, not by rank: BatchNorm's scale and offset are `[1, ..., 1, C]`.
-    """
-
-    def is_weight(path, _) -> bool:
-        return getattr(path[-1], "key", None) == "w"
-
+    """The weight-decay mask: the weights `w` of linear and convolution layers, by Haiku's names
+    (not by rank: BatchNorm's scale and offset are `[1, ..., 1, C]`)."""
+    is_weight = lambda path, _: getattr(path[-1], "key", None) == "w"  # noqa: E731
     return jax.tree_util.tree_map_with_path(is_weight, params)
 
 
@@ -52,14 +47,7 @@ def make_optimizer(
     *,
     weight_decay_mask: Callable[[Any], Any] = haiku_weights,
 ) -> optax.GradientTransformation:
-    """The optax transformation described by an experiment's `optimizer` config.
-
-    Args:
-      config: `name` (one of `OPTIMIZERS`), `learning_rate`, `schedule`,
-        `warmup_steps`, `weight_decay`, `momentum` (sgd), `nesterov` (sgd).
-      total_steps: the run's length, for the schedule.
-      weight_decay_mask: `params -> tree of bools`, the parameters to decay.
-    """
+    """The optax transformation an experiment's `optimizer` config describes."""
     name = config["name"]
     if name not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer.name {name!r}; expected one of {OPTIMIZERS}.")

@@ -1,9 +1,7 @@
 """The per-device layout: trees on a leading device axis, and per-device functions mapped over it.
 
-`jax.pmap` takes arguments without copying them only when they carry the sharding
-it would produce itself, `NamedSharding(Mesh(local_devices, (axis_name,)), P(axis_name))`:
-everything here produces exactly that layout. `parallelize` maps a per-device
-function over it with `jax.pmap` or `jax.jit(jax.shard_map(...))`.
+Everything here produces pmap's own sharding, `NamedSharding(local mesh, P(axis_name))`, the
+only one pmap takes without a copy; `parallelize` maps over it with pmap or shard_map.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 PyTree = Any
 DEFAULT_AXIS_NAME = "i"
-# The Updater's backends; the first two map per-device functions (`parallelize`).
 BACKENDS = ("pmap", "shard_map", "jit")
 PER_DEVICE_BACKENDS = ("pmap", "shard_map")
 
@@ -33,10 +30,7 @@ def local_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
 
 @functools.cache
 def global_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
-    """The one-axis mesh of every device of every process, in pmap's order (`lax.axis_index`).
-
-    The jit backend's mesh. Device `k` of process `p` has the index `p * local_device_count + k`.
-    """
+    """The one-axis mesh of every device of every process, in pmap's order: the jit backend's."""
     return Mesh(np.array(jax.devices()), (axis_name,))
 
 
@@ -46,10 +40,7 @@ def device_axis_sharding(axis_name: str = DEFAULT_AXIS_NAME) -> NamedSharding:
 
 
 def check_device_axis(tree: PyTree, where: str, name: str = "train_state") -> None:
-    """Raises ValueError naming the first leaf without a leading axis of local devices.
-
-    `where` (the caller) and `name` (what `tree` is) are for the message.
-    """
+    """Raises ValueError naming the first leaf without a leading axis of local devices."""
     num_devices = jax.local_device_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if np.shape(leaf)[:1] != (num_devices,):
@@ -86,11 +77,7 @@ def check_batch(batch: PyTree, where: str) -> None:
 
 
 def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
-    """Splits a host batch `[B, ...]` over the devices: `[local_devices, B // local_devices, ...]`.
-
-    Raises:
-      ValueError: if a leaf has no batch axis or `B` is not a multiple of the device count.
-    """
+    """Splits a host batch `[B, ...]` over the devices: `[local_devices, B // devices, ...]`."""
     num_devices = jax.local_device_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(host_batch):
         shape = np.shape(leaf)
@@ -111,31 +98,22 @@ def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
     return jax.device_put(jax.tree.map(split, host_batch), device_axis_sharding(axis_name))
 
 
-def _stack_replicas(tree: PyTree, num_devices: int) -> PyTree:
-    return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (num_devices,) + x.shape), tree)
-
-
 def replicate(tree: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
-    """Gives every leaf a leading axis of `jax.local_device_count()` identical copies.
-
-    One transfer to every device, then a jitted broadcast into each device's slice.
-    """
+    """Gives every leaf a leading axis of local devices: one transfer, then a broadcast on each."""
     num_devices = jax.local_device_count()
     on_every_device = jax.device_put(tree, NamedSharding(local_mesh(axis_name), PartitionSpec()))
-    stack = jax.jit(
-        functools.partial(_stack_replicas, num_devices=num_devices),
-        out_shardings=device_axis_sharding(axis_name),
-    )
-    return stack(on_every_device)
+
+    def stack(tree):
+        return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (num_devices, *x.shape)), tree)
+
+    return jax.jit(stack, out_shardings=device_axis_sharding(axis_name))(on_every_device)
 
 
 def unreplicate(tree: PyTree) -> PyTree:
     """Takes the first local device's copy of every leaf (drops the device axis)."""
 
     def first(x):
-        if isinstance(x, jax.Array):
-            return x.addressable_data(0)[0]
-        return np.asarray(x)[0]
+        return x.addressable_data(0)[0] if isinstance(x, jax.Array) else np.asarray(x)[0]
 
     return jax.tree.map(first, tree)
 
@@ -158,17 +136,11 @@ def key_impl_name(keys: Any) -> str:
 
 
 def global_key_data(keys: jax.Array) -> np.ndarray:
-    """The raw data of every process's per-device keys (typed or raw), `[global_devices, ...]`.
-
-    Across processes, a collective (every process calls it): row `g` is global device `g`'s.
-    """
+    """The raw data of every process's per-device keys, `[global_devices, ...]` (a collective)."""
     data = jax.random.key_data(keys) if is_key(keys) else keys
     if jax.process_count() == 1:
         return np.asarray(jax.device_get(data))
     return np.asarray(multihost_utils.process_allgather(data, tiled=True))
-
-
-OutAxes = Any  # A tree (prefix) of 0 (keeps the device axis) or None (identical everywhere).
 
 
 def parallelize(
@@ -176,23 +148,12 @@ def parallelize(
     *,
     backend: str = "pmap",
     axis_name: str = DEFAULT_AXIS_NAME,
-    out_axes: OutAxes = 0,
+    out_axes: Any = 0,
     donate_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
-    """Runs `per_device_fn` on every device's slice of its arguments' leading axis.
-
-    Args:
-      per_device_fn: the function of one device's slices; collectives over
-        `axis_name` reduce across every device of every process.
-      backend: `"pmap"`, or `"shard_map"` for `jax.jit(jax.shard_map(...))` over
-        `global_mesh`; both take and return the same layout.
-      out_axes: a tree prefix of the outputs: 0 keeps the device axis, None marks
-        a value identical on every device (e.g. a `pmean`), returned once.
-      donate_argnums: arguments whose buffers the call may reuse.
-
-    Returns:
-      The mapped function, with `.lower(*args)` for cost and memory analysis.
-    """
+    """Runs `per_device_fn` on every device's slice of its arguments' leading axis, by "pmap" or
+    "shard_map" (`jit(shard_map)` over `global_mesh`). `out_axes`: a tree prefix of the outputs,
+    0 to keep the device axis or None for a value alike on every device, returned once."""
     if backend not in PER_DEVICE_BACKENDS:
         raise ValueError(
             f"Unknown per-device backend {backend!r}; expected one of {PER_DEVICE_BACKENDS}."
@@ -201,11 +162,7 @@ def parallelize(
         return jax.pmap(
             per_device_fn, axis_name=axis_name, out_axes=out_axes, donate_argnums=donate_argnums
         )
-    return _shard_map(per_device_fn, axis_name, out_axes, donate_argnums)
-
-
-def _shard_map(per_device_fn, axis_name, out_axes, donate_argnums):
-    """`parallelize` with `jax.shard_map`: each device sees a block of one slice."""
+    # shard_map: each device sees a block of one slice.
     device_axis = PartitionSpec(axis_name)
     is_axis = lambda x: x is None or isinstance(x, int)  # noqa: E731
     out_specs = jax.tree.map(
@@ -227,9 +184,8 @@ def _shard_map(per_device_fn, axis_name, out_axes, donate_argnums):
     if jax.process_count() == 1:
         return mapped
 
-    # Each process holds its own devices' slices, as pmap's layout has them: view those
-    # buffers as one global array for the jit over every process's devices, and its
-    # results as local ones again. No data moves.
+    # Each process holds its own devices' slices: viewed as global arrays, and the results
+    # as local ones again. No data moves.
     def to_global(args):
         return multihost_utils.host_local_array_to_global_array(args, mesh, device_axis)
 

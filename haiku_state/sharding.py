@@ -1,19 +1,10 @@
 """The global layout of the `jit` backend: where each train-state leaf lives on the mesh.
 
-Under `backend="jit"` the train state holds global `jax.Array`s on
-`replication.global_mesh`, every device of every process, with no device axis.
-Which part of a leaf each device holds is a pure function of its shape and
-dtype, by a named rule (`PARAM_SHARDINGS`), as big_vision names its rules:
-
-* `"replicated"`: every device holds every leaf, as the pmap layout does.
-* `"fsdp"`: each leaf of params and `opt_state` is split along its largest axis
-  that divides by the device count (the first, of two equally large), unless it
-  is smaller than `FSDP_MIN_BYTES` or no axis divides: splitting a bias or a
-  scalar saves nothing and costs a collective.
-
-BatchNorm `state`, the key and the step stay replicated under either rule. The
-batch keeps the per-device layout of the input pipeline; `global_batch_view` and
-`merge_device_axis` make it the global batch without moving any data.
+Global arrays on `replication.global_mesh`, placed by a named rule of shape and dtype
+(`PARAM_SHARDINGS`, big_vision's names): `"replicated"`, or `"fsdp"`, which splits each leaf of
+params and `opt_state` of at least `FSDP_MIN_BYTES` along its largest axis that divides by the
+device count. BatchNorm state, the key and the step stay replicated. The batch keeps the
+pipeline's per-device layout; `global_batch_view` and `merge_device_axis` make it global.
 """
 
 from __future__ import annotations
@@ -30,9 +21,8 @@ from haiku_state import replication
 
 PyTree = Any
 PARAM_SHARDINGS = ("replicated", "fsdp")
-# Leaves below this size stay replicated under "fsdp": 64 KiB, e.g. a 128x128 float32
-# matrix. Below it the all-gather of the forward pass and the reduce-scatter of the
-# gradients are latency, not bandwidth, and the memory saved is negligible.
+# 64 KiB (a 128x128 float32 matrix): below it the all-gather and reduce-scatter of "fsdp" are
+# latency, not bandwidth, and the memory saved is negligible.
 FSDP_MIN_BYTES = 2**16
 
 
@@ -54,15 +44,11 @@ def is_global(train_state: Any) -> bool:
 def fsdp_spec(
     shape: tuple[int, ...], itemsize: int, axis_name: str, num_shards: int, min_bytes: int
 ) -> PartitionSpec:
-    """The `fsdp` rule for one leaf: split its largest axis that divides by `num_shards`.
-
-    Replicated (`PartitionSpec()`) below `min_bytes` or without such an axis.
-    """
+    """The `fsdp` rule for one leaf: its largest axis that divides by `num_shards` split, the
+    first of two equally large; replicated below `min_bytes` or without such an axis."""
     if int(np.prod(shape)) * itemsize < min_bytes:
         return PartitionSpec()
-    # A stable sort: of two equally large axes, the first is split.
-    by_size = sorted(range(len(shape)), key=lambda axis: -shape[axis])
-    for axis in by_size:
+    for axis in sorted(range(len(shape)), key=lambda axis: -shape[axis]):  # Stable: first of ties.
         if shape[axis] % num_shards == 0:
             return PartitionSpec(*(axis_name if i == axis else None for i in range(axis + 1)))
     return PartitionSpec()
@@ -76,14 +62,7 @@ def param_specs(
     num_shards: int,
     min_bytes: int = FSDP_MIN_BYTES,
 ) -> PyTree:
-    """The `PartitionSpec` of every leaf of params or `opt_state` under a named rule.
-
-    Args:
-      shapes: a tree of leaves with `.shape` and `.dtype` (arrays, `ShapeDtypeStruct`s).
-      rule: one of `PARAM_SHARDINGS` (ValueError for another).
-      axis_name: the mesh axis to split over, of size `num_shards`.
-      min_bytes: `fsdp` leaves below this size stay replicated.
-    """
+    """The `PartitionSpec` of every leaf (with `.shape`, `.dtype`) of params or `opt_state`."""
     check_param_sharding(rule)
     if rule == "replicated":
         return jax.tree.map(lambda _: PartitionSpec(), shapes)
@@ -104,11 +83,7 @@ def check_param_sharding(rule: str) -> None:
 def train_state_shardings(
     train_state: Any, device_mesh: Mesh, rule: str, min_bytes: int = FSDP_MIN_BYTES
 ) -> Any:
-    """The `NamedSharding` of every leaf of a jit-layout `TrainState` (shapes suffice).
-
-    params and `opt_state` follow `rule` on the one-axis `device_mesh`; BatchNorm
-    state, the key and the step are replicated.
-    """
+    """The `NamedSharding` of every leaf of a jit-layout `TrainState` (shapes suffice)."""
     (axis_name,) = device_mesh.axis_names
 
     def rule_shardings(tree):
@@ -138,11 +113,7 @@ def put_global(host_tree: PyTree, shardings: PyTree) -> PyTree:
 
 
 def global_batch_view(batch: PyTree, device_mesh: Mesh) -> PyTree:
-    """The processes' `[local_devices, per_device_batch, ...]` batches as one global array each.
-
-    In one process the batch already is that array; across processes each one's
-    buffers become its rows of `[global_devices, ...]`, in process order, uncopied.
-    """
+    """The processes' per-device batches as global `[global_devices, ...]` arrays, uncopied."""
     if jax.process_count() == 1:
         return batch
     return multihost_utils.host_local_array_to_global_array(
@@ -151,10 +122,7 @@ def global_batch_view(batch: PyTree, device_mesh: Mesh) -> PyTree:
 
 
 def merge_device_axis(batch: PyTree, device_mesh: Mesh) -> PyTree:
-    """Inside jit: `[devices, per_device_batch, ...]` -> `[global_batch, ...]`, batch-sharded.
-
-    Device `d`'s examples become the rows it holds already: the reshape moves no data.
-    """
+    """Inside jit: `[devices, per_device_batch, ...]` -> `[global_batch, ...]`; moves no data."""
     sharding = batch_sharding(device_mesh)
 
     def merge(x):
@@ -164,11 +132,8 @@ def merge_device_axis(batch: PyTree, device_mesh: Mesh) -> PyTree:
 
 
 def bytes_per_device(train_state: Any) -> tuple[int, int]:
-    """`(per_device_bytes, total_bytes)`: on the fullest local device, and of one whole copy.
-
-    Read from the addressable shards of a `TrainState` of either layout (a
-    per-device one holds `local_devices` copies).
-    """
+    """`(per_device_bytes, total_bytes)` of a `TrainState` of either layout: on the fullest
+    local device, and of one whole copy."""
     held: collections.Counter = collections.Counter()
     total = 0
     for leaf in jax.tree.leaves(train_state):
@@ -182,13 +147,11 @@ def bytes_per_device(train_state: Any) -> tuple[int, int]:
 
 def format_bytes_per_device(per_device_bytes: int, total_bytes: int) -> str:
     """E.g. `train state: 31.2 MB per device of 98.1 MB` (decimal units)."""
-    return (
-        f"train state: {_human_bytes(per_device_bytes)} per device of {_human_bytes(total_bytes)}"
-    )
 
+    def human(num_bytes: int) -> str:
+        for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if num_bytes >= size:
+                return f"{num_bytes / size:.1f} {unit}"
+        return f"{num_bytes} B"
 
-def _human_bytes(num_bytes: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
-    return f"{num_bytes} B"
+    return f"train state: {human(per_device_bytes)} per device of {human(total_bytes)}"

@@ -1,15 +1,10 @@
 """The Updater: one data-parallel training step over Haiku params and state.
 
-`train_step` is the step, a pure function written once; the `Updater` compiles
-and places it for its backend, donating the train state, in one of two layouts:
-
-* `pmap`, `shard_map`: every leaf has a leading axis of local devices, identical
-  across it but for `rng`, a key per device. Gradients and the floating leaves of
-  the Haiku state (BatchNorm's moving averages; not its integer `counter`) are
-  averaged with `lax.pmean`, so the replicas stay identical whatever the model does.
-* `jit`: global arrays on `replication.global_mesh`, no device axis, one key
-  (`haiku_state.sharding` says where each leaf lives). The step sees and draws over
-  the global batch: a run does not depend on the devices it is spread over.
+`train_step` is the step, a pure function; the `Updater` compiles it, donating the train
+state, for one of two layouts. `pmap`, `shard_map`: a leading axis of local devices on every
+leaf, identical but for `rng` (a key per device); gradients and the Haiku state's floating
+leaves are `pmean`ed, so replicas stay identical. `jit`: global arrays on
+`replication.global_mesh` (`sharding` places them), one key, the step over the global batch.
 """
 
 from __future__ import annotations
@@ -42,8 +37,7 @@ class TrainState(NamedTuple):
     params: hk.Params
     state: hk.State
     opt_state: optax.OptState
-    # Typed PRNG keys: one per device, shape [devices] (pmap, shard_map), or one, shape () (jit).
-    rng: jax.Array
+    rng: jax.Array  # Typed PRNG keys: [devices] (pmap, shard_map), or one, shape () (jit).
     step: jax.Array  # int32: [devices] (pmap, shard_map) or () replicated (jit)
 
 
@@ -53,22 +47,18 @@ def step_of(train_state: TrainState) -> int:
 
 
 class LossScaledOptState(NamedTuple):
-    """`opt_state` with loss scaling: the optimizer's, and the scale as plain arrays (not a
-    `jmp` object, so that Orbax and `jit` lowering can rebuild the tree with placeholders)."""
+    """`opt_state` with loss scaling; the scale as plain arrays, which Orbax and jit can rebuild."""
 
     optimizer: optax.OptState
     loss_scale: jax.Array  # float32 scalar
     good_steps: jax.Array  # int32 scalar: finite steps since the last change (dynamic scale)
 
 
-def pack_loss_scale(
-    optimizer_state: optax.OptState, loss_scale: jmp.LossScale
-) -> LossScaledOptState:
-    """The optimizer state with `loss_scale` stored beside it as plain arrays."""
+def pack_loss_scale(optimizer: optax.OptState, scale: jmp.LossScale) -> LossScaledOptState:
     return LossScaledOptState(
-        optimizer_state,
-        jnp.asarray(loss_scale.loss_scale, jnp.float32),
-        jnp.asarray(getattr(loss_scale, "counter", 0), jnp.int32),
+        optimizer,
+        jnp.asarray(scale.loss_scale, jnp.float32),
+        jnp.asarray(getattr(scale, "counter", 0), jnp.int32),
     )
 
 
@@ -90,26 +80,22 @@ def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0)
 NORMS = ("l2_grads", "l2_params", "l2_updates")
 
 
-def global_norms(grads: Any, params: Any, updates: Any) -> Metrics:
-    """Global L2 norms, big_vision's names: what to look at first when a run goes wrong."""
-    trees = (grads, params, updates)
+def global_norms(*trees: Any) -> Metrics:
+    """Global L2 norms of (grads, params, updates), big_vision's names: the first thing to read."""
     return {
         name: optax.tree.norm(tree).astype(jnp.float32)
         for name, tree in zip(NORMS, trees, strict=True)
     }
 
 
-def zero_norms(grads: Any, params: Any, updates: Any) -> Metrics:
-    """Zeros in the norms' place, typed like them (a per-device backend's types say which
-    device axes a value varies over, and a `lax.cond`'s two branches must agree)."""
+def zero_norms(*trees: Any) -> Metrics:
+    """Zeros typed like the norms: like them, they vary over the device axes (`lax.cond`)."""
 
     def zero_like(tree):
         leaves = jax.tree.leaves(tree)
         return jnp.zeros_like(leaves[0], jnp.float32, shape=()) if leaves else jnp.float32(0)
 
-    return {
-        name: zero_like(tree) for name, tree in zip(NORMS, (grads, params, updates), strict=True)
-    }
+    return {name: zero_like(tree) for name, tree in zip(NORMS, trees, strict=True)}
 
 
 def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = False) -> Any:
@@ -118,11 +104,8 @@ def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = F
         return tree
     if not floating_only:
         return jax.lax.pmean(tree, axis_name)
-
-    def mean_if_floating(x):
-        return jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-
-    return jax.tree.map(mean_if_floating, tree)
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    return jax.tree.map(lambda x: jax.lax.pmean(x, axis_name) if floating(x) else x, tree)
 
 
 def train_step(
@@ -153,16 +136,16 @@ def train_step(
         updater_arguments.check_loss(loss, metrics)
         return scale.scale(loss), (loss, new_state, metrics)
 
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
-    grads, (loss, new_state, metrics) = grad_fn(params, state, apply_key, batch)
+    grads, (loss, new_state, metrics) = jax.grad(scaled_loss, has_aux=True)(
+        params, state, apply_key, batch
+    )
     grads = scale.unscale(_mean_over_devices(grads, axis_name))
     new_state = _mean_over_devices(new_state, axis_name, floating_only=True)
     updates, new_optimizer_state = optimizer.update(grads, optimizer_state, params)
     new_params = optax.apply_updates(params, updates)
     new_opt_state = new_optimizer_state
-    # The norms' three passes over the parameters are worth saving on the steps nobody
-    # logs (a small model's step pays a fifth more for them on a CPU); a second program
-    # without them would cost a second compile, as long as the first on an accelerator.
+    # The norms' three passes over the params (a fifth of a small model's step on a CPU) are
+    # skipped on the steps nobody logs, by an argument: a second program, a second compile.
     norms = jax.lax.cond(with_norms, global_norms, zero_norms, grads, new_params, updates)
     metrics = {"loss": loss, **metrics, **norms}
     if scaled:
@@ -220,78 +203,27 @@ def initial_train_state(
     return TrainState(*copies, rng, jnp.broadcast_to(step, (num_devices,)))
 
 
-def _as_typed_key(key: jax.Array) -> jax.Array:
+def _typed_key(key: jax.Array) -> jax.Array:
     return key if replication.is_key(key) else jax.random.wrap_key_data(key)
 
 
-def _signature(tree: Any) -> tuple:
-    """What the jit backend's shardings of a tree depend on: its structure, shapes and dtypes."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
-
-
 class _Programs(NamedTuple):
-    """A backend's compiled step functions (the jit backend's: for train states of one shape)."""
+    """A backend's compiled step functions (jit: for train states of one shape, and shardings)."""
 
-    shardings: TrainState | None  # jit: of every leaf, by the param_sharding rule.
+    shardings: TrainState | None
     update: Callable[..., tuple[TrainState, Metrics]]
     evaluate: Callable[..., Metrics]
-    init: Callable[..., TrainState] | None = None  # jit only.
-
-
-def _global_programs(
-    step: Callable,
-    evaluate: Callable,
-    initial: Callable,
-    train_state: Any,
-    mesh: jax.sharding.Mesh,
-    rule: str,
-) -> _Programs:
-    """The jit programs of the step functions, for train states shaped like `train_state`."""
-    shardings = sharding.train_state_shardings(train_state, mesh, rule)
-    batch, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-
-    def on_global_batch(step_fn):
-        return lambda ts, b, *more: step_fn(ts, sharding.merge_device_axis(b, mesh), *more)
-
-    return _Programs(
-        shardings=shardings,
-        update=jax.jit(
-            on_global_batch(step),
-            in_shardings=(shardings, batch, whole),
-            out_shardings=(shardings, whole),
-            donate_argnums=0,
-        ),
-        evaluate=jax.jit(
-            on_global_batch(evaluate), in_shardings=(shardings, batch), out_shardings=whole
-        ),
-        init=jax.jit(
-            initial,
-            in_shardings=(shardings.params, shardings.state, whole),
-            out_shardings=shardings,
-            static_argnums=3,  # key_impl
-        ),
-    )
+    init: Callable[..., TrainState] | None = None
 
 
 class Updater:
     """Initialises and updates a `TrainState` with a data-parallel step.
 
-    Args:
-      forward: `hk.transform_with_state` of `f(batch, is_training) -> outputs`.
-      optimizer: the optax transformation applied to the averaged gradients.
-      loss_fn: `(outputs, batch) -> (scalar loss, dict of scalar metrics)`, of each
-        device's shard (pmap, shard_map) or of the global batch (jit).
-      axis_name: the device axis (a per-device backend's BatchNorm
-        `cross_replica_axis`); under jit the mesh's, which the network must not use.
-      augment_fn: optional `(key, batch) -> batch`, run on device in every training step.
-      check_finite: `update` raises `FloatingPointError` on a non-finite loss (a host
-        sync per step: a debugging aid).
-      loss_scale: optional `jmp` loss scale (float16), kept in `opt_state`; a dynamic
-        one skips steps with non-finite gradients on every device alike.
-      backend: `"pmap"` or `"shard_map"`, which share the per-device layout (and so
-        checkpoints), or `"jit"`, one program over the global batch.
-      param_sharding: `"replicated"`, or with `backend="jit"` `"fsdp"` (`sharding`).
+    `loss_fn(outputs, batch)` gives a scalar loss and scalar metrics, of each device's shard
+    (pmap, shard_map) or the global batch (jit); `augment_fn(key, batch)` runs in every step.
+    `axis_name`: the per-device backends' device axis. `check_finite`: `update` raises
+    `FloatingPointError` on a non-finite loss (a host sync per step). `loss_scale`: a `jmp`
+    scale (float16), kept in `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`.
     """
 
     def __init__(
@@ -308,11 +240,9 @@ class Updater:
         param_sharding: str = "replicated",
     ):
         updater_arguments.check_backend(backend, param_sharding)
+        self.axis_name, self.backend, self.param_sharding = axis_name, backend, param_sharding
         self._forward = forward
-        self._axis_name = axis_name
         self._check_finite = check_finite
-        self._backend = backend
-        self._param_sharding = param_sharding
         self._norms_flags: dict[bool, jax.Array] = {}  # Placed when first asked for.
         self._initial = functools.partial(initial_train_state, optimizer, loss_scale)
         device_axis = None if backend == "jit" else axis_name
@@ -323,11 +253,9 @@ class Updater:
         self._eval_step = functools.partial(eval_step, **common)
         if backend == "jit":
             self._mesh = replication.global_mesh(axis_name)
-            # Built on first use for each shape of train state: the shardings depend on it.
-            self._global_programs: dict[tuple, _Programs] = {}
+            self._global_programs: dict[tuple, _Programs] = {}  # By shape of train state.
             return
-        # One program of the step, compiled when first called: whether it computes the
-        # global norms is an argument (`_norms_flag`), not a second program.
+        # One program of the step: whether it computes the norms is an argument, not a second one.
         parallel = dict(backend=backend, axis_name=axis_name)
         self._parallel = _Programs(
             shardings=None,
@@ -337,55 +265,28 @@ class Updater:
             evaluate=replication.parallelize(self._eval_step, out_axes=None, **parallel),
         )
 
-    @property
-    def axis_name(self) -> str:
-        return self._axis_name
-
-    @property
-    def backend(self) -> str:
-        return self._backend
-
-    @property
-    def param_sharding(self) -> str:
-        return self._param_sharding
-
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
-        """The initial `TrainState` in the backend's layout, params and state drawn on the host.
-
-        Args:
-          seed: an int or a PRNG key (typed or raw): its `hk.PRNGSequence` gives the
-            params' key and the run's key (per-device backends: folded per device).
-          batch: a device-sharded batch (`hs.shard`); only its shapes and dtypes
-            matter, unless a parameter is computed from the input.
-        """
-        replication.check_batch(batch, "init")
+        """The first `TrainState`, params and state drawn on the host from `seed` (int or key);
+        of the sharded `batch` only shapes matter, unless a parameter is computed from it."""
         with self._random_bits():  # The keys are split under it too.
             sequence = hk.PRNGSequence(seed)
-            init_key = _as_typed_key(next(sequence))
-            run_key = _as_typed_key(next(sequence))
+            init_key, run_key = (_typed_key(next(sequence)) for _ in range(2))
         initial = initialization.initial_params_and_state
         params, state = self._params_and_state(initial, init_key, batch, "init")
         run_key_data = np.asarray(jax.device_get(jax.random.key_data(run_key)))
         key_impl = str(jax.random.key_impl(run_key))
-        if self._backend == "jit":
+        if self.backend == "jit":
             like, shardings = self._abstract(params, state, run_key_data, key_impl)
             placed = sharding.put_global((params, state), (shardings.params, shardings.state))
             return self._global_programs_for(like).init(*placed, run_key_data, key_impl)
         num_devices = jax.local_device_count()
-        place = jax.jit(
-            functools.partial(self._initial, num_devices=num_devices),
-            static_argnames=("key_impl", "first_index"),
-            out_shardings=replication.device_axis_sharding(self._axis_name),
-        )
-        first_index = jax.process_index() * num_devices
-        return place(params, state, run_key_data, key_impl=key_impl, first_index=first_index)
+        per_device = dict(num_devices=num_devices, first_index=jax.process_index() * num_devices)
+        place = functools.partial(self._initial, key_impl=key_impl, **per_device)
+        out_shardings = replication.device_axis_sharding(self.axis_name)
+        return jax.jit(place, out_shardings=out_shardings)(params, state, run_key_data)
 
     def abstract_init(self, batch: Batch) -> TrainState:
-        """The shapes, dtypes and shardings `init` would give, as `jax.ShapeDtypeStruct`s.
-
-        What `Checkpointer.restore` reads a checkpoint into: a trace, nothing initialised.
-        """
-        replication.check_batch(batch, "abstract_init")
+        """What `init` would give, as sharded `jax.ShapeDtypeStruct`s: what a restore reads into."""
         key = jax.random.key(0)
         initial = initialization.initial_shapes
         params, state = self._params_and_state(initial, key, batch, "abstract_init")
@@ -398,90 +299,100 @@ class Updater:
     def update(
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
-        """One training step on a device-sharded batch. `train_state` is donated: use the result.
-
-        Returns the new train state, and the metrics of the global batch as scalars:
-        `loss`, the loss_fn metrics and (`with_norms`, on the steps the loop logs)
-        `l2_grads` (averaged), `l2_params` (after the update) and `l2_updates`.
-        """
-        programs, batch = self._checked(train_state, batch, "update")
-        step = step_of(train_state) if self._check_finite else None
+        """One step on a sharded batch, `train_state` donated; the global batch's `loss`, loss_fn
+        metrics and, `with_norms`, `l2_grads`, `l2_params` (updated) and `l2_updates`."""
         flag = self._norms_flag(with_norms)
-        new_train_state, metrics = self._call(programs, "update", train_state, batch, flag)
+        new_train_state, metrics = self._run("update", train_state, batch, flag)
         if not with_norms:  # The program's placeholders for them.
             metrics = {name: value for name, value in metrics.items() if name not in NORMS}
         if self._check_finite:
+            step = step_of(new_train_state) - 1
             replicas.check_finite_losses([(step, jax.device_get(metrics))])
         return new_train_state, metrics
 
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
         """The loss and metrics with `is_training=False`; the state is untouched."""
-        programs, batch = self._checked(train_state, batch, "evaluate")
-        return self._call(programs, "evaluate", train_state, batch)
+        return self._run("evaluate", train_state, batch)
 
     def lower_update(
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
     ) -> jax.stages.Lowered:
-        """The training step lowered for XLA's cost and memory analysis (per device under jit).
-
-        Lowering neither runs the step nor consumes the donated `train_state`.
-        """
+        """The step lowered for XLA's cost and memory analysis; nothing runs or is donated."""
         programs, batch = self._checked(train_state, batch, "lower_update")
-        refused = updater_arguments.unbound_axis_refused("lower_update", self._axis_name)
+        refused = updater_arguments.unbound_axis_refused("lower_update", self.axis_name)
         with self._random_bits(), refused:
             return programs.update.lower(train_state, batch, self._norms_flag(with_norms))
 
     def _params_and_state(self, initial: Callable, key: jax.Array, batch: Batch, where: str):
         """`initial(forward, key, first device's shard)`: the network's params and state."""
-        axis_name = None if self._backend == "jit" else self._axis_name
-        with updater_arguments.unbound_axis_refused(where, self._axis_name):
+        replication.check_batch(batch, where)
+        axis_name = None if self.backend == "jit" else self.axis_name
+        with updater_arguments.unbound_axis_refused(where, self.axis_name):
             return initial(self._forward, key, replication.unreplicate(batch), axis_name=axis_name)
 
     def _abstract(self, params, state, key_data, key_impl: str) -> tuple[TrainState, Any]:
         """The shapes of the `TrainState` `init` makes of these, and its leaves' shardings."""
-        per_device = {} if self._backend == "jit" else dict(num_devices=jax.local_device_count())
+        per_device = {} if self.backend == "jit" else dict(num_devices=jax.local_device_count())
         initial = functools.partial(self._initial, key_impl=key_impl, **per_device)
         like = jax.eval_shape(initial, params, state, key_data)
-        if self._backend == "jit":
+        if self.backend == "jit":
             return like, self._global_programs_for(like).shardings
-        return like, jax.tree.map(lambda _: replication.device_axis_sharding(self._axis_name), like)
+        return like, jax.tree.map(lambda _: replication.device_axis_sharding(self.axis_name), like)
 
     def _random_bits(self) -> contextlib.AbstractContextManager:
-        """The jit programs draw with the partitionable threefry whatever the process's setting.
-
-        Each device then computes only the bits of its own shard, and the bits are the
-        same on any mesh (the command line turns it off on CPU for the per-device backends).
-        """
-        if self._backend != "jit":
+        """Under jit, the partitionable threefry: each device draws only its shard's bits, the
+        same on any mesh (the command line turns it off on CPU for the per-device backends)."""
+        if self.backend != "jit":
             return contextlib.nullcontext()
         return jax.threefry_partitionable(True)
 
     def _global_programs_for(self, train_state: Any) -> _Programs:
         """The jit programs for train states shaped like `train_state` (arrays or shapes)."""
-        signature = _signature(train_state)
-        if signature not in self._global_programs:
-            self._global_programs[signature] = _global_programs(
-                self._step,
-                self._eval_step,
+        leaves, treedef = jax.tree.flatten(train_state)
+        signature = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        if signature in self._global_programs:
+            return self._global_programs[signature]
+        mesh = self._mesh
+        shardings = sharding.train_state_shardings(train_state, mesh, self.param_sharding)
+        batch, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+
+        def on_global_batch(step_fn):
+            return lambda ts, b, *more: step_fn(ts, sharding.merge_device_axis(b, mesh), *more)
+
+        programs = self._global_programs[signature] = _Programs(
+            shardings=shardings,
+            update=jax.jit(
+                on_global_batch(self._step),
+                in_shardings=(shardings, batch, whole),
+                out_shardings=(shardings, whole),
+                donate_argnums=0,
+            ),
+            evaluate=jax.jit(
+                on_global_batch(self._eval_step),
+                in_shardings=(shardings, batch),
+                out_shardings=whole,
+            ),
+            init=jax.jit(
                 self._initial,
-                train_state,
-                self._mesh,
-                self._param_sharding,
-            )
-        return self._global_programs[signature]
+                in_shardings=(shardings.params, shardings.state, whole),
+                out_shardings=shardings,
+                static_argnums=3,  # key_impl
+            ),
+        )
+        return programs
 
     def _checked(self, train_state: TrainState, batch: Batch, where: str):
         """Checks the arguments; the programs that take them, and the batch as they take it."""
-        updater_arguments.check_arguments(train_state, batch, where, self._backend, TrainState)
-        if self._backend != "jit":
+        updater_arguments.check_arguments(train_state, batch, where, self.backend, TrainState)
+        if self.backend != "jit":
             return self._parallel, batch
-        programs = self._global_programs_for(train_state)
-        return programs, sharding.global_batch_view(batch, self._mesh)
+        return self._global_programs_for(train_state), sharding.global_batch_view(batch, self._mesh)
 
-    def _call(self, programs: _Programs, where: str, train_state, batch, *more: Any):
-        """Runs `programs.update` or `.evaluate`, naming the leaf at fault if refused."""
+    def _run(self, where: str, train_state: TrainState, batch: Batch, *more: Any):
+        """Checks the arguments and runs the `update` or `evaluate` program on them."""
+        programs, batch = self._checked(train_state, batch, where)
         explained = updater_arguments.rejection_explained(
-            train_state, where, self._axis_name, programs.shardings, self._param_sharding
+            train_state, where, self.axis_name, programs.shardings, self.param_sharding
         )
         with self._random_bits(), explained:
             return getattr(programs, where)(train_state, batch, *more)
@@ -489,11 +400,10 @@ class Updater:
     def _norms_flag(self, with_norms: bool) -> jax.Array:
         """`with_norms` as the step program takes it, placed once per value (no transfer a step)."""
         if with_norms not in self._norms_flags:
-            if self._backend == "jit":
-                where = sharding.replicated(self._mesh)
-                value = np.bool_(with_norms)
+            if self.backend == "jit":
+                value, where = np.bool_(with_norms), sharding.replicated(self._mesh)
             else:
-                where = replication.device_axis_sharding(self._axis_name)
                 value = np.full((jax.local_device_count(),), with_norms)
+                where = replication.device_axis_sharding(self.axis_name)
             self._norms_flags[with_norms] = jax.device_put(value, where)
         return self._norms_flags[with_norms]

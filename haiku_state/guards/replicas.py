@@ -1,9 +1,8 @@
 """The invariants a data-parallel run relies on, checked naming the leaf that breaks one.
 
-Replicas bit-identical; a PRNG key per device, distinct (pmap layout) or one key
-alike on every device (jit layout); shards tiling their leaf; losses and params
-finite. In a multi-process run the replica and key checks compare the devices of
-every process: they are collectives, which every process must call alike.
+Replicas bit-identical, keys distinct per device (pmap layout) or alike (jit), shards tiling
+their leaf, losses and params finite. Across processes the replica and key checks are
+collectives, which every process must call alike.
 """
 
 from __future__ import annotations
@@ -24,16 +23,12 @@ from haiku_state import replication, sharding
 
 PyTree = Any
 
-# Whether every leaf of a tree is finite, as one device-side boolean (the loss scaling's test).
+# Whether every leaf of a tree is finite, one boolean on the device (the loss scaling's test).
 all_finite = jax.jit(jmp.all_finite)
 
 
 def check_finite_losses(step_metrics: Iterable[tuple[int, Mapping[str, Any]]]) -> None:
-    """Raises FloatingPointError naming the first step whose `loss` is not finite.
-
-    Args:
-      step_metrics: `(step, metrics)` pairs with host values, in step order.
-    """
+    """Raises FloatingPointError at the first of `(step, host metrics)` with a non-finite loss."""
     for step, metrics in step_metrics:
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
@@ -69,10 +64,7 @@ _CHECK_AXIS = "replicas"
 
 def _differs_from_global_device_0(leaves: list[jax.Array]) -> list[jax.Array]:
     """Per leaf: `[global_devices]` booleans, does this device's copy differ from device 0's?
-
-    Per device, over every process: device 0's bits reach every device through a
-    psum only it contributes to (exact for integers); one boolean per device comes back.
-    """
+    Device 0's bits reach every device by a psum only it contributes to (exact for ints)."""
 
     def differs(x):
         bits = _leaf_bits(x)
@@ -91,72 +83,50 @@ _global_replica_mismatch = jax.pmap(
 )
 
 
-def _device_axis_size(tree: PyTree, what: str) -> int:
+def assert_replicas_identical(tree: PyTree) -> None:
+    """Asserts that all replicas (slices along the leading axis) are bit-identical, compared on
+    device (with device 0 of process 0): cheap enough every few hundred steps."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        return 0
-    if not np.ndim(leaves[0]):
-        raise ValueError(f"{what}: leaves have no leading device axis.")
-    num_devices = np.shape(leaves[0])[0]
-    chex.assert_tree_shape_prefix(tree, (num_devices,))
-    return num_devices
-
-
-def assert_replicas_identical(tree: PyTree) -> None:
-    """Asserts that all replicas (slices along the leading axis) are bit-identical.
-
-    Compared on device, a boolean per leaf and device back to the host: cheap
-    enough every few hundred steps. Across processes, with device 0 of process 0.
-
-    Raises:
-      AssertionError: naming the first leaf whose replicas differ, the devices
-        that differ and (single process) chex's element-wise report.
-    """
-    if not _device_axis_size(tree, "assert_replicas_identical"):
         return  # An empty tree (a stateless model's state) has nothing to differ.
+    if not np.ndim(leaves[0]):
+        raise ValueError("assert_replicas_identical: leaves have no leading device axis.")
+    chex.assert_tree_shape_prefix(tree, (np.shape(leaves[0])[0],))
+    mismatch_fn = _global_replica_mismatch if jax.process_count() > 1 else _replica_mismatch
+    _raise_first_mismatch(_named_leaves(tree), mismatch_fn(leaves), lambda leaf: leaf)
+
+
+def _named_leaves(tree: PyTree) -> list[tuple[str, Any]]:
     paths_and_leaves = jax.tree_util.tree_leaves_with_path(tree)
-    leaves = [leaf for _, leaf in paths_and_leaves]
-    multiprocess = jax.process_count() > 1
-    mismatch_fn = _global_replica_mismatch if multiprocess else _replica_mismatch
-    mismatch = jax.device_get(mismatch_fn(leaves))
-    for (path, leaf), differs in zip(paths_and_leaves, mismatch, strict=True):
-        if np.any(differs):
-            name = jax.tree_util.keystr(path) or "<root>"
-            report = "" if multiprocess else _report(leaf[0], leaf[np.flatnonzero(differs)[0]])
-            _raise_replicas_differ(name, differs, report)
+    return [(jax.tree_util.keystr(path) or "<root>", leaf) for path, leaf in paths_and_leaves]
 
 
-def _raise_replicas_differ(name: str, differs: np.ndarray, report: str = "") -> None:
-    bad_devices = np.flatnonzero(differs).tolist()
-    if jax.process_count() > 1:
+def _raise_first_mismatch(named_leaves, mismatch, copies_of) -> None:
+    """Raises AssertionError naming the first leaf whose `mismatch` (per device) is set, with
+    chex's report of the difference in one process (`copies_of(leaf)`: by device index)."""
+    for (name, leaf), differs in zip(named_leaves, jax.device_get(mismatch), strict=True):
+        if not np.any(differs):
+            continue
+        bad_devices = np.flatnonzero(differs).tolist()
+        if jax.process_count() > 1:
+            raise AssertionError(
+                f"Replicas differ at leaf {name}: global devices {bad_devices} differ from "
+                f"global device 0 (process 0) across the {jax.process_count()} processes."
+            )
+        copies = copies_of(leaf)
+        as_host = lambda x: np.asarray(_leaf_bits(x) if replication.is_key(x) else x)  # noqa: E731
+        report = ""
+        try:
+            chex.assert_trees_all_equal(as_host(copies[0]), as_host(copies[bad_devices[0]]))
+        except AssertionError as e:
+            report = f"\n{e}"
         raise AssertionError(
-            f"Replicas differ at leaf {name}: global devices {bad_devices} differ from "
-            f"global device 0 (process 0) across the {jax.process_count()} processes."
+            f"Replicas differ at leaf {name}: devices {bad_devices} differ from device 0." + report
         )
-    raise AssertionError(
-        f"Replicas differ at leaf {name}: devices {bad_devices} differ from device 0." + report
-    )
-
-
-def _report(first: jax.Array, other: jax.Array) -> str:
-    """chex's report of how `other` differs from `first` (a single process's copies)."""
-    as_host = lambda x: np.asarray(_leaf_bits(x) if replication.is_key(x) else x)  # noqa: E731
-    try:
-        chex.assert_trees_all_equal(as_host(first), as_host(other))
-    except AssertionError as e:
-        return f"\n{e}"
-    return ""
 
 
 def assert_keys_distinct(keys: jax.Array) -> None:
-    """Asserts that every device, of every process, holds a different PRNG key.
-
-    Args:
-      keys: typed keys `[devices]`, or raw uint32 key data `[devices, ...]`.
-
-    Raises:
-      AssertionError: naming the first pair of (global) devices whose keys are equal.
-    """
+    """Asserts that every device of every process holds a different PRNG key (typed or raw)."""
     if replication.key_axes(keys) < 1:
         shape = np.shape(jax.random.key_data(keys) if replication.is_key(keys) else keys)
         raise ValueError(
@@ -175,16 +145,11 @@ def assert_keys_distinct(keys: jax.Array) -> None:
 
 
 def assert_global_layout(tree: PyTree) -> None:
-    """Asserts the invariants of global arrays (the jit layout), naming the leaf that breaks one.
-
-    Every leaf lives on every device; a replicated leaf's copies are bit-identical
-    (compared on device, as `assert_replicas_identical` does); a sharded leaf's
-    shards tile it exactly, each holding the block its sharding assigns.
-    """
+    """Asserts that every leaf of the jit layout lives on every device, its copies bit-identical
+    (replicated) or its shards tiling it exactly, each the block its sharding assigns."""
     all_devices = set(jax.devices())
     replicated = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        name = jax.tree_util.keystr(path) or "<root>"
+    for name, leaf in _named_leaves(tree):
         if not isinstance(leaf, jax.Array):
             raise AssertionError(f"Leaf {name} is a {type(leaf).__name__}, not a jax.Array.")
         if leaf.sharding.device_set != all_devices:
@@ -203,15 +168,13 @@ def assert_global_layout(tree: PyTree) -> None:
             )
     if not replicated:
         return
-    mismatch = jax.device_get(_copies_mismatch([_copies(leaf) for _, leaf in replicated]))
-    for (name, leaf), differs in zip(replicated, mismatch, strict=True):
-        if np.any(differs):
-            report = ""
-            if jax.process_count() == 1:
-                copies = {shard.device: shard.data for shard in leaf.addressable_shards}
-                devices = jax.devices()
-                report = _report(copies[devices[0]], copies[devices[np.flatnonzero(differs)[0]]])
-            _raise_replicas_differ(name, differs, report)
+
+    def copies_of(leaf):
+        copies = {shard.device: shard.data for shard in leaf.addressable_shards}
+        return [copies[device] for device in jax.devices()]
+
+    mismatch = _copies_mismatch([_copies(leaf) for _, leaf in replicated])
+    _raise_first_mismatch(replicated, mismatch, copies_of)
 
 
 Block = tuple[tuple[int, int], ...]  # (start, stop) along every axis.
@@ -235,7 +198,8 @@ def tiling_problem(indices: Mapping[int, tuple[slice, ...]], shape: tuple[int, .
                 f"the blocks {_format_block(a)} of devices {holders[a]} and "
                 f"{_format_block(b)} of devices {holders[b]} overlap."
             )
-    covered, size = sum(_volume(block) for block in holders), math.prod(shape)
+    covered = sum(math.prod(stop - start for start, stop in block) for block in holders)
+    size = math.prod(shape)
     if covered != size:
         return f"the blocks cover {covered} of its {size} elements."
     return None
@@ -243,10 +207,6 @@ def tiling_problem(indices: Mapping[int, tuple[slice, ...]], shape: tuple[int, .
 
 def _block(index: tuple[slice, ...], shape: tuple[int, ...]) -> Block:
     return tuple(axis.indices(size)[:2] for axis, size in zip(index, shape, strict=True))
-
-
-def _volume(block: Block) -> int:
-    return math.prod(stop - start for start, stop in block)
 
 
 def _format_block(block: Block) -> str:
@@ -267,8 +227,8 @@ def _shards_problem(leaf: jax.Array) -> str | None:
 
 
 def _copies(leaf: jax.Array) -> jax.Array:
-    """A replicated leaf's copies side by side, `[devices * n, ...]`, of the devices' own
-    buffers (nothing copied): block `g` is global device `g`'s. A scalar's: `[devices]`."""
+    """A replicated leaf's copies side by side, `[devices * n, ...]` (a scalar's `[devices]`),
+    the devices' own buffers uncopied: block `g` is global device `g`'s."""
     check_mesh = replication.global_mesh(_CHECK_AXIS)
     copies = [
         shard.data if leaf.ndim else shard.data.reshape(1) for shard in leaf.addressable_shards
@@ -294,11 +254,7 @@ def _copies_mismatch(copies: list[jax.Array]) -> list[jax.Array]:
 
 
 def assert_train_state_invariants(train_state: Any) -> None:
-    """The replica and key invariants of a `TrainState` of either layout.
-
-    Per-device layout: replicas identical and keys distinct per device. jit layout
-    (`sharding.is_global`): `assert_global_layout`, the one key replicated alike.
-    """
+    """The replica and key invariants of a `TrainState` of either layout (`sharding.is_global`)."""
     if sharding.is_global(train_state):
         assert_global_layout(train_state)
         return

@@ -14,10 +14,7 @@ from haiku_state import replication, sharding
 
 
 def check_backend(backend: str, param_sharding: str = "replicated") -> None:
-    """Raises ValueError unless an Updater takes this backend and param_sharding.
-
-    A config check can call it to refuse the values before anything runs.
-    """
+    """Raises ValueError unless an Updater takes this backend and param_sharding."""
     if backend not in replication.BACKENDS:
         raise ValueError(f"Unknown backend {backend!r}; expected one of {replication.BACKENDS}.")
     sharding.check_param_sharding(param_sharding)
@@ -30,17 +27,19 @@ def check_backend(backend: str, param_sharding: str = "replicated") -> None:
 
 def check_arguments(train_state: Any, batch: Any, where: str, backend: str, kind: type) -> None:
     """Refuses what is not a `kind` (TrainState) in the backend's layout, or a batch not per device.
-
-    `shard_map` would not refuse a leaf whose leading axis is a multiple of the
-    device count (the keys of a run on more devices): it would quietly hand each
-    device a slice of it. So that backend checks every leaf first.
-    """
+    shard_map would hand each device a slice of a leaf a multiple of the device count long."""
     if not isinstance(train_state, kind):
         raise TypeError(f"{where}: expected a {kind.__name__}, got {type(train_state).__name__}.")
     replication.check_batch(batch, where)
     # A train state passed to update before: its buffers are gone (jax 0.10 crashes on it).
     if any(is_deleted(leaf) for leaf in jax.tree.leaves(train_state)):
-        check_not_deleted(train_state, where)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
+            if is_deleted(leaf):
+                raise ValueError(
+                    f"{where}: train_state{jax.tree_util.keystr(path)} is deleted: this "
+                    "TrainState was donated to an earlier update; use the TrainState that "
+                    "update returned."
+                )
     if backend == "jit":
         if not sharding.is_global(train_state):
             raise ValueError(
@@ -63,16 +62,6 @@ def is_deleted(leaf: Any) -> bool:
     )
 
 
-def check_not_deleted(train_state: Any, where: str) -> None:
-    """Raises ValueError naming the first leaf of `train_state` donated to an earlier update."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
-        if is_deleted(leaf):
-            raise ValueError(
-                f"{where}: train_state{jax.tree_util.keystr(path)} is deleted: this TrainState "
-                "was donated to an earlier update; use the TrainState that update returned."
-            )
-
-
 def check_loss(loss: jax.Array, metrics: Mapping[str, jax.Array]) -> None:
     """Refuses, at trace time, a `loss_fn` whose loss or metrics are not scalars."""
     if jnp.shape(loss) != ():
@@ -87,37 +76,18 @@ def check_loss(loss: jax.Array, metrics: Mapping[str, jax.Array]) -> None:
             )
 
 
-def check_shardings(train_state: Any, expected: Any, where: str, param_sharding: str) -> None:
-    """Raises ValueError naming the first leaf not laid out as `expected` (a jit Updater's)."""
-    for (path, leaf), want in zip(
-        jax.tree_util.tree_leaves_with_path(train_state), jax.tree.leaves(expected), strict=True
-    ):
-        have = getattr(leaf, "sharding", None)
-        if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
-            raise ValueError(
-                f"{where}: train_state{jax.tree_util.keystr(path)} has sharding {have}; "
-                f"param_sharding={param_sharding!r} lays it out as {want.spec} on "
-                f"the mesh of all {jax.device_count()} devices."
-            )
-
-
-def refuse_unbound_axis(error: NameError, where: str, axis_name: str) -> None:
-    """Under jit, a collective names an axis nothing binds: BatchNorm's cross_replica_axis."""
-    if "unbound axis name" in str(error):
-        raise ValueError(
-            f"{where}: the network uses a device axis ({error}); backend='jit' binds none: "
-            f"build its BatchNorm with cross_replica_axis=None (not {axis_name!r}), "
-            "whose statistics under jit are those of the global batch."
-        ) from error
-
-
 @contextlib.contextmanager
 def unbound_axis_refused(where: str, axis_name: str) -> Iterator[None]:
-    """`refuse_unbound_axis` of a NameError raised inside the block."""
+    """Under jit, a collective naming an axis nothing binds: BatchNorm's cross_replica_axis."""
     try:
         yield
     except NameError as e:
-        refuse_unbound_axis(e, where, axis_name)
+        if "unbound axis name" in str(e):
+            raise ValueError(
+                f"{where}: the network uses a device axis ({e}); backend='jit' binds none: "
+                f"build its BatchNorm with cross_replica_axis=None (not {axis_name!r}), "
+                "whose statistics under jit are those of the global batch."
+            ) from e
         raise
 
 
@@ -125,21 +95,22 @@ def unbound_axis_refused(where: str, axis_name: str) -> Iterator[None]:
 def rejection_explained(
     train_state: Any, where: str, axis_name: str, shardings: Any, param_sharding: str
 ) -> Iterator[None]:
-    """If a step program rejects its arguments, names the train-state leaf at fault.
-
-    pmap and jit refuse a misshapen or mis-sharded train state themselves, before
-    they run or donate anything (the batch, checked first, fixes the mapped size),
-    so the per-leaf check in Python runs only when the call fails. `shardings`:
-    the jit layout's, or None for the per-device layout.
-    """
-    try:
-        yield
-    except (ValueError, TypeError):
-        if shardings is None:
-            replication.check_device_axis(train_state, where)
-        else:
-            check_shardings(train_state, shardings, where, param_sharding)
-        raise
-    except NameError as e:
-        refuse_unbound_axis(e, where, axis_name)
-        raise
+    """If a step program rejects its arguments (before running or donating), names the leaf at
+    fault: against `shardings` (jit), or None for the per-device layout."""
+    with unbound_axis_refused(where, axis_name):
+        try:
+            yield
+        except (ValueError, TypeError) as error:
+            if shardings is None:
+                replication.check_device_axis(train_state, where)
+                raise
+            leaves = jax.tree_util.tree_leaves_with_path(train_state)
+            for (path, leaf), want in zip(leaves, jax.tree.leaves(shardings), strict=True):
+                have = getattr(leaf, "sharding", None)
+                if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
+                    raise ValueError(
+                        f"{where}: train_state{jax.tree_util.keystr(path)} has sharding {have}; "
+                        f"param_sharding={param_sharding!r} lays it out as {want.spec} on "
+                        f"the mesh of all {jax.device_count()} devices."
+                    ) from error
+            raise
