@@ -25,7 +25,11 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 def _batch_norm(cross_replica_axis: str | None, decay_rate: float) -> Callable[..., hk.BatchNorm]:
     """A maker of BatchNorm layers with scale and offset (more options as keywords)."""
     return functools.partial(
-        hk.BatchNorm, True, True, decay_rate, cross_replica_axis=cross_replica_axis
+        hk.BatchNorm,
+        create_scale=True,
+        create_offset=True,
+        decay_rate=decay_rate,
+        cross_replica_axis=cross_replica_axis,
     )
 
 
