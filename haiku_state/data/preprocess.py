@@ -96,8 +96,16 @@ def decode_crop(data: bytes, crop: CropFn, image_size: int, flip: bool = False) 
 
 
 def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.ndarray:
-    plan = train_plan(*encoded_size(data), rng)
-    return decode_crop(data, lambda width, height: plan.box, image_size, plan.flip)
+    """A random crop, resized to `image_size`, mirrored half the time; the plan is drawn from
+    the size the decoder reads, so the header is parsed once."""
+    plans = []
+
+    def crop(width: int, height: int) -> Box:
+        plans.append(train_plan(width, height, rng))
+        return plans[0].box
+
+    pixels, box = _decode(data, crop, image_size)
+    return resize_crop(pixels, box, image_size, plans[0].flip)
 
 
 def eval_image(data: bytes, image_size: int) -> np.ndarray:
