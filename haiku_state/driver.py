@@ -257,8 +257,7 @@ def _resume(
         train_state = first if first is not None else _fresh_train_state(experiment, config)
     _log_start(how, train_state, experiment, config, workdir)
     # Also compiles the checks every save runs, before the first window's clock starts.
-    replicas.check_invariants(step_of(train_state), train_state)
-    replicas.check_params_finite(train_state, step_of(train_state))
+    replicas.check_savable(train_state, step_of(train_state))
     return train_state
 
 
@@ -419,8 +418,7 @@ class Saver:
     def run(self, step: int, train_state: TrainState) -> None:
         self._window.check_finite()  # The losses since the last log.
         self._monitor.protect_last_good(self._checkpointer)
-        replicas.assert_train_state_invariants(train_state)
-        replicas.check_params_finite(train_state, step)
+        replicas.check_savable(train_state, step)
         metrics = self._evaluator.metrics_at(step)
         metadata = {**self._metadata, divergence.OUTCOME_KEY: self._monitor.outcome.to_json()}
         if self._checkpointer.save(train_state, metadata=metadata, metrics=metrics):

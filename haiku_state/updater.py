@@ -104,8 +104,11 @@ def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = F
         return tree
     if not floating_only:
         return jax.lax.pmean(tree, axis_name)
-    floating = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
-    return jax.tree.map(lambda x: jax.lax.pmean(x, axis_name) if floating(x) else x, tree)
+
+    def mean_if_floating(x):  # Integer leaves (BatchNorm's counter) are alike already.
+        return jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+    return jax.tree.map(mean_if_floating, tree)
 
 
 def train_step(

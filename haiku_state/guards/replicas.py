@@ -262,13 +262,15 @@ def assert_train_state_invariants(train_state: Any) -> None:
     assert_keys_distinct(train_state.rng)
 
 
-def check_params_finite(train_state: Any, step: int) -> None:
-    """Raises FloatingPointError if any param of `train_state` (at `step`) is not finite."""
-    if not bool(all_finite(train_state.params)):
-        raise FloatingPointError(f"Non-finite params at step {step}.")
-
-
 def check_invariants(step: int, train_state: Any) -> None:
     """`assert_train_state_invariants`, as a periodic action of the loop."""
     del step  # Unused.
     assert_train_state_invariants(train_state)
+
+
+def check_savable(train_state: Any, step: int) -> None:
+    """What a checkpoint of `train_state` must be: replicas and keys whole, params finite
+    (FloatingPointError naming `step` otherwise)."""
+    assert_train_state_invariants(train_state)
+    if not bool(all_finite(train_state.params)):
+        raise FloatingPointError(f"Non-finite params at step {step}.")
