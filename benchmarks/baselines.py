@@ -3,8 +3,7 @@
 This is what a user would write without the library: `value_and_grad`, a
 `lax.pmean` of the gradients and of the floating BatchNorm state, the optax
 update, the train state donated (for float16, the loss scaling the Updater
-does), and the global norms as the branch the Updater's one program takes on
-logged steps only (here never). It does the same work as
+does). It does the same work as
 `Updater.update(..., with_norms=False)`, the step a training run takes between
 its logs (same network, loss, optimizer, augmentation, loss scale and key
 splitting), with none of its Python around the
@@ -28,13 +27,7 @@ import jmp
 import numpy as np
 import optax
 
-from haiku_state.updater import (
-    TrainState,
-    global_norms,
-    pack_loss_scale,
-    unpack_loss_scale,
-    zero_norms,
-)
+from haiku_state.updater import TrainState, pack_loss_scale, unpack_loss_scale
 
 LossFn = Callable[[jax.Array, Any], tuple[jax.Array, dict[str, jax.Array]]]
 AugmentFn = Callable[[jax.Array, Any], Any]
@@ -82,12 +75,6 @@ def per_device_step(
         updates, new_optimizer_state = optimizer.update(grads, optimizer_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": value, **metrics}
-        # The Updater's program holds the global norms as a branch it takes on logged steps
-        # only; so does this one, never taken (the step count is never negative), so that
-        # both compile the same work.
-        metrics.update(
-            jax.lax.cond(count < 0, global_norms, zero_norms, grads, new_params, updates)
-        )
         if loss_scale is None:
             new_opt_state = new_optimizer_state
         else:  # Skip the step where the averaged gradients are not finite.

@@ -71,6 +71,8 @@ class Key:
     bounds: Range | None = None
     allow_none: bool = False
     for_models: tuple[str, ...] = ()
+    # What a run ran with whose record (config.json) predates the key, if not `default`.
+    legacy_default: Any = None
 
     def requirement(self) -> str:
         """What its values must be, as errors and --helpconfig say it: "a positive integer"."""
@@ -96,6 +98,9 @@ SCHEMA = (
     Key("eval_batch_size", 256, int, bounds=POSITIVE_INT, free=True,
         help="the global evaluation batch"),
     Key("log_every", 50, int, bounds=POSITIVE_INT, free=True, help="steps between metric logs"),
+    Key("steps_per_call", 0, int, bounds=NON_NEGATIVE, free=True,
+        help="training steps in one device call (a lax.scan; the cadences must be multiples of "
+        "it); 0: chosen for the model and platform (experiment.steps_per_call)"),
     Key("eval_every", 200, int, bounds=POSITIVE_INT, free=True, help="steps between evaluations"),
     Key("check_every", 200, int, bounds=POSITIVE_INT, free=True,
         help="steps between checks that replicas are identical and keys distinct"),
@@ -183,6 +188,10 @@ SCHEMA = (
         help="the residual blocks of each stage of the ResNet"),
     Key("model.bn_decay_rate", 0.9, float, bounds=FRACTION, for_models=models.MODELS,
         help="the decay of BatchNorm's moving statistics"),
+    Key("model.batch_norm", "lean", str, choices=models.BATCH_NORMS, for_models=models.MODELS,
+        legacy_default="haiku",
+        help="lean: the project's BatchNorm (moving mean and variance, 2 state leaves a layer); "
+        "haiku: hk.BatchNorm (zero-debiased averages, 6 leaves), as runs before it trained"),
 )  # fmt: skip
 
 KEYS = {key.name: key for key in SCHEMA}  # The schema's entry of each dotted key.
@@ -227,6 +236,18 @@ def value_of(config: Any, dotted_key: str) -> Any:
 def at_default(config: Any, name: str) -> bool:
     """Whether the dotted key `name` of `config` holds its schema default."""
     return value_of(config, name) == KEYS[name].default
+
+
+def legacy_values(recorded: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """The keys of `config` a run's flat `recorded` config predates and that are at their
+    defaults, with the values that run ran with (`Key.legacy_default`)."""
+    return {
+        key.name: key.legacy_default
+        for key in keys_of(config.model.name)
+        if key.legacy_default is not None
+        and key.name not in recorded
+        and at_default(config, key.name)
+    }
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

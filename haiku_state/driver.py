@@ -17,7 +17,15 @@ from typing import Any
 import jax
 from absl import logging
 
-from haiku_state import checkpoint, compilation_cache, data, loop, sharding, summaries
+from haiku_state import (
+    checkpoint,
+    compilation_cache,
+    data,
+    loop,
+    replication,
+    sharding,
+    summaries,
+)
 from haiku_state.config import keep_best_mode
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
@@ -49,6 +57,8 @@ def train_and_evaluate(
     config_checks.validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
+    if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):  # A resume.
+        config = workdir_lib.recorded_config_of(workdir, config)  # Of a run older than some keys.
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
@@ -136,6 +146,7 @@ def _train(
                 window=window,
                 actions=actions,
                 stop=stop,
+                steps_per_call=experiment.steps_per_call,
             )
             if end.stopped and end.step > start_step:
                 saver.run(end.step, end.train_state)
@@ -276,10 +287,11 @@ def _log_start(
         workdir,
     )
     logging.info(
-        "%s (backend=%s, param_sharding=%s).",
+        "%s (backend=%s, param_sharding=%s, %d step(s) per call).",
         sharding.format_bytes_per_device(*sharding.bytes_per_device(train_state)),
         config.backend,
         config.param_sharding,
+        experiment.steps_per_call,
     )
 
 
@@ -337,12 +349,15 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
 
 
 def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
-    """The Updater's step, with the global norms on the steps that are logged."""
-    last_step = experiment.total_steps
+    """The Updater's steps up to `step`, in one call, with the global norms where it is logged."""
+    last_step, updater = experiment.total_steps, experiment.updater
 
-    def step_fn(train_state: TrainState, batch: Any, step: int):
+    def step_fn(train_state: TrainState, batches: list[Any], step: int):
         logged = loop.every_and_last(step, log_every, last_step)
-        return experiment.updater.update(train_state, batch, with_norms=logged)
+        if len(batches) == 1:
+            return updater.update(train_state, batches[0], with_norms=logged)
+        stacked = replication.stack_steps(batches, updater.axis_name)
+        return updater.update_steps(train_state, stacked, with_norms=logged)
 
     return step_fn
 

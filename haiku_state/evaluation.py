@@ -146,7 +146,7 @@ def run_config(config: Any, workdir: str) -> Any:
             source,
             "; ".join(changed),
         )
-    return config
+    return workdir_lib.with_legacy_values(config, record["config"], source)
 
 
 def _checkpoint_config(workdir: str) -> dict[str, Any] | None:

@@ -16,13 +16,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import numpy as np
 
 from haiku_state import summaries
 from haiku_state.guards import divergence, signals
 from haiku_state.updater import Batch, Metrics, TrainState
 
-# (train_state, batch, step) -> (train_state, metrics): `step` is the one being run.
-StepFn = Callable[[TrainState, Batch, int], tuple[TrainState, Metrics]]
+# (train_state, batches, step) -> (train_state, metrics): the batches of the steps up to `step`,
+# run in one call; each metric per step (`[len(batches)]`) or, a scalar, of `step` alone.
+StepFn = Callable[[TrainState, Sequence[Batch], int], tuple[TrainState, Metrics]]
 
 
 class Action(Protocol):
@@ -64,7 +66,7 @@ class MetricWindow:
     """
 
     def __init__(self, start_step: int, monitor: divergence.Monitor | None = None):
-        self._pending: list[tuple[int, Metrics]] = []
+        self._pending: list[tuple[int, int, Metrics]] = []  # (last step, steps, metrics)
         self._start = (start_step, time.monotonic())
         self._monitor = monitor or divergence.Monitor(start_step)
 
@@ -72,12 +74,14 @@ class MetricWindow:
     def start_step(self) -> int:
         return self._start[0]
 
-    def append(self, step: int, metrics: Metrics) -> None:
-        self._pending.append((step, metrics))
+    def append(self, step: int, metrics: Metrics, num_steps: int = 1) -> None:
+        """The metrics of the `num_steps` steps up to `step`: each per step (`[num_steps]`) or,
+        a scalar, of `step` alone (the global norms)."""
+        self._pending.append((step, num_steps, metrics))
 
     def check_finite(self) -> None:
         """Raises FloatingPointError naming the first pending step whose loss is not finite."""
-        self._monitor.observe(jax.device_get(self._pending))
+        self._monitor.observe(_per_step(jax.device_get(self._pending)))
 
     def fetch(self, step: int) -> WindowSummary:
         """Fetches, checks and averages the pending metrics; the next window starts at `step`.
@@ -85,7 +89,7 @@ class MetricWindow:
         Each metric is averaged over the steps that report it (the global norms
         come from the logged step alone).
         """
-        window = jax.device_get(self._pending)
+        window = _per_step(jax.device_get(self._pending))
         self._monitor.observe(window)
         sums, counts = collections.defaultdict(float), collections.Counter()
         for _, metrics in window:
@@ -98,6 +102,25 @@ class MetricWindow:
         means = {name: total / counts[name] for name, total in sums.items()}
         self._monitor.outcome.log_train(step, means)
         return WindowSummary(means, step - start_step, now - start_time)
+
+
+def _per_step(blocks: Sequence[tuple[int, int, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """`(step, metrics)` of every step of fetched blocks `(last step, steps, metrics)`."""
+    per_step = []
+    for last, num_steps, metrics in blocks:
+        for index in range(num_steps):
+            step = last - num_steps + 1 + index
+            per_step.append(
+                (
+                    step,
+                    {
+                        name: value[index] if np.ndim(value) else value
+                        for name, value in metrics.items()
+                        if np.ndim(value) or step == last
+                    },
+                )
+            )
+    return per_step
 
 
 class MetricLogger:
@@ -182,25 +205,31 @@ def run(
     window: MetricWindow,
     actions: Sequence[Action],
     stop: signals.StopRequest,
+    steps_per_call: int = 1,
 ) -> LoopEnd:
-    """Runs steps `first_step + 1 .. last_step`, the due actions after each.
+    """Runs steps `first_step + 1 .. last_step`, `steps_per_call` in each call of `step_fn`
+    (a call ends at each multiple of it, and at the last step), the due actions after each call.
 
-    After dispatching step `k` the loop waits for step `k - 1`, so at most two
-    steps are in flight (deeper queues can abort collectives on simulated CPU
-    devices, and cost nothing on accelerators). Each step is annotated for
-    `jax.profiler`. When `stop` asks for it, the loop ends before the next step,
-    leaving the saving to the caller.
+    After dispatching call `k` the loop waits for call `k - 1`, so at most two
+    are in flight (deeper queues can abort collectives on simulated CPU
+    devices, and cost nothing on accelerators). Each call is annotated for
+    `jax.profiler`. When `stop` asks for it, the loop ends before the next call,
+    leaving the saving to the caller. Actions are asked at the steps calls end at: their
+    cadences are multiples of `steps_per_call` (`config_checks` holds them to it).
     """
-    in_flight = None
-    for step in range(first_step + 1, last_step + 1):
-        if stop.should_stop(step - 1):
-            return LoopEnd(train_state, step - 1, stopped=True)
-        with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            train_state, metrics = step_fn(train_state, next(batches), step)
+    in_flight, step = None, first_step
+    while step < last_step:
+        if stop.should_stop(step):
+            return LoopEnd(train_state, step, stopped=True)
+        end = min(step - step % steps_per_call + steps_per_call, last_step)
+        call_batches = [next(batches) for _ in range(end - step)]
+        with jax.profiler.StepTraceAnnotation("train", step_num=end):
+            train_state, metrics = step_fn(train_state, call_batches, end)
         if in_flight is not None:
             jax.block_until_ready(in_flight)
         in_flight = metrics
-        window.append(step, metrics)
+        window.append(end, metrics, end - step)
+        step = end
         for action in actions:
             if action.is_due(step, last_step):
                 action.run(step, train_state)

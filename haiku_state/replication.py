@@ -76,6 +76,38 @@ def check_batch(batch: PyTree, where: str) -> None:
         )
 
 
+def check_stacked_batches(batches: PyTree, where: str) -> None:
+    """Raises ValueError (naming `where`) unless every leaf is `[local_devices, steps,
+    per_device_batch, ...]` with one step count, as `stack_steps` makes them."""
+    steps = {
+        jax.tree_util.keystr(path): np.shape(leaf)[1:2]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batches)
+    }
+    if (
+        any(len(np.shape(leaf)) < 3 for leaf in jax.tree.leaves(batches))
+        or len(set(steps.values())) > 1
+    ):
+        shapes = jax.tree.map(np.shape, batches)
+        raise ValueError(
+            f"{where}: expected batches stacked as [local_devices, steps, per_device_batch, ...] "
+            f"with one step count (replication.stack_steps of sharded batches), got {shapes}."
+        )
+
+
+@functools.cache
+def _stacker(axis_name: str) -> Callable[..., PyTree]:
+    def stack(*batches):
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves, axis=1), *batches)
+
+    return jax.jit(stack, out_shardings=device_axis_sharding(axis_name))
+
+
+def stack_steps(batches: list[PyTree], axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
+    """Sharded batches of consecutive steps as one, `[local_devices, steps, per_device_batch,
+    ...]`, on the devices (one small program): what `Updater.update_steps` takes."""
+    return _stacker(axis_name)(*batches)
+
+
 def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
     """Splits a host batch `[B, ...]` over the devices: `[local_devices, B // devices, ...]`."""
     num_devices = jax.local_device_count()

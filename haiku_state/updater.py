@@ -88,16 +88,6 @@ def global_norms(*trees: Any) -> Metrics:
     }
 
 
-def zero_norms(*trees: Any) -> Metrics:
-    """Zeros typed like the norms: like them, they vary over the device axes (`lax.cond`)."""
-
-    def zero_like(tree):
-        leaves = jax.tree.leaves(tree)
-        return jnp.zeros_like(leaves[0], jnp.float32, shape=()) if leaves else jnp.float32(0)
-
-    return {name: zero_like(tree) for name, tree in zip(NORMS, trees, strict=True)}
-
-
 def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = False) -> Any:
     """`pmean` over the device axis; without one (jit) the values are the global batch's already."""
     if axis_name is None:
@@ -114,8 +104,8 @@ def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = F
 def train_step(
     train_state: TrainState,
     batch: Batch,
-    with_norms: jax.Array,
     *,
+    with_norms: bool,
     forward: hk.TransformedWithState,
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
@@ -147,9 +137,9 @@ def train_step(
     updates, new_optimizer_state = optimizer.update(grads, optimizer_state, params)
     new_params = optax.apply_updates(params, updates)
     new_opt_state = new_optimizer_state
-    # The norms' three passes over the params (a fifth of a small model's step on a CPU) are
-    # skipped on the steps nobody logs, by an argument: a second program, a second compile.
-    norms = jax.lax.cond(with_norms, global_norms, zero_norms, grads, new_params, updates)
+    # Only the logged steps' programs read the norms: in every step they cost ResNet-50 1.3%
+    # of a TPU v5e's step, and a `lax.cond` that skips them 2.7% (it keeps `updates` whole).
+    norms = global_norms(grads, new_params, updates) if with_norms else {}
     metrics = {"loss": loss, **metrics, **norms}
     if scaled:
         # Gradients are averaged already, so every device takes the same decision.
@@ -163,6 +153,48 @@ def train_step(
         metrics["loss_scale"] = scale.loss_scale
     metrics = _mean_over_devices(metrics, axis_name)
     return TrainState(new_params, new_state, new_opt_state, rng, step + 1), metrics
+
+
+def train_steps(
+    train_state: TrainState, batches: Batch, *, with_norms: bool, step_fn: Callable[..., Any]
+) -> tuple[TrainState, Metrics]:
+    """`step_fn` (a `train_step`) over the leading axis of `batches`, in one `lax.scan`: several
+    steps in one call. Each metric comes back per step (that axis first), the norms of the last
+    step alone, which runs apart when asked for them."""
+    num_steps = jax.tree.leaves(batches)[0].shape[0]
+
+    def scanned_step(carry: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        new_train_state, metrics = step_fn(carry, batch, with_norms=False)
+        return _varying_like(new_train_state, carry), metrics
+
+    if not with_norms:
+        return jax.lax.scan(scanned_step, train_state, batches)
+    per_step = []
+    if num_steps > 1:
+        head = jax.tree.map(lambda x: x[:-1], batches)
+        train_state, metrics = jax.lax.scan(scanned_step, train_state, head)
+        per_step.append(metrics)
+    last = jax.tree.map(lambda x: x[-1], batches)
+    train_state, metrics = step_fn(train_state, last, with_norms=True)
+    norms = {name: metrics.pop(name) for name in NORMS}
+    per_step.append(jax.tree.map(lambda x: x[None], metrics))
+    per_step = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_step)
+    return train_state, {**per_step, **norms}
+
+
+def _varying_like(tree: Any, like: Any) -> Any:
+    """`tree` typed as varying over the device axes `like` varies over (under shard_map, a leaf
+    averaged over the devices is not): a loop's carry keeps its type."""
+
+    def varying(x):
+        manual = getattr(jax.typeof(x), "manual_axis_type", None)
+        return manual.varying if manual is not None else frozenset()
+
+    def cast(x, old):
+        missing = tuple(sorted(varying(old) - varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree, like)
 
 
 def eval_step(
@@ -211,10 +243,12 @@ def _typed_key(key: jax.Array) -> jax.Array:
 
 
 class _Programs(NamedTuple):
-    """A backend's compiled step functions (jit: for train states of one shape, and shardings)."""
+    """A backend's compiled step functions (jit: for train states of one shape, and shardings).
+    `updates`: by `(stacked, with_norms)`, made when first asked for (`Updater._update_program`).
+    """
 
     shardings: TrainState | None
-    update: Callable[..., tuple[TrainState, Metrics]]
+    updates: dict[tuple[bool, bool], Callable[..., tuple[TrainState, Metrics]]]
     evaluate: Callable[..., Metrics]
     init: Callable[..., TrainState] | None = None
 
@@ -246,7 +280,6 @@ class Updater:
         self.axis_name, self.backend, self.param_sharding = axis_name, backend, param_sharding
         self._forward = forward
         self._check_finite = check_finite
-        self._norms_flags: dict[bool, jax.Array] = {}  # Placed when first asked for.
         self._initial = functools.partial(initial_train_state, optimizer, loss_scale)
         device_axis = None if backend == "jit" else axis_name
         common = dict(forward=forward, loss_fn=loss_fn, axis_name=device_axis)
@@ -258,14 +291,12 @@ class Updater:
             self._mesh = replication.global_mesh(axis_name)
             self._global_programs: dict[tuple, _Programs] = {}  # By shape of train state.
             return
-        # One program of the step: whether it computes the norms is an argument, not a second one.
-        parallel = dict(backend=backend, axis_name=axis_name)
         self._parallel = _Programs(
             shardings=None,
-            update=replication.parallelize(
-                self._step, out_axes=(0, None), donate_argnums=(0,), **parallel
+            updates={},
+            evaluate=replication.parallelize(
+                self._eval_step, out_axes=None, backend=backend, axis_name=axis_name
             ),
-            evaluate=replication.parallelize(self._eval_step, out_axes=None, **parallel),
         )
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
@@ -303,19 +334,35 @@ class Updater:
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
         """One step on a sharded batch, `train_state` donated; the global batch's `loss`, loss_fn
-        metrics and, `with_norms`, `l2_grads`, `l2_params` (updated) and `l2_updates`."""
-        flag = self._norms_flag(with_norms)
-        new_train_state, metrics = self._run("update", train_state, batch, flag)
-        if not with_norms:  # The program's placeholders for them.
-            metrics = {name: value for name, value in metrics.items() if name not in NORMS}
+        metrics and, `with_norms`, `l2_grads`, `l2_params` (updated) and `l2_updates`. With and
+        without the norms are two programs, each compiled when first asked for."""
+        new_train_state, metrics = self._run_update(train_state, batch, False, with_norms)
         if self._check_finite:
             step = step_of(new_train_state) - 1
             replicas.check_finite_losses([(step, jax.device_get(metrics))])
         return new_train_state, metrics
 
+    def update_steps(
+        self, train_state: TrainState, batches: Batch, *, with_norms: bool = True
+    ) -> tuple[TrainState, Metrics]:
+        """`n` steps in one call (a `lax.scan`), on batches stacked after the device axis
+        (`[devices, n, per_device_batch, ...]`, as `replication.stack_steps` makes them): the
+        same keys and updates as `n` calls of `update`, one dispatch. Each metric comes back per
+        step, `[n]`; `with_norms`, the norms of the last step (scalars)."""
+        new_train_state, metrics = self._run_update(train_state, batches, True, with_norms)
+        if self._check_finite:
+            last = step_of(new_train_state)
+            losses = jax.device_get(metrics["loss"])
+            first = last - len(losses) + 1
+            replicas.check_finite_losses(
+                [(first + i, {"loss": loss}) for i, loss in enumerate(losses)]
+            )
+        return new_train_state, metrics
+
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
         """The loss and metrics with `is_training=False`; the state is untouched."""
-        return self._run("evaluate", train_state, batch)
+        programs, batch = self._checked(train_state, batch, "evaluate")
+        return self._explained(programs, train_state, "evaluate", programs.evaluate, batch)
 
     def lower_update(
         self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
@@ -324,7 +371,7 @@ class Updater:
         programs, batch = self._checked(train_state, batch, "lower_update")
         refused = updater_arguments.unbound_axis_refused("lower_update", self.axis_name)
         with self._random_bits(), refused:
-            return programs.update.lower(train_state, batch, self._norms_flag(with_norms))
+            return self._update_program(programs, False, with_norms).lower(train_state, batch)
 
     def _params_and_state(self, initial: Callable, key: jax.Array, batch: Batch, where: str):
         """`initial(forward, key, first device's shard)`: the network's params and state."""
@@ -358,20 +405,11 @@ class Updater:
         mesh = self._mesh
         shardings = sharding.train_state_shardings(train_state, mesh, self.param_sharding)
         batch, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-
-        def on_global_batch(step_fn):
-            return lambda ts, b, *more: step_fn(ts, sharding.merge_device_axis(b, mesh), *more)
-
         programs = self._global_programs[signature] = _Programs(
             shardings=shardings,
-            update=jax.jit(
-                on_global_batch(self._step),
-                in_shardings=(shardings, batch, whole),
-                out_shardings=(shardings, whole),
-                donate_argnums=0,
-            ),
+            updates={},
             evaluate=jax.jit(
-                on_global_batch(self._eval_step),
+                lambda ts, b: self._eval_step(ts, sharding.merge_device_axis(b, mesh)),
                 in_shardings=(shardings, batch),
                 out_shardings=whole,
             ),
@@ -384,29 +422,66 @@ class Updater:
         )
         return programs
 
-    def _checked(self, train_state: TrainState, batch: Batch, where: str):
+    def _checked(self, train_state: TrainState, batch: Batch, where: str, stacked: bool = False):
         """Checks the arguments; the programs that take them, and the batch as they take it."""
         updater_arguments.check_arguments(train_state, batch, where, self.backend, TrainState)
+        if stacked:
+            replication.check_stacked_batches(batch, where)
         if self.backend != "jit":
             return self._parallel, batch
         return self._global_programs_for(train_state), sharding.global_batch_view(batch, self._mesh)
 
-    def _run(self, where: str, train_state: TrainState, batch: Batch, *more: Any):
-        """Checks the arguments and runs the `update` or `evaluate` program on them."""
-        programs, batch = self._checked(train_state, batch, where)
+    def _update_program(self, programs: _Programs, stacked: bool, with_norms: bool) -> Callable:
+        """The update program of one step, or of steps stacked on an axis (`train_steps`), with or
+        without the norms: made and kept in `programs` when first asked for."""
+        key = (stacked, with_norms)
+        if key in programs.updates:
+            return programs.updates[key]
+        if self.backend != "jit":
+            step = self._step
+            if stacked:
+                step = functools.partial(train_steps, step_fn=step)
+            programs.updates[key] = replication.parallelize(
+                functools.partial(step, with_norms=with_norms),
+                out_axes=(0, None),
+                donate_argnums=(0,),
+                backend=self.backend,
+                axis_name=self.axis_name,
+            )
+            return programs.updates[key]
+        mesh = self._mesh
+
+        def global_step(train_state, batch, *, with_norms):  # batch: [devices, per_device, ...]
+            return self._step(
+                train_state, sharding.merge_device_axis(batch, mesh), with_norms=with_norms
+            )
+
+        def update(train_state, batch):
+            if not stacked:
+                return global_step(train_state, batch, with_norms=with_norms)
+            steps_first = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batch)
+            return train_steps(train_state, steps_first, with_norms=with_norms, step_fn=global_step)
+
+        whole = sharding.replicated(mesh)
+        programs.updates[key] = jax.jit(
+            update,
+            in_shardings=(programs.shardings, sharding.batch_sharding(mesh)),
+            out_shardings=(programs.shardings, whole),
+            donate_argnums=0,
+        )
+        return programs.updates[key]
+
+    def _run_update(self, train_state: TrainState, batch: Batch, stacked: bool, with_norms: bool):
+        """Checks the arguments and runs an update program on them."""
+        where = "update_steps" if stacked else "update"
+        programs, batch = self._checked(train_state, batch, where, stacked)
+        program = self._update_program(programs, stacked, with_norms)
+        return self._explained(programs, train_state, where, program, batch)
+
+    def _explained(self, programs: _Programs, train_state, where: str, program, batch):
+        """`program(train_state, batch)`, a rejection of the train state explained by its leaf."""
         explained = updater_arguments.rejection_explained(
             train_state, where, self.axis_name, programs.shardings, self.param_sharding
         )
         with self._random_bits(), explained:
-            return getattr(programs, where)(train_state, batch, *more)
-
-    def _norms_flag(self, with_norms: bool) -> jax.Array:
-        """`with_norms` as the step program takes it, placed once per value (no transfer a step)."""
-        if with_norms not in self._norms_flags:
-            if self.backend == "jit":
-                value, where = np.bool_(with_norms), sharding.replicated(self._mesh)
-            else:
-                value = np.full((jax.local_device_count(),), with_norms)
-                where = replication.device_axis_sharding(self.axis_name)
-            self._norms_flags[with_norms] = jax.device_put(value, where)
-        return self._norms_flags[with_norms]
+            return program(train_state, batch)

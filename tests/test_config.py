@@ -190,7 +190,7 @@ def test_a_config_has_the_options_of_its_model_and_no_other():
     with pytest.raises(
         ValueError,
         match=r"Model 'resnet' does not take \['dropout_rate', 'hidden_sizes'\]; its options "
-        r"are \['blocks_per_stage', 'bn_decay_rate', 'width'\]",
+        r"are \['batch_norm', 'blocks_per_stage', 'bn_decay_rate', 'width'\]",
     ):
         config_checks.validate_config(config, num_devices=1)
 
@@ -410,7 +410,7 @@ def test_a_value_set_away_from_its_default_that_the_data_does_not_allow_is_refus
         (
             "model.width",
             "config.model.width is an option of the resnet model, not of 'mlp', whose options "
-            "are model.hidden_sizes, model.dropout_rate, model.bn_decay_rate.",
+            "are model.hidden_sizes, model.dropout_rate, model.bn_decay_rate, model.batch_norm.",
         ),
         ("model.widht", "Unknown config key 'model.widht' (the 'mlp' model's options are model.h"),
         ("zzz", "Unknown config key 'zzz'; --helpconfig lists every key and what it sets."),

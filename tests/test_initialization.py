@@ -138,13 +138,14 @@ def _assert_mean_and_std(sample: np.ndarray, mean: float, std: float) -> None:
 
 
 def _bn_mlp(cross_replica_axis: str | None = None) -> hk.TransformedWithState:
-    """The project's MLP: Linear -> BatchNorm -> ReLU -> Linear, without dropout."""
+    """The project's MLP: Linear -> hk.BatchNorm -> ReLU -> Linear, without dropout."""
     return models.make_network(
         "mlp",
         NUM_CLASSES,
         cross_replica_axis=cross_replica_axis,
         hidden_sizes=(16,),
         dropout_rate=0.0,
+        batch_norm="haiku",
     )
 
 
@@ -343,12 +344,12 @@ def test_resnet_has_forward_inits_structure_shapes_and_dtypes(resnet):
         (resnet["params"], resnet["state"]), _forward_init_shapes(resnet)
     )
     assert {leaf.dtype for leaf in jax.tree.leaves(resnet["params"])} == {np.dtype(np.float32)}
-    counters = [
-        leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(resnet["state"])
-        if "counter" in jax.tree_util.keystr(path)
-    ]
-    assert counters and all(leaf.dtype == np.int32 for leaf in counters)
+    # The lean BatchNorm's moving averages: float32, from 0 and 1 (not the batch's).
+    for layer in resnet["state"].values():
+        assert set(layer) == {"mean", "var"}
+        np.testing.assert_array_equal(layer["mean"], np.zeros_like(layer["mean"]))
+        np.testing.assert_array_equal(layer["var"], np.ones_like(layer["var"]))
+        assert layer["mean"].dtype == layer["var"].dtype == np.float32
 
 
 def test_bfloat16_and_int_params_have_forward_inits_dtypes(draws, others):

@@ -21,7 +21,7 @@ _ONE_DEVICE_SCRIPT = textwrap.dedent(
         np.savez(f"{sys.argv[1]}/{name}.npz", **updater_helpers.train_for_comparison(name))
     """
 )
-_COMPARED_MODELS = ("bn_mlp", "plain_mlp")
+_COMPARED_MODELS = ("bn_mlp", "lean_bn_mlp", "plain_mlp")
 
 
 class DeviceCountEquivalenceTest(chex.TestCase):
@@ -86,6 +86,11 @@ class DeviceCountEquivalenceTest(chex.TestCase):
         np.testing.assert_array_equal(
             four_devices["state['mlp/batch_norm/~/mean_ema']['counter']"], 3
         )
+        self.assertLess(four_devices["loss"][-1], four_devices["loss"][0])
+
+    def test_cross_replica_lean_batchnorm_step_on_4_devices_equals_1_device(self):
+        four_devices, _ = self._compare("lean_bn_mlp")
+        self.assertIn("state['mlp/batch_norm']['var']", four_devices)
         self.assertLess(four_devices["loss"][-1], four_devices["loss"][0])
 
     def test_per_device_batchnorm_on_4_devices_does_not_equal_1_device(self):

@@ -47,12 +47,14 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _network(cross_replica_axis=None, hidden_sizes=(HIDDEN,), dropout_rate=0.0):
+    """The project's MLP over `hk.BatchNorm` (the tests name its state's leaves)."""
     return models.make_network(
         "mlp",
         NUM_CLASSES,
         cross_replica_axis=cross_replica_axis,
         hidden_sizes=hidden_sizes,
         dropout_rate=dropout_rate,
+        batch_norm="haiku",
     )
 
 

@@ -31,13 +31,17 @@ def host_batch(seed: int, batch_size: int = GLOBAL_BATCH) -> dict[str, np.ndarra
     }
 
 
-def bn_mlp(cross_replica_axis: str | None = None, dropout_rate: float = 0.0):
+def bn_mlp(
+    cross_replica_axis: str | None = None, dropout_rate: float = 0.0, batch_norm: str = "haiku"
+):
+    """The project's MLP; by default over `hk.BatchNorm`, whose state holds int32 counters."""
     return models.make_network(
         "mlp",
         NUM_CLASSES,
         cross_replica_axis=cross_replica_axis,
         dropout_rate=dropout_rate,
         hidden_sizes=(16,),
+        batch_norm=batch_norm,
     )
 
 
@@ -104,6 +108,7 @@ def train_for_comparison(model_name: str, num_steps: int = 3) -> dict[str, np.nd
     """
     forward = {
         "bn_mlp": lambda: bn_mlp(AXIS),
+        "lean_bn_mlp": lambda: bn_mlp(AXIS, batch_norm="lean"),
         "bn_mlp_per_device": lambda: bn_mlp(None),
         "plain_mlp": plain_mlp,
     }[model_name]()

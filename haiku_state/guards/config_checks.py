@@ -182,6 +182,28 @@ def _check_profile_steps(config: Any, *_: int) -> None:
         )
 
 
+def _check_steps_per_call(config: Any, *_: int) -> None:
+    """A call of several steps ends at multiples of `steps_per_call`: what a cadence acts on."""
+    per_call = config.steps_per_call
+    if per_call <= 1:
+        return
+    cadences = {key: config[key] for key in STEP_CADENCES}
+    if config.profile_steps:
+        cadences["profile_steps[0]"] = config.profile_steps[0]
+    off = [f"{key}={value}" for key, value in cadences.items() if value % per_call]
+    if off:
+        raise ValueError(
+            f"config.steps_per_call={per_call} runs {per_call} steps in each call, and acts "
+            f"(logs, checks, evaluates, saves) only where a call ends, but {', '.join(off)} "
+            f"{'is' if len(off) == 1 else 'are'} not a multiple of {per_call}: use multiples "
+            "of it, or steps_per_call=0 to choose one that divides them."
+        )
+
+
+# The cadences a run acts on, in steps.
+STEP_CADENCES = ("log_every", "check_every", "eval_every", "checkpoint_every")
+
+
 def _check_init_skip(config: Any, *_: int) -> None:
     try:
         re.compile(config.init_skip)
@@ -271,6 +293,7 @@ _RULES = (
     _check_batch_sizes,
     _check_warmup,
     _check_profile_steps,
+    _check_steps_per_call,
     _check_init_skip,
     _check_compilation_cache_dir,
     _check_decoder,

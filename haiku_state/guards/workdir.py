@@ -338,6 +338,37 @@ def with_recorded(
     return config, changed
 
 
+def with_legacy_values(config: Any, recorded: Mapping[str, Any], source: str) -> Any:
+    """`config` with what a run recorded before some of its keys existed ran with
+    (`config.legacy_values`), said in a line: it resumes or is evaluated as it was trained."""
+    legacy = config_lib.legacy_values(config_lib.flatten(recorded), config)
+    if not legacy:
+        return config
+    config = config.copy_and_resolve_references()
+    for key, value in legacy.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    logging.info(
+        "%s predates %s: the run goes on as it was trained, with %s.",
+        source,
+        ", ".join(f"config.{key}" for key in legacy),
+        ", ".join(f"{key}={value!r}" for key, value in legacy.items()),
+    )
+    return config
+
+
+def recorded_config_of(workdir: str, config: Any) -> Any:
+    """`config` with the legacy values (`with_legacy_values`) of the run `config.json` records,
+    if there is one: what a resume builds its network of."""
+    record, _ = read_record(workdir)
+    if record is None:
+        return config
+    return with_legacy_values(config, record["config"], os.path.join(workdir, CONFIG_FILE))
+
+
 def _stamp(iso: bool = False) -> str:
     now = datetime.datetime.now(datetime.UTC)
     return now.isoformat(timespec="seconds") if iso else now.strftime("%Y%m%dT%H%M%SZ")
