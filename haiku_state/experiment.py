@@ -73,6 +73,8 @@ def build_experiment(config: Any) -> Experiment:
         loss_scale=loss_scale,
         backend=config.backend,
         param_sharding=config.param_sharding,
+        accumulation_steps=config.optimizer.accumulation_steps,
+        ema_decay=config.optimizer.ema_decay or None,
     )
     schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     pieces = (dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule)

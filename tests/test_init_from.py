@@ -129,7 +129,7 @@ def test_a_step_of_an_unknown_format_version_is_refused_and_left_where_it_is(set
     before = listing(tmp_path)
     refused = re.escape(
         f"Checkpoint {tmp_path / 'checkpoints' / '40'} has format version 99; this "
-        "haiku_state reads format versions [1, 2]."
+        "haiku_state reads format versions [1, 2, 3]."
     )
     # A workdir and its checkpoint directory name the newest step: no fallback to 10.
     for path in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "40"):
