@@ -65,10 +65,8 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
 
 def test_micro_batches_take_an_equal_part_of_every_devices_block():
     x = np.arange(16)  # 2 blocks (devices) of 8, in 4 micro-batches.
-    np.testing.assert_array_equal(
-        micro_batches(x, steps=4, shards=2), [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13],
-                                               [6, 7, 14, 15]]
-    )  # fmt: skip
+    parts = [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    np.testing.assert_array_equal(micro_batches(x, steps=4, shards=2), parts)
     np.testing.assert_array_equal(micro_batches(x, 2, 1), x.reshape(2, 8))
     with pytest.raises(ValueError, match="accumulation_steps=3 does not divide each device's 8"):
         micro_batches(x, steps=3, shards=2)
@@ -147,8 +145,8 @@ def test_the_moving_averages_stay_identical_on_every_replica_and_the_check_cover
     host = np.array(jax.device_get(leaf))
     host[2, 0, 0] += 1e-3  # Device 2's copy only.
     broken = hs.shard(host)  # The per-device layout of these (now differing) copies.
-    ema = train_state.ema._replace(params={**train_state.ema.params, "mlp/linear": {
-        **train_state.ema.params["mlp/linear"], "w": broken}})  # fmt: skip
+    linear = {**train_state.ema.params["mlp/linear"], "w": broken}
+    ema = train_state.ema._replace(params={**train_state.ema.params, "mlp/linear": linear})
     with pytest.raises(AssertionError, match=r"Replicas differ at leaf .*ema.*w.*devices \[2\]"):
         replicas.assert_train_state_invariants(train_state._replace(ema=ema))
 
@@ -176,8 +174,7 @@ def test_a_train_state_and_an_updater_that_disagree_on_the_averages_are_refused(
         make_updater(bn_mlp(AXIS), ema_decay=1.0)
 
 
-@pytest.mark.parametrize("backend, param_sharding", [("shard_map", "replicated"),
-                                                     ("jit", "fsdp")])  # fmt: skip
+@pytest.mark.parametrize("backend, param_sharding", [("shard_map", "replicated"), ("jit", "fsdp")])
 def test_the_averages_are_kept_and_donated_on_the_other_backends(backend, param_sharding):
     forward = bn_mlp(None if backend == "jit" else AXIS)
     updater = make_updater(forward, backend, ema_decay=DECAY, param_sharding=param_sharding)
