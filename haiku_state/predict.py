@@ -113,6 +113,8 @@ class TrainedModel:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"Cannot export to {path}: the folder {folder} does not exist.")
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"Cannot export to {path}: it is a folder; name a .npz file.")
         arrays = {"metadata": np.array(json.dumps(self.metadata()))}
         for name, tree in (("params", self.params), ("state", self.state)):
             for module, values in jax.device_get(tree).items():

@@ -112,6 +112,13 @@ def test_load_run_refuses_what_it_cannot_load_in_one_line(run, tmp_path):
     model = hs.load_run(str(workdir))
     with pytest.raises(ValueError, match=r"predict takes images \[N, 8, 8, 1\].*got shape \(8, 8"):
         model.predict(np.zeros((8, 8, 1), np.uint8))
+    with pytest.raises(
+        FileNotFoundError, match=r"Cannot export to .*: the folder .* does not exist"
+    ):
+        model.export(str(tmp_path / "no" / "model.npz"))
+    with pytest.raises(IsADirectoryError, match=r"it is a folder; name a .npz file"):
+        model.export(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["empty", "other"]  # No file left behind.
 
 
 def _digit_files(folder: pathlib.Path, images: np.ndarray) -> list[pathlib.Path]:
