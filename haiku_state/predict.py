@@ -154,7 +154,9 @@ def load_run(workdir: str, step: int | None = None) -> TrainedModel:
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
-    with checkpoint.Checkpointer(directory, read_only=True) as checkpointer:
+    with quiet_logs.read_only_note_kept_quiet():
+        checkpointer = checkpoint.Checkpointer(directory, read_only=True)
+    with checkpointer:
         steps = checkpointer.all_steps()
         if not steps:
             raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")

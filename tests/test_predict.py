@@ -43,9 +43,10 @@ def digits():
     return data.load_dataset("digits")
 
 
-def test_load_run_predicts_as_the_evaluation_with_the_moving_averages(run, digits):
+def test_load_run_predicts_as_the_evaluation_with_the_moving_averages(run, digits, caplog):
     _, workdir, final = run
     model = hs.load_run(str(workdir))
+    assert "read only" not in caplog.text  # Orbax's note on a reader opened so on purpose.
     assert (model.step, model.moving_averages, model.image_shape) == (30, True, (8, 8, 1))
     assert model.class_names == tuple("0123456789")
     with checkpoint.Checkpointer(workdir / "checkpoints", read_only=True) as reader:
