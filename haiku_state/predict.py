@@ -209,6 +209,8 @@ def _config_of(recorded: dict[str, Any]) -> Any:
     """The schema's config of the recorded model with the recorded values (a key recorded by
     a run older than it keeps its default)."""
     model = (recorded.get("model") or {}).get("name")
+    if model is None:
+        raise ValueError("The run's recorded config names no network (model.name).")
     config, _ = workdir_lib.with_recorded(config_lib.default_config(model), recorded, keep=())
     return config
 
