@@ -51,7 +51,7 @@ def per_device_step(
     """
 
     def step(train_state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        params, state, opt_state, rng, count = train_state
+        params, state, opt_state, rng, count, _ = train_state  # No moving averages (ema).
         rng, step_key = jax.random.split(rng)
         augment_key, apply_key = jax.random.split(step_key)
         if augment_fn is not None:

@@ -116,6 +116,8 @@ def jit_updater_of(config: Any, experiment: Experiment, param_sharding: str) -> 
         loss_scale=experiment.loss_scale,
         backend="jit",
         param_sharding=param_sharding,
+        accumulation_steps=config.optimizer.accumulation_steps,
+        ema_decay=experiment.updater.ema_decay,
     )
 
 

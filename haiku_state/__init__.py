@@ -17,8 +17,19 @@ __all__ = [
     "Updater",
     "assert_keys_distinct",
     "assert_replicas_identical",
+    "load_run",
     "replicate",
     "shard",
     "unreplicate",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`load_run` (`haiku_state.predict`), imported when first asked for: it brings the data
+    pipeline, which a training step, or a decoding worker importing this package, does not need."""
+    if name == "load_run":
+        from haiku_state.predict import load_run
+
+        return load_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

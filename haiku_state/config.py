@@ -93,8 +93,9 @@ SCHEMA = (
     Key("num_epochs", None, int, bounds=POSITIVE_INT, allow_none=True,
         help="instead of steps when set: this many epochs of the training split"),
     Key("batch_size", 128, int, bounds=POSITIVE_INT,
-        help="the global batch, split over every device of every process; left at 128, at most the "
-        "training examples (a multiple of the devices)"),
+        help="the global batch of a step, split over every device of every process (and into "
+        "optimizer.accumulation_steps micro-batches); left at 128, at most the training examples "
+        "(a multiple of the devices)"),
     Key("eval_batch_size", 256, int, bounds=POSITIVE_INT, free=True,
         help="the global evaluation batch"),
     Key("log_every", 50, int, bounds=POSITIVE_INT, free=True, help="steps between metric logs"),
@@ -146,6 +147,16 @@ SCHEMA = (
         help="L2 decay of the weights of convolutions and linear layers"),
     Key("optimizer.momentum", 0.9, float, bounds=FRACTION, help="sgd's momentum; 0: none"),
     Key("optimizer.nesterov", True, bool, help="sgd: Nesterov momentum"),
+    Key("optimizer.clip_global_norm", 0.0, float, bounds=Range(0.0),
+        help="clip the gradients to this global L2 norm before the optimizer (optax."
+        "clip_by_global_norm); 0: off"),
+    Key("optimizer.accumulation_steps", 1, int, bounds=POSITIVE_INT,
+        help="micro-batches per step: each device's share of batch_size is split into this many, "
+        "their gradients averaged before one update (BatchNorm normalises each micro-batch by its "
+        "own statistics); 1: off"),
+    Key("optimizer.ema_decay", 0.0, float, bounds=FRACTION,
+        help="keep an exponential moving average of the params and BatchNorm state with this decay "
+        "(e.g. 0.999), which evaluation, predict and export then use; 0: off"),
 
     Key("data.name", "digits", str, choices=data.DATASETS, help="the dataset"),
     Key("data.dir", "", str, help="the data's folder, for cifar10, imagefolder and arrayrecord"),
@@ -353,12 +364,18 @@ def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple
     training split (a copy, if any moved), and a line for the log for each that moved. A value
     set that the data does not allow, or fewer examples than devices, raise ValueError."""
     fitted, changes = copy.deepcopy(config), []
-    batch_size, largest_batch = config.batch_size, num_train_examples // num_devices * num_devices
+    # Every device takes a whole number of examples of each micro-batch.
+    accumulation = config.optimizer.get("accumulation_steps", 1)
+    unit = num_devices * accumulation
+    batch_size, largest_batch = config.batch_size, num_train_examples // unit * unit
+    units = f"the {num_devices} devices" + (
+        f" x {accumulation} accumulation_steps" if accumulation > 1 else ""
+    )
     if batch_size > num_train_examples:
         if not largest_batch:
             raise ValueError(
-                f"The {num_train_examples} training examples are fewer than the {num_devices} "
-                "devices, each of which takes at least one example of every batch."
+                f"The {num_train_examples} training examples are fewer than {units}, each of "
+                "which takes at least one example of every batch."
             )
         if not at_default(config, "batch_size"):
             raise ValueError(
@@ -369,7 +386,7 @@ def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple
         changes.append(
             f"config.batch_size={batch_size} (the default) is more than the "
             f"{num_train_examples} training examples: batches of {largest_batch} instead, a "
-            f"multiple of the {num_devices} devices."
+            f"multiple of {units}."
         )
     warmup, total_steps = config.optimizer.warmup_steps, training_steps(fitted, num_train_examples)
     if config.optimizer.schedule == "warmup_cosine" and warmup >= total_steps:

@@ -76,6 +76,8 @@ def build_experiment(config: Any) -> Experiment:
         loss_scale=loss_scale,
         backend=config.backend,
         param_sharding=config.param_sharding,
+        accumulation_steps=config.optimizer.accumulation_steps,
+        ema_decay=config.optimizer.ema_decay or None,
     )
     schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     pieces = (dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule)
@@ -110,14 +112,27 @@ def make_network(config: Any, dataset: data.Dataset) -> hk.TransformedWithState:
     """The network `config.model` names. BatchNorm's statistics are the global batch's: the
     per-device backends reduce over the device axis; under `jit` XLA does, the network binds none.
     """
+    axis = None if config.backend == "jit" else replication.DEFAULT_AXIS_NAME
+    return network_of(config, dataset.num_classes, dataset.mean, dataset.std, axis)
+
+
+def network_of(
+    config: Any,
+    num_classes: int,
+    image_mean: tuple[float, ...] | None,
+    image_std: tuple[float, ...] | None,
+    cross_replica_axis: str | None,
+) -> hk.TransformedWithState:
+    """The network `config.model` names, of `num_classes` classes, standardising its images by
+    the data's `image_mean` and `image_std` (None: stored standardised)."""
     model_options = {k: v for k, v in config.model.items() if k != "name"}
     return models.make_network(
         config.model.name,
-        dataset.num_classes,
-        cross_replica_axis=None if config.backend == "jit" else replication.DEFAULT_AXIS_NAME,
+        num_classes,
+        cross_replica_axis=cross_replica_axis,
         precision=config.precision,
-        image_mean=dataset.mean,
-        image_std=dataset.std,
+        image_mean=image_mean,
+        image_std=image_std,
         **model_options,
     )
 

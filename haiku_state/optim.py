@@ -47,7 +47,19 @@ def make_optimizer(
     *,
     weight_decay_mask: Callable[[Any], Any] = haiku_weights,
 ) -> optax.GradientTransformation:
-    """The optax transformation an experiment's `optimizer` config describes."""
+    """The optax transformation an experiment's `optimizer` config describes; with
+    `clip_global_norm`, the gradients clipped to that global norm first (as big_vision's
+    `grad_clip_norm`: the norm of the mean over the devices, before any weight decay)."""
+    optimizer = _optimizer(config, total_steps, weight_decay_mask)
+    clip = config.get("clip_global_norm") or 0.0  # Absent from configs older than the key.
+    if clip:
+        optimizer = optax.chain(optax.clip_by_global_norm(clip), optimizer)
+    return optimizer
+
+
+def _optimizer(
+    config: Mapping[str, Any], total_steps: int, weight_decay_mask: Callable[[Any], Any]
+) -> optax.GradientTransformation:
     name = config["name"]
     if name not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer.name {name!r}; expected one of {OPTIMIZERS}.")

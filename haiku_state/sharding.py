@@ -2,8 +2,9 @@
 
 Global arrays on `replication.global_mesh`, placed by a named rule of shape and dtype
 (`PARAM_SHARDINGS`, big_vision's names): `"replicated"`, or `"fsdp"`, which splits each leaf of
-params and `opt_state` of at least `FSDP_MIN_BYTES` along its largest axis that divides by the
-device count. BatchNorm state, the key and the step stay replicated. The batch keeps the
+params and `opt_state` (and of the params' moving averages) of at least `FSDP_MIN_BYTES` along
+its largest axis that divides by the device count. BatchNorm state, the key and the step stay
+replicated. The batch keeps the
 pipeline's per-device layout; `global_batch_view` and `merge_device_axis` make it global.
 """
 
@@ -94,12 +95,19 @@ def train_state_shardings(
         return jax.tree.map(lambda spec: NamedSharding(device_mesh, spec), specs, is_leaf=is_spec)
 
     whole = replicated(device_mesh)
+
+    def params_and_state(params, state):
+        return rule_shardings(params), jax.tree.map(lambda _: whole, state)
+
+    params, state = params_and_state(train_state.params, train_state.state)
+    ema = train_state.ema  # The moving averages, laid out as what they average.
     return train_state._replace(
-        params=rule_shardings(train_state.params),
-        state=jax.tree.map(lambda _: whole, train_state.state),
+        params=params,
+        state=state,
         opt_state=rule_shardings(train_state.opt_state),
         rng=whole,
         step=whole,
+        ema=None if ema is None else type(ema)(*params_and_state(*ema)),
     )
 
 

@@ -21,10 +21,12 @@ from haiku_state.guards.checkpoint_integrity import leaf_name
 NUM_DEVICES = 4
 
 
-def make_updater(width: int, optimizer: optax.GradientTransformation | None = None) -> hs.Updater:
+def make_updater(
+    width: int, optimizer: optax.GradientTransformation | None = None, **options
+) -> hs.Updater:
     network = models.make_network("mlp", 10, cross_replica_axis="i", hidden_sizes=(width,))
     optimizer = optimizer or optax.sgd(0.1, momentum=0.9)
-    return hs.Updater(network, optimizer, losses.classification_loss(10))
+    return hs.Updater(network, optimizer, losses.classification_loss(10), **options)
 
 
 def make_jit_updater(width: int = 256, param_sharding: str = "fsdp") -> hs.Updater:

@@ -123,6 +123,14 @@ def test_the_command_line_module_re_exports_train_and_evaluate():
         ({"num_epochs": 0}, r"config.num_epochs=0 must be a positive integer"),
         ({"batch_size": 2048}, r"batch_size=2048 is larger than the 1437 training examples"),
         ({"data.workers": -1}, r"config.data.workers=-1 must be >= 0"),
+        (
+            {"optimizer.accumulation_steps": 3},
+            r"config.batch_size=64 does not split into config.optimizer.accumulation_steps=3 "
+            r"equal micro-batches over the 4 local devices: use a multiple of 12 \(4 x 3\)",
+        ),
+        ({"optimizer.accumulation_steps": 0}, r"accumulation_steps=0 must be a positive integer"),
+        ({"optimizer.ema_decay": 1.0}, r"config.optimizer.ema_decay=1.0 must be in \[0.0, 1.0\)"),
+        ({"optimizer.clip_global_norm": -1.0}, r"clip_global_norm=-1.0 must be in \[0.0, inf\)"),
         ({"data.image_size": 32}, r"digits images are 8x8 and are not resized"),
         ({"data.name": "imagefolder"}, r"imagefolder needs data.image_size"),
         (
@@ -216,6 +224,41 @@ def test_init_from_loads_params_and_state_except_the_skipped_head(
         assert same == ("linear_1" not in name), name
     with open(tmp_path / "warm" / "metrics.jsonl") as f:
         assert json.loads(f.readline())["step"] == 10  # A fresh run of its own.
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("optimizer.ema_decay", 0.9),
+        ("optimizer.clip_global_norm", 0.5),
+        ("optimizer.accumulation_steps", 2),
+    ],
+)
+def test_a_run_with_each_step_option_resumes_bit_identically(tmp_path, option, value):
+    config = mlp_config(steps=20, checkpoint_every=10, eval_every=20, **{option: value})
+    driver.train_and_evaluate(config, str(tmp_path))
+    os.makedirs(tmp_path / "uninterrupted")  # Step 20 moved away: killed after 10 saved.
+    os.rename(tmp_path / "checkpoints" / "20", tmp_path / "uninterrupted" / "20")
+    driver.train_and_evaluate(config, str(tmp_path))
+    with (
+        Checkpointer(tmp_path / "checkpoints", read_only=True) as resumed,
+        Checkpointer(tmp_path / "uninterrupted", read_only=True) as uninterrupted,
+    ):
+        got, want = resumed.read_trees(20), uninterrupted.read_trees(20)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), leaf_name(path)
+    if option == "optimizer.ema_decay":  # The averages are saved, and are not the params.
+        average, trained = got["ema"]["params"]["mlp/linear"]["w"], got["params"]["mlp/linear"]["w"]
+        assert not np.allclose(average, trained)
+    elif option == "optimizer.accumulation_steps":  # BatchNorm's averages: once a micro-batch.
+        counters = [x for x in jax.tree.leaves(got["state"]) if x.dtype == np.int32]
+        assert counters and all(int(c) == 20 * value for c in counters)
+    else:  # The gradients were clipped: their norm was above the bound.
+        logged = [r["l2_grads"] for r in summaries.read_metrics(str(tmp_path)) if "l2_grads" in r]
+        assert max(logged) > value
 
 
 def test_train_metrics_hold_the_norms_and_a_profile_is_written(tmp_path):

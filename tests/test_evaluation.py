@@ -107,7 +107,7 @@ def test_eval_follow_stops_at_a_step_of_an_unknown_format_version_naming_it(trai
         evaluation.follow_checkpoints(_config(), workdir, stop=stop, poll_secs=0.001)
     message = str(error.value)
     assert message.startswith("eval_follow cannot evaluate step 30 (evaluated steps [10, 20]): ")
-    assert "30 has format version 99; this haiku_state reads format versions [1, 2]" in message
+    assert "30 has format version 99; this haiku_state reads format versions [1, 2, 3]" in message
     assert isinstance(error.value, ValueError)  # One line and exit status 1 on the command line.
 
 

@@ -26,6 +26,7 @@ from checkpoint_helpers import (
 from haiku_state import checkpoint, train
 from haiku_state.checkpoint.init_from import locate
 from haiku_state.guards.checkpoint_integrity import leaf_name
+from haiku_state.updater import Ema
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,16 @@ def setup() -> Setup:
 
 def _by_name(tree) -> dict:
     return {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_the_moving_averages_of_a_warm_start_start_from_the_params_and_state_loaded(
+    setup, tmp_path
+):
+    save_steps(tmp_path / "checkpoints", [setup.train(setup.init(), setup.batches[:2])])
+    keeping = make_setup(make_updater(16, ema_decay=0.9))
+    warm = checkpoint.warm_start(keeping.init(seed=1), str(tmp_path), "linear_1", "i")
+    assert_bit_identical(warm.ema, Ema(warm.params, warm.state))
+    keeping.train(warm, keeping.batches[:1])  # Arrays of their own: donated beside the params.
 
 
 def test_locate_names_the_checkpoint_directory_and_step(tmp_path):
@@ -129,7 +140,7 @@ def test_a_step_of_an_unknown_format_version_is_refused_and_left_where_it_is(set
     before = listing(tmp_path)
     refused = re.escape(
         f"Checkpoint {tmp_path / 'checkpoints' / '40'} has format version 99; this "
-        "haiku_state reads format versions [1, 2]."
+        "haiku_state reads format versions [1, 2, 3]."
     )
     # A workdir and its checkpoint directory name the newest step: no fallback to 10.
     for path in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "40"):

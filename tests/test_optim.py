@@ -1,5 +1,6 @@
 """Tests of haiku_state.optim: which parameters are decayed, and the schedules."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +71,22 @@ def test_warmup_cosine_rises_then_decays_to_zero():
     assert float(schedule(5)) == pytest.approx(0.1)
     assert float(schedule(20)) == pytest.approx(0.0, abs=1e-7)
     assert isinstance(optim.make_optimizer(_config(), 10), optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_clip_global_norm_bounds_the_gradients_global_norm_before_the_optimizer(name):
+    params = {"linear": {"w": jnp.ones((3, 2)), "b": jnp.ones((2,))}}
+    grads = {"linear": {"w": jnp.full((3, 2), 4.0), "b": jnp.full((2,), 4.0)}}  # Norm 4 * sqrt(8).
+    config = _config(name=name, weight_decay=0.0, momentum=0.0)
+    clipped = optim.make_optimizer({**config, "clip_global_norm": 2.0}, total_steps=10)
+    unclipped = optim.make_optimizer(config, total_steps=10)
+    scaled = jax.tree.map(lambda g: g * 2.0 / float(optax.tree.norm(grads)), grads)
+    got, _ = clipped.update(grads, clipped.init(params), params)
+    want, _ = unclipped.update(scaled, unclipped.init(params), params)
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
+    # Under the bound the gradients pass unchanged; 0 (the default) is no clipping at all.
+    small = jax.tree.map(lambda g: g / 100, grads)
+    got, _ = clipped.update(small, clipped.init(params), params)
+    chex.assert_trees_all_close(got, unclipped.update(small, unclipped.init(params), params)[0])
+    off = optim.make_optimizer({**config, "clip_global_norm": 0.0}, 10)
+    assert jax.tree.structure(off.init(params)) == jax.tree.structure(unclipped.init(params))

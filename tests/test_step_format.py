@@ -40,9 +40,9 @@ from jax.sharding import PartitionSpec as P
 
 import haiku_state as hs
 from haiku_state import checkpoint, losses, models, sharding
-from haiku_state.checkpoint import Checkpointer, package_versions
+from haiku_state.checkpoint import FORMAT_VERSION, Checkpointer, package_versions
 from haiku_state.guards.checkpoint_integrity import fingerprint, leaf_name
-from haiku_state.updater import LossScaledOptState, per_device_keys
+from haiku_state.updater import Ema, LossScaledOptState, per_device_keys
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
 # they surface as unraisable exceptions whenever garbage collection runs, in any later test.
@@ -94,12 +94,12 @@ def test_round_trip_is_bit_identical_and_the_step_matches_the_format(setup, tmp_
     step_item = read_step_item(step_dir)
     fingerprints = step_item.pop("fingerprints")  # Checked below.
     assert step_item == {
-        "format_version": 2,
+        "format_version": FORMAT_VERSION,
         "step": 2,
         "key_impl": "threefry2x32",
         "key_layout": "per_device",
     }
-    assert checkpoint.FORMAT_VERSION == 2 and checkpoint.READABLE_FORMAT_VERSIONS == (1, 2)
+    assert checkpoint.FORMAT_VERSION == 3 and checkpoint.READABLE_FORMAT_VERSIONS == (1, 2, 3)
     saved = ocp.StandardCheckpointer().restore(step_dir / "train_state")
     assert set(saved) == {"params", "state", "opt_state", "rng"}
     # One fingerprint per saved array, computed on device 0 at save: that of the saved values.
@@ -165,6 +165,52 @@ def test_a_version_1_step_without_the_field_is_read_and_resumes_bit_identically(
     assert_bit_identical(setup.train(restored, setup.batches[3:]), uninterrupted)
 
 
+@pytest.fixture(scope="module")
+def ema_setup() -> Setup:
+    return make_setup(make_updater(16, ema_decay=0.9))
+
+
+def test_moving_averages_round_trip_bit_identically_and_resume_exactly(ema_setup, tmp_path):
+    uninterrupted = host_copy(ema_setup.train(ema_setup.init(), ema_setup.batches))
+    save_steps(tmp_path, [ema_setup.train(ema_setup.init(), ema_setup.batches[:3])])
+    saved = ocp.StandardCheckpointer().restore(tmp_path / "3" / "train_state")
+    assert set(saved) == {"params", "state", "opt_state", "rng", "ema"}
+    assert set(saved["ema"]) == {"params", "state"}
+    with Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(ema_setup.init(seed=7))
+    assert_bit_identical(ema_setup.train(restored, ema_setup.batches[3:]), uninterrupted)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_step_has_no_averages_and_they_start_from_its_params_and_state(
+    setup, ema_setup, tmp_path, caplog, version
+):
+    save_steps(tmp_path, [setup.train(setup.init(), setup.batches[:2])])
+    set_format_version(tmp_path / "2", 2)
+    if version == 1:
+        as_version_1(tmp_path / "2")
+    caplog.set_level(logging.INFO)
+    with Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(ema_setup.init(seed=7))
+    assert "holds no moving averages (ema)" in caplog.text
+    assert_bit_identical(restored.ema, Ema(restored.params, restored.state))
+    # The averages are arrays of their own: the step donates them beside the params.
+    ema_setup.train(restored, ema_setup.batches[2:3])
+
+
+def test_a_step_with_averages_restores_into_a_train_state_without_them(
+    setup, ema_setup, tmp_path, caplog
+):
+    trained = ema_setup.train(ema_setup.init(), ema_setup.batches[:2])
+    expected = host_copy(trained._replace(ema=None))
+    save_steps(tmp_path, [trained])
+    caplog.set_level(logging.INFO)
+    with Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(setup.init(seed=7))
+    assert restored.ema is None and "they are not restored" in caplog.text
+    assert_bit_identical(restored, expected)
+
+
 def test_a_step_of_an_unknown_format_version_is_refused_by_name_and_left_where_it_is(
     setup, tmp_path, caplog
 ):
@@ -174,7 +220,7 @@ def test_a_step_of_an_unknown_format_version_is_refused_by_name_and_left_where_i
     before = listing(tmp_path)
     refused = re.escape(
         f"Checkpoint {tmp_path / '40'} has format version 99; this haiku_state reads format "
-        "versions [1, 2]."
+        "versions [1, 2, 3]."
     )
     for read_only in (False, True):
         with Checkpointer(tmp_path, read_only=read_only) as checkpointer:
@@ -223,7 +269,7 @@ def test_eval_mode_refuses_a_step_of_an_unknown_format_version_in_one_line(setup
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     [error] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert f"{tmp_path / 'checkpoints' / '40'} has format version 7" in error
-    assert "reads format versions [1, 2]" in error and error.endswith("from an earlier step.")
+    assert "reads format versions [1, 2, 3]" in error and error.endswith("from an earlier step.")
     assert listing(tmp_path / "checkpoints") == before
 
 
@@ -260,7 +306,7 @@ def test_a_step_whose_version_and_items_do_not_match_names_the_mismatch(
 # Damage found by the fingerprints (checksums in version 1) and the finiteness check.
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, FORMAT_VERSION])
 def test_a_fingerprint_or_checksum_that_does_not_match_is_damage(setup, tmp_path, caplog, version):
     train_state = setup.train(setup.init(), setup.batches[:1])
     save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
@@ -456,7 +502,7 @@ def test_a_jit_checkpoint_resumes_exactly_with_every_leaf_in_its_sharding(jit_se
     assert_bit_identical(restored, expected)
     _assert_placed_like(restored, like)
     step_item = read_step_item(tmp_path / "2")
-    assert step_item["key_layout"] == "global" and step_item["format_version"] == 2
+    assert step_item["key_layout"] == "global" and step_item["format_version"] == FORMAT_VERSION
     assert_bit_identical(jit_setup.train(restored, jit_setup.batches[2:3]), uninterrupted)
 
 
@@ -499,7 +545,7 @@ def test_keys_cross_backends_by_one_rule(jit_setup, tmp_path):
 
     pmap_saved = host_copy(on_pmap)
     save_steps(tmp_path / "pmap", [on_pmap])
-    for version in (2, 1):
+    for version in (FORMAT_VERSION, 1):
         if version == 1:
             as_version_1(tmp_path / "pmap" / "1")
         with Checkpointer(tmp_path / "pmap") as checkpointer:

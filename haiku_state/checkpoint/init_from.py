@@ -1,4 +1,5 @@
-"""`warm_start` (config key `init_from`): a fresh run's params and state from another run.
+"""`warm_start` (config key `init_from`): a fresh run's params and state from another run
+(and its moving averages, if it keeps them, start from them).
 
 Leaves whose name (`params/logits/w`) matches the regex `skip` keep their fresh
 initialisation (a classifier head of another class count); any other difference
@@ -111,12 +112,16 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
             "leaves to initialise afresh."
         )
     _log_loaded(directory, step, skip, len(jax.tree.leaves(trees)), skipped)
-    for tree, merged in trees.items():
+
+    def placed(source: Any) -> list[Any]:  # Params and state in the layout of `source`'s.
         if global_layout:
-            trees[tree] = jax.tree.map(_place_like, merged, getattr(train_state, tree))
-        else:
-            trees[tree] = replication.replicate(merged, axis_name)
-    return train_state._replace(**trees)
+            return [jax.tree.map(_place_like, trees[t], getattr(source, t)) for t in trees]
+        return [replication.replicate(trees[tree], axis_name) for tree in trees]
+
+    params, state = placed(train_state)
+    ema = train_state.ema  # The moving averages start from the params and state loaded.
+    ema = None if ema is None else type(ema)(*placed(ema))
+    return train_state._replace(params=params, state=state, ema=ema)
 
 
 def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list[str]) -> None:

@@ -4,15 +4,18 @@ A step is `<directory>/<step>/`, complete once it holds Orbax's commit marker. I
 item `step` (file `step/metadata`) holds `format_version` (none: 1); a version not in
 `READABLE_FORMAT_VERSIONS` is refused (`UnsupportedFormatError`) before anything else is read.
 
-Version 2 (written): `train_state`, one Orbax pytree (one item: per-item handlers are the
-cost of a small save) of `{"params", "state", "opt_state", "rng": {"key_data"}}`, the
-first three unreplicated (per-device: one replica and every device's key; `jit`: global
-arrays and the one key); `step`, JSON `{"format_version", "step", "key_impl",
-"key_layout", "fingerprints"}`; `metadata`, JSON with `package_versions`,
-`device_count`, eval `metrics` and the caller's extras. JSON items are files of their
-own, not Orbax's `custom_metadata` (which it may rewrite). Version 1 (written
-2026-12-03 to 12-04): version 2 of a per-device state without `key_layout`, with CRC-32
-`checksums` for `fingerprints`, verified on the host.
+Version 3 (written): `train_state`, one Orbax pytree (one item: per-item handlers are the
+cost of a small save) of `{"params", "state", "opt_state", "rng": {"key_data"}}`, and
+`"ema": {"params", "state"}` when the run keeps moving averages, all but `rng`
+unreplicated (per-device: one replica and every device's key; `jit`: global arrays and the
+one key); `step`, JSON `{"format_version", "step", "key_impl", "key_layout",
+"fingerprints"}`; `metadata`, JSON with `package_versions`, `device_count`, eval `metrics`
+and the caller's extras. JSON items are files of their own, not Orbax's `custom_metadata`
+(which it may rewrite). Version 2: version 3 without `ema`. Version 1 (written 2026-12-03 to
+12-04): version 2 of a per-device state without `key_layout`, with CRC-32 `checksums` for
+`fingerprints`, verified on the host. A step without `ema` restored into a train state that
+keeps one starts its averages from the restored params and state; one with `ema` restored
+into a train state without drops them.
 
 A `jit` key is the base key per-device backends fold each global device index into; a
 `jit` run resumed from per-device keys takes global device 0's.
@@ -35,16 +38,17 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from haiku_state import replication, sharding
 from haiku_state.guards import checkpoint_integrity, quiet_logs
-from haiku_state.updater import TrainState, per_device_keys, step_of
+from haiku_state.updater import Ema, TrainState, per_device_keys, step_of
 
-FORMAT_VERSION = 2  # What `save_args` writes.
-READABLE_FORMAT_VERSIONS = (1, 2)  # What the readers read.
+FORMAT_VERSION = 3  # What `save_args` writes.
+READABLE_FORMAT_VERSIONS = (1, 2, 3)  # What the readers read.
 PER_DEVICE, GLOBAL = "per_device", "global"  # Key layouts: a key per device, or one key.
 
 PyTree = Any
 TRAIN_STATE, STEP, METADATA = "train_state", "step", "metadata"  # The items.
 _JSON_FILE = "metadata"  # The file a JSON item is written to, in the item's directory.
 REPLICATED_TREES = ("params", "state", "opt_state")  # Saved unreplicated.
+EMA = "ema"  # The moving averages' tree, `{"params", "state"}`, saved unreplicated too.
 _VERSIONED_PACKAGES = "jax jaxlib dm-haiku optax chex orbax-checkpoint numpy haiku_state".split()
 _MAX_REASON_CHARS = 400
 
@@ -128,8 +132,9 @@ def encode(train_state: TrainState) -> Encoded:
     fingerprints = checkpoint_integrity.fingerprint_trees(trees)
     host = jax.device_get(trees)  # One batched transfer; copied below (it can be a view).
     host_trees = {
-        name: jax.tree.map(lambda x: np.array(x[0], copy=True), host[name])
-        for name in REPLICATED_TREES
+        name: jax.tree.map(lambda x: np.array(x[0], copy=True), tree)
+        for name, tree in host.items()
+        if name != "rng"
     }
     host_trees["rng"] = {"key_data": np.array(host["rng"]["key_data"], copy=True)}
     key_count = host_trees["rng"]["key_data"].shape[0]
@@ -137,9 +142,17 @@ def encode(train_state: TrainState) -> Encoded:
 
 
 def _trees(train_state: TrainState, key_data: Any) -> dict[str, PyTree]:
+    """The trees a step holds of `train_state` (of arrays, shapes or shardings)."""
     trees = {name: getattr(train_state, name) for name in REPLICATED_TREES}
     trees["rng"] = {"key_data": key_data}
+    if train_state.ema is not None:
+        trees[EMA] = {"params": train_state.ema.params, "state": train_state.ema.state}
     return trees
+
+
+def _with_ema_like_params(trees: dict[str, PyTree]) -> dict[str, PyTree]:
+    """`trees` (shapes or shardings, without `ema`) with an `ema` laid out as params and state."""
+    return {**trees, EMA: {"params": trees["params"], "state": trees["state"]}}
 
 
 def _to_host_memory(leaf: jax.Array) -> jax.Array:
@@ -206,6 +219,9 @@ def restore_step(
     ValueError if it does not fit `like` (nothing is read)."""
     header = read_header(manager, step)
     expected = _expected_trees(like)
+    placements = _target_shardings(like, axis_name)
+    if EMA in header.trees:  # Read (and checked) even when `like` drops it.
+        expected, placements = map(_with_ema_like_params, (expected, placements))
     problem = checkpoint_integrity.first_mismatch(expected, header.trees)
     model_key_impl = replication.key_impl_name(like.rng)
     if problem is None and header.key_impl != model_key_impl:
@@ -216,7 +232,6 @@ def restore_step(
             f"{problem}. Nothing was restored and no file was changed."
         )
     expected["rng"] = header.saved["rng"]  # With the saved number of keys.
-    placements = _target_shardings(like, axis_name)
     if header.version == 1 and sharding.is_global(like):
         # Written by a per-device run, so it fits one device: verified on the host, then placed.
         trees = jax.tree.map(_place, _read_on_host(manager, step, expected, header), placements)
@@ -278,6 +293,7 @@ def _read_step_item(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]
 _STEP_ITEM_FIELDS = {
     1: ("step", "key_impl", "checksums"),
     2: ("step", "key_impl", "key_layout", "fingerprints"),
+    3: ("step", "key_impl", "key_layout", "fingerprints"),
 }
 
 
@@ -343,23 +359,26 @@ def _reason(error: BaseException) -> str:
 
 
 def _expected_trees(like: TrainState) -> dict[str, PyTree]:
-    """The shapes and dtypes a checkpoint of `like`'s model holds (keys without device axis)."""
+    """The shapes and dtypes a checkpoint of `like`'s model holds (keys without device axis),
+    but `ema` (`restore_step` expects it as the step has it)."""
     per_device = not sharding.is_global(like)
 
     def saved_shape(x):
         return jax.ShapeDtypeStruct(x.shape[1:] if per_device else x.shape, x.dtype)
 
     key_data = jax.eval_shape(jax.random.key_data, like.rng)
-    return _trees(jax.tree.map(saved_shape, like._replace(rng=())), saved_shape(key_data))
+    without = like._replace(rng=(), ema=None)
+    return _trees(jax.tree.map(saved_shape, without), saved_shape(key_data))
 
 
 def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
-    """Where each saved array goes: by the leaves of `like` (jit), or every local device."""
+    """Where each saved array goes (`ema` aside): by the leaves of `like` (jit), or every local
+    device."""
+    without = like._replace(rng=(), ema=None)
     if sharding.is_global(like):
-        shardings = jax.tree.map(lambda x: x.sharding, like._replace(rng=()))
-        return _trees(shardings, like.rng.sharding)
+        return _trees(jax.tree.map(lambda x: x.sharding, without), like.rng.sharding)
     on_every_device = NamedSharding(replication.local_mesh(axis_name), PartitionSpec())
-    return jax.tree.map(lambda _: on_every_device, _trees(like._replace(rng=()), like.rng))
+    return jax.tree.map(lambda _: on_every_device, _trees(without, like.rng))
 
 
 def _abstract(shapes: PyTree, shardings: PyTree) -> PyTree:
@@ -379,19 +398,49 @@ def _decode(
 ) -> TrainState:
     """The `TrainState` of restored trees, in the layout of `like`."""
     key_data = trees["rng"]["key_data"]
+    ema = _ema(trees, header, like)
     if sharding.is_global(like):
         fields = {name: trees[name] for name in REPLICATED_TREES}
         rng = _global_key(key_data, header, like.rng.sharding)
         step = _place(np.asarray(header.step, like.step.dtype), like.step.sharding)
     else:
         fields = {name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES}
+        ema = None if ema is None else replication.replicate(ema, axis_name)
         rng = _device_keys(key_data, header, axis_name)
         steps = np.full((jax.local_device_count(),), header.step, like.step.dtype)
         step = jax.device_put(steps, replication.device_axis_sharding(axis_name))
-    train_state = TrainState(**fields, rng=rng, step=step)
+    train_state = TrainState(**fields, rng=rng, step=step, ema=ema)
     if jax.tree.structure(train_state) != jax.tree.structure(like):
         raise AssertionError("restored TrainState does not have the structure of `like`.")
     return train_state
+
+
+def _ema(trees: dict[str, PyTree], header: StepHeader, like: TrainState) -> Ema | None:
+    """The moving averages `like` keeps: the step's, or, from a step without, copies of its
+    params and state (in new buffers: a step donates both); None if `like` keeps none."""
+    if like.ema is None:
+        if EMA in trees:
+            logging.info(
+                "Checkpoint step %d holds moving averages (ema) of params and state; this run "
+                "keeps none (optimizer.ema_decay=0), so they are not restored.",
+                header.step,
+            )
+        return None
+    if EMA in trees:
+        return Ema(trees[EMA]["params"], trees[EMA]["state"])
+    logging.info(
+        "Checkpoint step %d holds no moving averages (ema) of params and state (written "
+        "without optimizer.ema_decay, or by format version %d): they start from its params "
+        "and state.",
+        header.step,
+        header.version,
+    )
+    return Ema(*jax.tree.map(_copy, (trees["params"], trees["state"])))
+
+
+def _copy(array: jax.Array) -> jax.Array:
+    """`array` in new buffers, with its sharding."""
+    return jax.device_put(array, array.sharding, may_alias=False)
 
 
 def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sharding) -> jax.Array:

@@ -16,6 +16,8 @@ from haiku_state.data.sources import (
     SOURCES,
     Source,
     SourceArgs,
+    image_from_file,
+    image_shape_of,
     load_dataset,
 )
 from haiku_state.data.splits import (

@@ -10,6 +10,9 @@ import numpy as np
 from haiku_state.data.splits import DataError, Dataset, MissingDataError, Split, check_labels
 
 DIGITS_NUM_TEST = 360
+DIGITS_IMAGE_SHAPE = (8, 8, 1)
+DIGITS_MAX = 16  # A digit's pixel counts the inked pixels of a 4x4 block of its 32x32 scan.
+CIFAR10_IMAGE_SHAPE = (32, 32, 3)
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch"
 CIFAR10_NUM_CLASSES = 10
@@ -32,11 +35,18 @@ def load_digits() -> Dataset:
         train=Split(images[train_index], labels[train_index]),
         test=Split(images[test_index], labels[test_index]),
         num_classes=10,
-        image_shape=(8, 8, 1),
+        image_shape=DIGITS_IMAGE_SHAPE,
         name="digits",
         mean=(float(train_pixels.mean()),),
         std=(float(train_pixels.std()),),
     )
+
+
+def digit_image(rgb: np.ndarray) -> np.ndarray:
+    """An RGB image `[8, 8, 3]` of a digit written dark on light paper, as the digits hold
+    theirs: grey `[8, 8, 1]`, the ink high (0..16)."""
+    grey = rgb.astype(np.float32).mean(axis=-1, keepdims=True)
+    return np.round((255 - grey) * (DIGITS_MAX / 255)).astype(np.uint8)
 
 
 def load_cifar10(data_dir: str) -> Dataset:
@@ -60,7 +70,7 @@ def load_cifar10(data_dir: str) -> Dataset:
         train=train,
         test=test,
         num_classes=CIFAR10_NUM_CLASSES,
-        image_shape=(32, 32, 3),
+        image_shape=CIFAR10_IMAGE_SHAPE,
         name="cifar10",
         mean=tuple(float(m) for m in CIFAR10_MEAN * 255),
         std=tuple(float(s) for s in CIFAR10_STD * 255),

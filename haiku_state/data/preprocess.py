@@ -69,8 +69,9 @@ def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
     return (left, top, left + crop_width, top + crop_height)
 
 
-def center_crop_box(width: int, height: int) -> Box:
-    side = EVAL_CROP_FRACTION * min(width, height)
+def center_crop_box(width: int, height: int, fraction: float = EVAL_CROP_FRACTION) -> Box:
+    """The centred square of `fraction` x the short side."""
+    side = fraction * min(width, height)
     left, top = (width - side) / 2, (height - side) / 2
     return (left, top, left + side, top + side)
 
@@ -110,6 +111,12 @@ def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.nd
 
 def eval_image(data: bytes, image_size: int) -> np.ndarray:
     return decode_crop(data, center_crop_box, image_size)
+
+
+def square_image(data: bytes, image_size: int) -> np.ndarray:
+    """The centred square of the whole short side, resized: a photo as a dataset of small whole
+    images (CIFAR-10's, the digits') holds them."""
+    return decode_crop(data, lambda width, height: center_crop_box(width, height, 1.0), image_size)
 
 
 def statistics_sample(num_examples: int, sample: int = STATISTICS_SAMPLE) -> list[int]:

@@ -1,4 +1,5 @@
-"""`load_dataset`: every source by name (`SOURCES`), its arguments checked before reading."""
+"""`load_dataset`: every source by name (`SOURCES`), its arguments checked before reading;
+and, for a model trained on a source, the shape of its images and an image file as one."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-from haiku_state.data import arrayrecord, imagefolder, in_memory
-from haiku_state.data.splits import Dataset
+import numpy as np
+
+from haiku_state.data import arrayrecord, imagefolder, in_memory, preprocess
+from haiku_state.data.splits import DataError, Dataset
 
 
 class SourceArgs(NamedTuple):
@@ -93,3 +96,31 @@ def load_dataset(
             "unset for this source)."
         )
     return dataset
+
+
+def image_shape_of(
+    name: str, image_size: int | None, image_shape: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """The shape of the images of the source `name` (config `data.name`, `data.image_size`,
+    `data.image_shape`), without loading it."""
+    if name in ENCODED_DATASETS:
+        return (image_size, image_size, 3)
+    if name == "synthetic":
+        return tuple(image_shape)
+    shapes = {"digits": in_memory.DIGITS_IMAGE_SHAPE, "cifar10": in_memory.CIFAR10_IMAGE_SHAPE}
+    if name not in shapes:
+        raise ValueError(f"The shape of the images of data.name={name!r} is not known here.")
+    return shapes[name]
+
+
+def image_from_file(name: str, data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
+    """An image file (JPEG, PNG, ... by content) as the source `name` holds its images, for
+    a model trained on it: the evaluation's centre crop (encoded sources), or the centred
+    square resized to their size (those in memory; the digits: grey, written dark on light).
+    `DataError` for synthetic data, which has no image files."""
+    if name in ENCODED_DATASETS:
+        return preprocess.eval_image(data, image_shape[0])
+    if name == "synthetic":
+        raise DataError("data.name='synthetic' has no image files: its images are random arrays.")
+    square = preprocess.square_image(data, image_shape[0])
+    return in_memory.digit_image(square) if name == "digits" else square

@@ -161,6 +161,14 @@ def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> Non
                 f"config.{key}={config[key]} is not divisible by the {num_devices} {devices}; "
                 f"use a multiple of {num_devices}."
             )
+    accumulation = config.optimizer.accumulation_steps
+    if config.batch_size % (num_devices * accumulation):
+        unit = num_devices * accumulation
+        raise ValueError(
+            f"config.batch_size={config.batch_size} does not split into "
+            f"config.optimizer.accumulation_steps={accumulation} equal micro-batches over the "
+            f"{num_devices} {devices}: use a multiple of {unit} ({num_devices} x {accumulation})."
+        )
 
 
 def _check_warmup(config: Any, *_: int) -> None:

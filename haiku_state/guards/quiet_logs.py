@@ -59,6 +59,22 @@ def failed_read_kept_quiet(step_dir: str) -> Iterator[None]:
     _reading_or_failed.discard(step_dir)  # Reached only when the read succeeded.
 
 
+def _is_not_a_read_only_note(record: std_logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def read_only_note_kept_quiet() -> Iterator[None]:
+    """Around opening a read-only Checkpointer: Orbax's warning that the directory is read
+    only, which the reader asked for, stays off the log."""
+    absl_logger = std_logging.getLogger("absl")
+    absl_logger.addFilter(_is_not_a_read_only_note)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(_is_not_a_read_only_note)
+
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 

@@ -25,6 +25,33 @@ def check_backend(backend: str, param_sharding: str = "replicated") -> None:
         )
 
 
+def check_step_options(accumulation_steps: int, ema_decay: float | None) -> None:
+    """Raises ValueError unless `accumulation_steps` is a positive integer and `ema_decay` is
+    None, 0 (off) or in (0, 1)."""
+    integer = isinstance(accumulation_steps, int) and not isinstance(accumulation_steps, bool)
+    if not integer or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps={accumulation_steps!r} must be a positive integer.")
+    if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
+        raise ValueError(f"ema_decay={ema_decay!r} must be in [0, 1) (0 or None: no EMA).")
+
+
+def check_ema(train_state: Any, ema_decay: float | None, where: str) -> None:
+    """Refuses a train state with moving averages for an Updater without `ema_decay`, or the
+    other way round: the step would drop them, or have none to update."""
+    if (train_state.ema is None) == (ema_decay is None):
+        return
+    if ema_decay is None:
+        raise ValueError(
+            f"{where}: train_state.ema holds moving averages, but this Updater has no "
+            "ema_decay to update them with; build it with the run's ema_decay."
+        )
+    raise ValueError(
+        f"{where}: this Updater keeps moving averages (ema_decay={ema_decay}), but "
+        "train_state.ema is None; make the train state with this Updater's init or "
+        "abstract_init."
+    )
+
+
 def check_arguments(train_state: Any, batch: Any, where: str, backend: str, kind: type) -> None:
     """Refuses what is not a `kind` (TrainState) in the backend's layout, or a batch not per device.
     shard_map would hand each device a slice of a leaf a multiple of the device count long."""

@@ -1,0 +1,326 @@
+r"""Using a trained run: `load_run(workdir)`, and `python -m haiku_state.predict`.
+
+    python -m haiku_state.predict --workdir=runs/photos photo.jpg more_photos/ [--top=3]
+    python -m haiku_state.predict --workdir=runs/photos --export=runs/photos/model.npz
+
+`load_run` reads one checkpoint step of a run as training leaves it, whatever backend and
+device count trained it: the run's record (the step's metadata, else `config.json`) names the
+network and the data, and the step gives the params and state (the moving averages, when the
+run kept them, as evaluation uses them), unreplicated, on one device. `predict` gives class
+probabilities; `read_image` makes an image file what the run's data holds (the evaluation's
+crop); `export` writes params, state and what a plain Haiku script needs to a `.npz`.
+Exit status of the command: 0, or 1 with an `error:` line for each image or input at fault.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import haiku as hk
+import jax
+import numpy as np
+from absl import app, flags
+
+from haiku_state import checkpoint, data
+from haiku_state import config as config_lib
+from haiku_state.data.imagefolder import IMAGE_EXTENSIONS
+from haiku_state.experiment import network_of
+from haiku_state.guards import checkpoint_integrity, quiet_logs
+from haiku_state.guards import workdir as workdir_lib
+
+EXPORT_FORMAT = "haiku_state-export-1"  # The `format` in an export's metadata.
+PREDICT_BATCH = 256  # Images per forward pass (and per batch of files decoded).
+
+
+class TrainedModel:
+    """A step of a trained run on one device, ready to predict (`load_run` makes it).
+
+    `params` and `state` are those evaluation uses (`moving_averages`: the run's averages);
+    `class_names` come from the run's data record (the class folders), else "0", "1", ...;
+    `predict` takes images of `image_shape` as the run's data holds them.
+    """
+
+    def __init__(
+        self,
+        network: hk.TransformedWithState,
+        params: hk.Params,
+        state: hk.State,
+        *,
+        config: Any,
+        data_record: dict[str, Any],
+        step: int,
+        moving_averages: bool,
+    ):
+        self.network, self.config, self.step = network, config, step
+        self.params, self.state = jax.device_put((params, state))
+        self.moving_averages = moving_averages
+        self.num_classes = int(data_record["num_classes"])
+        self.class_names = tuple(data_record.get("classes") or map(str, range(self.num_classes)))
+        self.image_mean, self.image_std = data_record.get("mean"), data_record.get("std")
+        self.image_shape = data.image_shape_of(
+            config.data.name, config.data.image_size, tuple(config.data.image_shape)
+        )
+        self.image_dtype = np.dtype(np.float32 if self.image_mean is None else np.uint8)
+        self._apply = jax.jit(functools.partial(network.apply, is_training=False))
+
+    def predict(self, images: Any) -> np.ndarray:
+        """Class probabilities `[N, num_classes]` (float32) of `images` `[N, *image_shape]`,
+        pixels as the run's data holds them (uint8; float32 standardised for synthetic)."""
+        images = np.asarray(images)
+        if images.shape[1:] != self.image_shape:
+            raise ValueError(
+                f"predict takes images [N, {', '.join(map(str, self.image_shape))}] (the run's "
+                f"{self.config.data.name} images); got shape {images.shape}."
+            )
+        probabilities = [
+            jax.nn.softmax(self._logits(images[start : start + PREDICT_BATCH]).astype(np.float32))
+            for start in range(0, len(images), PREDICT_BATCH)
+        ]
+        if not probabilities:
+            return np.zeros((0, self.num_classes), np.float32)
+        return np.concatenate(jax.device_get(probabilities))
+
+    def _logits(self, images: np.ndarray) -> jax.Array:
+        logits, _ = self._apply(self.params, self.state, None, {"image": images})
+        return logits
+
+    def read_image(self, path: str) -> np.ndarray:
+        """The image file at `path` as the run's data holds an image, for `predict`: the
+        evaluation's centre crop of an encoded dataset, or the centred square resized to the
+        size of one held in memory (the digits: grey, written dark on light paper).
+        `data.DataError` naming the file if it cannot be read."""
+        try:
+            with open(path, "rb") as f:
+                encoded = f.read()
+            return data.image_from_file(self.config.data.name, encoded, self.image_shape)
+        except data.DataError:
+            raise
+        except Exception as e:  # Whatever the bytes are: one line naming the file.
+            reason = re.sub(r" <_io\.BytesIO object at \w+>", "", str(e))  # PIL's, of our bytes.
+            raise data.CorruptImageError(
+                f"{path} cannot be read as an image: {type(e).__name__}: {reason}"
+            ) from None
+
+    def export(self, path: str) -> None:
+        """Writes `params`, `state` and `metadata()` to a `.npz` file at `path` (replaced whole,
+        never left half-written): numpy alone reads it, without pickle."""
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"Cannot export to {path}: the folder {folder} does not exist.")
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"Cannot export to {path}: it is a folder; name a .npz file.")
+        arrays = {"metadata": np.array(json.dumps(self.metadata()))}
+        for name, tree in (("params", self.params), ("state", self.state)):
+            for module, values in jax.device_get(tree).items():
+                arrays.update({f"{name}/{module}/{leaf}": v for leaf, v in values.items()})
+        temporary = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(temporary, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    def metadata(self) -> dict[str, Any]:
+        """What an export records besides the arrays: the network's config, the classes, how
+        images are shaped and standardised, and where the params come from."""
+        return {
+            "format": EXPORT_FORMAT,
+            "model": self.config.model.to_dict(),
+            "precision": self.config.precision,
+            "num_classes": self.num_classes,
+            "class_names": list(self.class_names),
+            "image_shape": list(self.image_shape),
+            "image_dtype": self.image_dtype.name,
+            "image_mean": self.image_mean,
+            "image_std": self.image_std,
+            "data": self.config.data.name,
+            "step": self.step,
+            "moving_averages": self.moving_averages,
+        }
+
+
+def load_run(workdir: str, step: int | None = None) -> TrainedModel:
+    """Step `step` (None: the newest complete one) of the run in `workdir`, ready to predict.
+    FileNotFoundError without it; ValueError if it is damaged, of a format version not read
+    here, or does not fit the network its record names."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
+    with quiet_logs.read_only_note_kept_quiet():
+        checkpointer = checkpoint.Checkpointer(directory, read_only=True)
+    with checkpointer:
+        steps = checkpointer.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise FileNotFoundError(
+                f"No complete checkpoint of step {step} in {directory} (complete steps: {steps})."
+            )
+        trees = checkpointer.read_trees(step)
+        record = _run_record(workdir, checkpointer.metadata(step))
+    config = _config_of(record["config"])
+    data_record = record.get("data") or {}
+    if "num_classes" not in data_record:
+        raise ValueError(
+            f"The record of the run in {workdir} holds no data record (num_classes, classes, "
+            "mean, std): written by a run that did not record its data."
+        )
+    evaluated = trees.get("ema", trees)  # The moving averages, when the run kept them.
+    mean, std = data_record.get("mean"), data_record.get("std")
+    network = network_of(config, data_record["num_classes"], mean, std, cross_replica_axis=None)
+    model = TrainedModel(
+        network,
+        evaluated["params"],
+        evaluated["state"],
+        config=config,
+        data_record=data_record,
+        step=step,
+        moving_averages="ema" in trees,
+    )
+    _check_fits(model, f"Checkpoint step {step} of {workdir}")
+    return model
+
+
+def _run_record(workdir: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """`{"config", "data"}` of the run that wrote a step: the step's metadata, else (a step
+    saved without them) the workdir's `config.json`."""
+    if metadata and isinstance(metadata.get("config"), dict):
+        return {"config": metadata["config"], "data": metadata.get("data")}
+    record, problem = workdir_lib.read_record(workdir)
+    if record is None:
+        why = f"{workdir_lib.CONFIG_FILE} {problem}" if problem else "no config.json"
+        raise ValueError(
+            f"{workdir} holds no record of the run's config ({why}, and the checkpoint's "
+            "metadata has none): nothing names the network to load the params into."
+        )
+    return record
+
+
+def _config_of(recorded: dict[str, Any]) -> Any:
+    """The schema's config of the recorded model with the recorded values (a key recorded by
+    a run older than it keeps its default)."""
+    model = (recorded.get("model") or {}).get("name")
+    if model is None:
+        raise ValueError("The run's recorded config names no network (model.name).")
+    config, _ = workdir_lib.with_recorded(config_lib.default_config(model), recorded, keep=())
+    return config
+
+
+def _check_fits(model: TrainedModel, what: str) -> None:
+    """Refuses params and state whose leaves are not those of the network, naming the first."""
+    image = jax.ShapeDtypeStruct((1, *model.image_shape), model.image_dtype)
+    init = functools.partial(model.network.init, is_training=True)
+    params, state = jax.eval_shape(init, jax.random.key(0), {"image": image})
+    problem = checkpoint_integrity.first_mismatch(
+        {"params": params, "state": state}, {"params": model.params, "state": model.state}
+    )
+    if problem is not None:
+        raise ValueError(
+            f"{what} does not fit the network its config names ({model.config.model.name}): "
+            f"{problem}."
+        )
+
+
+# The command line.
+
+_USER_ERRORS = (ValueError, FileNotFoundError, OSError)
+
+
+def image_files(paths: Sequence[str]) -> Iterator[str]:
+    """The files given, and the image files under the folders given (sorted, recursively,
+    hidden ones apart); `FileNotFoundError` for a path that is neither."""
+    for path in paths:
+        if os.path.isfile(path):
+            yield path
+        elif os.path.isdir(path):
+            for root, folders, files in os.walk(path):
+                folders[:] = sorted(f for f in folders if not f.startswith("."))
+                for name in sorted(files):
+                    extension = os.path.splitext(name)[1].lower()
+                    if not name.startswith(".") and extension in IMAGE_EXTENSIONS:
+                        yield os.path.join(root, name)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or folder.")
+
+
+def predictions(model: TrainedModel, paths: Sequence[str], top: int) -> Iterator[str]:
+    """`path: class 97.21%, ...` for each image file, the `top` classes by probability, or
+    `error: ...` for one that cannot be read; decoded and predicted a batch at a time."""
+    files = list(image_files(paths))
+    for start in range(0, len(files), PREDICT_BATCH):
+        read, errors = [], {}
+        for path in files[start : start + PREDICT_BATCH]:
+            try:
+                read.append((path, model.read_image(path)))
+            except data.DataError as e:
+                errors[path] = f"error: {e}"
+        probabilities = model.predict(np.stack([image for _, image in read])) if read else []
+        by_path = dict(zip([path for path, _ in read], probabilities, strict=True))
+        for path in files[start : start + PREDICT_BATCH]:
+            if path in errors:
+                yield errors[path]
+                continue
+            best = np.argsort(-by_path[path], kind="stable")[:top]
+            ranked = (f"{model.class_names[i]} {by_path[path][i]:.2%}" for i in best)
+            yield f"{path}: {', '.join(ranked)}"
+
+
+def _define_flags() -> dict[str, flags.FlagHolder]:
+    return {
+        "workdir": flags.DEFINE_string(
+            "workdir", None, "The run's directory (--workdir of train)."
+        ),
+        "step": flags.DEFINE_integer("step", None, "The step to load; default: the newest."),
+        "top": flags.DEFINE_integer("top", 3, "The classes shown per image.", lower_bound=1),
+        "export": flags.DEFINE_string(
+            "export", None, "Also write params, state and metadata to this .npz file."
+        ),
+    }
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, a bad flag or value refused in one line."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f"error: {e} (--helpfull lists the flags)")
+
+
+def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
+    paths, export = argv[1:], command_line["export"].value
+    if command_line["workdir"].value is None:
+        sys.exit("error: --workdir is required: the directory of a trained run.")
+    if not paths and not export:
+        sys.exit("error: nothing to do: give image files or folders, or --export=FILE.")
+    quiet_logs.keep_the_log_to_this_package()
+    failed = False
+    try:
+        model = load_run(command_line["workdir"].value, command_line["step"].value)
+        for line in predictions(model, paths, command_line["top"].value):
+            failed |= line.startswith("error: ")
+            print(line, file=sys.stderr if line.startswith("error: ") else sys.stdout, flush=True)
+        if export:
+            model.export(export)
+            print(f"Exported step {model.step} to {export}.", flush=True)
+    except _USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+    sys.exit(1 if failed else 0)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Defines the flags, parses `argv` (default: `sys.argv`) and predicts or exports."""
+    command_line = _define_flags()
+    app.run(functools.partial(_main, command_line), argv=argv, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    main()
