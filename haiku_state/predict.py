@@ -206,13 +206,13 @@ def _run_record(workdir: str, metadata: dict[str, Any] | None) -> dict[str, Any]
 
 
 def _config_of(recorded: dict[str, Any]) -> Any:
-    """The schema's config of the recorded model with the recorded values (a key recorded by
-    a run older than it keeps its default)."""
+    """The schema's config of the recorded model with the recorded values (a key a run older
+    than it did not record: what that run ran with, `Key.legacy_default`, else its default)."""
     model = (recorded.get("model") or {}).get("name")
     if model is None:
         raise ValueError("The run's recorded config names no network (model.name).")
     config, _ = workdir_lib.with_recorded(config_lib.default_config(model), recorded, keep=())
-    return config
+    return workdir_lib.with_legacy_values(config, recorded, "The run's record")
 
 
 def _check_fits(model: TrainedModel, what: str) -> None:

@@ -465,3 +465,22 @@ def test_a_refused_run_writes_nothing_and_the_check_survives_a_lost_config_json(
     with pytest.raises(ValueError, match=r"checkpoint's metadata.*seed: 0 -> 1"):
         driver.train_and_evaluate(mlp_config(seed=1), str(copy))
     assert not (copy / "config.json").exists()
+
+
+def test_a_run_recorded_before_model_batch_norm_resumes_with_hk_batch_norm(tmp_path, caplog):
+    """A config.json without the key (written before it existed): the run goes on with
+    hk.BatchNorm, as it was trained, and says so; its record then names it."""
+    workdir = str(tmp_path / "old")
+    driver.train_and_evaluate(mlp_config(steps=15, **{"model.batch_norm": "haiku"}), workdir)
+    path = os.path.join(workdir, "config.json")
+    record = json.load(open(path))
+    del record["config"]["model"]["batch_norm"]
+    json.dump(record, open(path, "w"))
+    with caplog.at_level("INFO"):
+        final = driver.train_and_evaluate(mlp_config(steps=15), workdir)
+    assert f"{path} predates config.model.batch_norm: the run goes on as it was trained, " in (
+        caplog.text
+    )
+    assert final["accuracy"] > 0
+    assert json.load(open(path))["config"]["model"]["batch_norm"] == "haiku"
+    assert evaluation.evaluate_checkpoint(mlp_config(), workdir) == pytest.approx(final)
