@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -93,8 +94,15 @@ def benchmark_experiment(
         result = _step_figures(name, config, settings, experiment.updater, timed, peak, say)
         result["input_pipeline"] = input_pipeline
         run_dir = _fresh_directory(Path(workdir), f"{name}_{num_devices}dev_{settings.precision}_")
-        bare, others = timed[0], timed[1:]  # The Updater on pre-sharded batches, the rest.
-        result["checkpoint"] = _checkpoint_figures(experiment.updater, bare, settings, run_dir)
+        # The Updater on pre-sharded batches as the loop runs it (several steps a call where
+        # the experiment takes them), and the rest.
+        bare = next((v for v in timed if v.name == "updater_steps"), timed[0])
+        others = [variant for variant in timed if variant is not bare]
+        settings = dataclasses.replace(settings, steps_per_call=bare.steps_per_call)
+        one_step_batch = timed[0].batches[0]  # The `updater` variant's, for `update`.
+        result["checkpoint"] = _checkpoint_figures(
+            experiment.updater, bare, one_step_batch, settings, run_dir
+        )
         say(f"checkpoint {checkpoints.summary_line(result['checkpoint'])}")
         for variant in others:  # Free the timed states before the loop builds its own.
             variant.release()
@@ -135,8 +143,11 @@ _SAME_PROGRAM = {"updater_with_norms": "updater", "updater_with_input": "updater
 
 def _lowered(updater: Updater, variant: timing.Variant) -> jax.stages.Lowered:
     """The variant's step lowered for its own train state and first batch."""
-    if variant.name == "updater":
-        return updater.lower_update(variant.carry, variant.batches[0], with_norms=False)
+    if variant.name in ("updater", "updater_steps"):
+        stacked = variant.steps_per_call > 1
+        return updater.lower_update(
+            variant.carry, variant.batches[0], with_norms=False, stacked=stacked
+        )
     if variant.name in (*variants.JIT_VARIANTS, "updater_shard_map"):
         other = variant.step.func.__self__  # functools.partial(updater.update, ...)
         return other.lower_update(variant.carry, variant.batches[0], with_norms=False)
@@ -234,7 +245,7 @@ def _step_figures(
         # The first call loaded the program from the cache: its compile is this.
         throughput[variant_name]["compile_s"] = seconds
         throughput[variant_name]["compiled_side_by_side"] = True
-    ratios = timing.paired_ratios(timed)
+    ratios = timing.paired_ratios(timed, steps_per_window)
     say(_throughput_line(throughput, ratios))
     step_flops = costs.flops_figures(
         step_costs, counted, num_devices, batch_size, _analytic_flops_per_example(name, config)
@@ -321,7 +332,7 @@ def _jit_memory(
 
 
 def _checkpoint_figures(
-    updater: Updater, bare: timing.Variant, settings: Settings, run_dir: Path
+    updater: Updater, bare: timing.Variant, batch: Any, settings: Settings, run_dir: Path
 ) -> dict[str, Any]:
     """`checkpoints.benchmark_checkpoint` on the Updater variant's state, or why not."""
     if not settings.checkpoint_saves:
@@ -330,7 +341,7 @@ def _checkpoint_figures(
         figures, bare.carry = checkpoints.benchmark_checkpoint(
             updater,
             bare.carry,
-            bare.batches[0],
+            batch,
             settings.checkpoint_saves,
             run_dir / "checkpoint_bench",
         )

@@ -58,6 +58,8 @@ def loop_config(name: str, settings: Settings, num_devices: int) -> Any:
     config.steps = steps
     config.log_every = log_every
     config.eval_every = steps
+    if settings.steps_per_call:  # The bare update's, which it is compared with.
+        config.steps_per_call = settings.steps_per_call
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 4)
     # This process's compilation cache (a private one in `benchmarks.run`), not the user's.
     config.compilation_cache_dir = jax.config.jax_compilation_cache_dir or ""
@@ -248,15 +250,20 @@ class BareUpdate:
 
     def __call__(self) -> float:
         updater = self._updater
-        after = timing.Variant("updater_after_loop", updater.step, updater.carry, updater.batches)
+        after = timing.Variant(
+            "updater_after_loop",
+            updater.step,
+            updater.carry,
+            updater.batches,
+            steps_per_call=updater.steps_per_call,
+        )
         timing.time_interleaved([after], self._windows, self._steps_per_window)
         updater.carry = after.carry
-        self.window_steps_per_s_after_loop.append(
-            [self._steps_per_window / s for s in after.window_s]
-        )
+        steps = timing.steps_in_window(updater, self._steps_per_window)
+        self.window_steps_per_s_after_loop.append([steps / s for s in after.window_s])
         window_s = statistics.median(self._before + after.window_s)
         self._before = after.window_s
-        return self._batch_size * self._steps_per_window / window_s
+        return self._batch_size * steps / window_s
 
 
 def median_loop_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -87,6 +87,9 @@ class Settings:
       norms: whether to also time the Updater's step with the global norms
         (`throughput.updater_with_norms`, `ratios.updater_with_norms_vs_updater`):
         what they cost on the steps the loop logs.
+      steps_per_call: the training steps of one call of the Updater's `update_steps`
+        variant (`updater_steps`) and of the loop; None: what `experiment.steps_per_call`
+        chooses for the experiment on this platform (1: no such variant).
       precision: one of `SUPPORTED_PRECISIONS`, set as `config.precision`.
       model_overrides: `(key, value)` pairs set on `config.model` (e.g. a smaller
         ResNet for `--quick`); recorded in the result. Applies to every variant
@@ -111,6 +114,7 @@ class Settings:
     updater_shard_map: bool = True
     updater_jit: bool = True
     norms: bool = True
+    steps_per_call: int | None = None
     precision: str = "float32"
     model_overrides: tuple[tuple[str, Any], ...] = ()
 

@@ -25,6 +25,8 @@ MAX_STEPS_PER_WINDOW = 500
 # Each ratio: (numerator variant, denominator variant), of throughputs.
 RATIOS = {
     "updater_vs_hand_written": ("updater", "hand_written"),
+    "updater_steps_vs_updater": ("updater_steps", "updater"),
+    "updater_steps_vs_flax": ("updater_steps", "flax"),
     "updater_with_norms_vs_updater": ("updater_with_norms", "updater"),
     "updater_vs_flax": ("updater", "flax"),
     "input_pipeline_vs_presharded": ("updater_with_input", "updater"),
@@ -44,6 +46,7 @@ class Variant:
     carry: Any
     batches: list[Any]  # Device batches, cycled; or empty when `source` feeds the steps.
     source: Iterator[Any] | None = None
+    steps_per_call: int = 1  # Training steps one call of `step` runs (its batches stacked).
     first_call_s: float = math.nan
     window_s: list[float] = dataclasses.field(default_factory=list)
     next_batch: int = 0
@@ -62,7 +65,7 @@ class Variant:
 
 
 def run_steps(variant: Variant, num_steps: int) -> float:
-    """Runs `num_steps` steps with at most two in flight; returns the wall time.
+    """Runs `num_steps` calls with at most two in flight; returns the wall time.
 
     The clock starts with nothing in flight and stops when the last step's
     metrics are on hand, so back-to-back windows do not overlap.
@@ -93,16 +96,27 @@ def window_length(steps_per_window: int | None, target_window_s: float, step_s: 
     return int(min(max(round(target_window_s / step_s), 2), MAX_STEPS_PER_WINDOW))
 
 
+def calls_per_window(variant: Variant, steps_per_window: int) -> int:
+    """The calls of `variant` a window of `steps_per_window` steps takes (at least one)."""
+    return max(steps_per_window // variant.steps_per_call, 1)
+
+
+def steps_in_window(variant: Variant, steps_per_window: int) -> int:
+    return calls_per_window(variant, steps_per_window) * variant.steps_per_call
+
+
 def time_interleaved(variants: Sequence[Variant], windows: int, steps_per_window: int) -> None:
     """Times `windows` windows of each variant, alternating ABC, CBA, ABC, ..."""
     for window in range(windows):
         order = variants if window % 2 == 0 else list(reversed(variants))
         for variant in order:
-            variant.window_s.append(run_steps(variant, steps_per_window))
+            calls = calls_per_window(variant, steps_per_window)
+            variant.window_s.append(run_steps(variant, calls))
 
 
 def throughput(variant: Variant, steps_per_window: int, batch_size: int) -> dict[str, Any]:
     """Examples/s and steps/s of the median window, every window's steps/s, compile time."""
+    steps_per_window = steps_in_window(variant, steps_per_window)
     step_s = statistics.median(variant.window_s) / steps_per_window
     return {
         "examples_per_s": batch_size / step_s,
@@ -115,17 +129,26 @@ def throughput(variant: Variant, steps_per_window: int, batch_size: int) -> dict
     }
 
 
-def paired_ratio(numerator: Variant, denominator: Variant) -> float:
-    """Median over windows of throughput(numerator) / throughput(denominator)."""
+def paired_ratio(numerator: Variant, denominator: Variant, steps_per_window: int = 1) -> float:
+    """Median over windows of throughput(numerator) / throughput(denominator), in steps."""
+    steps_a = steps_in_window(numerator, steps_per_window)
+    steps_b = steps_in_window(denominator, steps_per_window)
     return statistics.median(
-        b / a for a, b in zip(numerator.window_s, denominator.window_s, strict=True)
+        (steps_a / a) / (steps_b / b)
+        for a, b in zip(numerator.window_s, denominator.window_s, strict=True)
     )
 
 
-def paired_ratios(variants: Sequence[Variant]) -> dict[str, float | None]:
+def paired_ratios(
+    variants: Sequence[Variant], steps_per_window: int = 1
+) -> dict[str, float | None]:
     """Every ratio of `RATIOS`; None where a variant was not timed."""
     by_name = {variant.name: variant for variant in variants}
     return {
-        ratio: paired_ratio(by_name[a], by_name[b]) if a in by_name and b in by_name else None
+        ratio: (
+            paired_ratio(by_name[a], by_name[b], steps_per_window)
+            if a in by_name and b in by_name
+            else None
+        )
         for ratio, (a, b) in RATIOS.items()
     }

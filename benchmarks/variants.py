@@ -2,6 +2,8 @@
 
 * `updater`: `Updater.update` of `experiment.build_experiment(config)`, on a few
   device batches sharded once and cycled;
+* `updater_steps`: `Updater.update_steps`, several steps a call (`steps_per_call`: the
+  experiment's choice on this platform, else the settings'), where that is more than one;
 * `hand_written`: the same step as one plain `jax.pmap`ped function
   (`benchmarks.baselines`), from the Experiment's network, optimizer, loss,
   augmentation and loss scale;
@@ -28,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks import baselines
+from benchmarks import baselines, timing
 from benchmarks.settings import FLAX_PEERS, Settings
 from benchmarks.timing import Variant
 from haiku_state import data, optim, replication
@@ -64,6 +66,12 @@ def training_input(dataset: data.Dataset, batch_size: int, seed: int) -> tuple[s
         else "train_batches+prefetch_to_device"
     )
     return name, data.train_batches(dataset.train, batch_size, seed=seed)
+
+
+def stack_of(batches: list[Any], first: int, count: int, axis_name: str) -> Any:
+    """`count` of the cycled `batches` from `first` on, stacked for `Updater.update_steps`."""
+    chosen = [batches[(first + i) % len(batches)] for i in range(count)]
+    return replication.stack_steps(chosen, axis_name)
 
 
 def hand_written_per_device(experiment: Experiment) -> baselines.StepFn:
@@ -152,6 +160,20 @@ def build_variants(
     # are timed apart (`updater_with_norms`).
     step = functools.partial(updater.update, with_norms=False)
     variants = [timed("updater", step)]
+    per_call = settings.steps_per_call or experiment.steps_per_call
+    if per_call > 1:
+        several = functools.partial(updater.update_steps, with_norms=False)
+        stacked = [stack_of(batches, first * per_call, per_call, axis_name) for first in
+                   range(len(batches))]  # fmt: skip
+        variants.append(
+            timing.Variant(
+                "updater_steps",
+                several,
+                jax.tree.map(_copy, initial_state),
+                stacked,
+                steps_per_call=per_call,
+            )
+        )
     if settings.norms:
         variants.append(timed("updater_with_norms", updater.update))
     if settings.hand_written:

@@ -469,13 +469,20 @@ class Updater:
         return self._explained(programs, train_state, "evaluate", programs.evaluate, batch)
 
     def lower_update(
-        self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
+        self,
+        train_state: TrainState,
+        batch: Batch,
+        *,
+        with_norms: bool = True,
+        stacked: bool = False,
     ) -> jax.stages.Lowered:
-        """The step lowered for XLA's cost and memory analysis; nothing runs or is donated."""
-        programs, batch = self._checked(train_state, batch, "lower_update")
-        refused = updater_arguments.unbound_axis_refused("lower_update", self.axis_name)
+        """The step (`stacked`: `update_steps`' steps) lowered for XLA's cost and memory
+        analysis; nothing runs or is donated."""
+        where = "lower_update"
+        programs, batch = self._checked(train_state, batch, where, stacked)
+        refused = updater_arguments.unbound_axis_refused(where, self.axis_name)
         with self._random_bits(), refused:
-            return self._update_program(programs, False, with_norms).lower(train_state, batch)
+            return self._update_program(programs, stacked, with_norms).lower(train_state, batch)
 
     def _params_and_state(self, initial: Callable, key: jax.Array, batch: Batch, where: str):
         """`initial(forward, key, first device's shard)`: the network's params and state."""
