@@ -416,11 +416,13 @@ class Saver:
         return processes.any_process(time.monotonic() - self._last_save_time >= self._every_secs)
 
     def run(self, step: int, train_state: TrainState) -> None:
+        if step in self._monitor.saved_steps:
+            return  # Saved at its cadence right before a signal stopped the loop.
         self._window.check_finite()  # The losses since the last log.
         self._monitor.protect_last_good(self._checkpointer)
         replicas.check_savable(train_state, step)
         metrics = self._evaluator.metrics_at(step)
         metadata = {**self._metadata, divergence.OUTCOME_KEY: self._monitor.outcome.to_json()}
-        if self._checkpointer.save(train_state, metadata=metadata, metrics=metrics):
-            self._monitor.record_save(step)
+        self._checkpointer.save(train_state, metadata=metadata, metrics=metrics)
+        self._monitor.record_save(step)
         self._last_save_time = time.monotonic()
