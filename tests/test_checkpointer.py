@@ -265,3 +265,26 @@ def test_a_full_disk_is_one_error_that_says_what_to_do(setup, tmp_path, monkeypa
         monkeypatch.setattr(checkpointer._manager, "save", full)
         with pytest.raises(OSError, match="No space left to write checkpoint step 0 .* free space"):
             checkpointer.save(setup.init())
+
+
+def test_a_failed_background_write_is_raised_once_and_deletes_nothing(setup, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    train_state = setup.init()
+    with Checkpointer(tmp_path, max_to_keep=1) as checkpointer:
+        checkpointer.save(at_step(train_state, 1))
+        checkpointer.wait_until_finished()
+
+        def disk_full(*args, **kwargs):  # As TensorStore fails in Orbax's commit thread.
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "params" in OCDBT database')
+
+        monkeypatch.setattr(async_checkpointer, "_on_commit_callback", disk_full)
+        checkpointer.save(at_step(train_state, 2))  # Returns: the write fails later.
+        with pytest.raises(OSError, match="No space left to write checkpoint step 2 .* step 1"):
+            checkpointer.wait_until_finished()
+        checkpointer.wait_until_finished()  # Raised once.
+        monkeypatch.undo()
+        # Step 2 was never committed, and retention deleted nothing for it.
+        assert checkpointer.all_steps() == [1] and not (tmp_path / "2").exists()
+        checkpointer.save(at_step(train_state, 3))
+    assert step_dirs(tmp_path) == {"3"}

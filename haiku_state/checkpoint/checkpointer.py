@@ -188,10 +188,13 @@ class Checkpointer:
     @contextlib.contextmanager
     def _reporting_a_full_disk(self, step: int | None) -> Iterator[None]:
         """Around Orbax's save and its wait: a write that failed for want of space is one
-        `OSError` saying what to do; any other failure is raised as it is."""
+        `OSError` saying what to do; any other failure is raised as it is. Either way the
+        steps on disk stay Orbax's to keep or delete."""
         try:
             yield
         except Exception as e:
+            # Orbax forgot the older steps it was to delete once this one was committed.
+            self._manager.reload()
             if step is not None:
                 self._steps.raise_if_disk_full(e, step)
             raise
