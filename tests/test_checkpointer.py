@@ -13,7 +13,6 @@ import sys
 import jax
 import pytest
 import tensorstore as ts
-from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 from checkpoint_helpers import (
     Setup,
     assert_bit_identical,
@@ -27,6 +26,7 @@ from checkpoint_helpers import (
     set_aside_dirs,
     step_dirs,
 )
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 import haiku_state as hs
 from haiku_state import checkpoint

@@ -333,6 +333,38 @@ def test_the_same_data_moved_resumes_and_other_data_is_still_refused(tmp_path, c
     assert "dataset.train_content" in str(refused.value)
 
 
+def test_a_new_run_in_another_runs_workdir_is_refused_in_a_short_line(tmp_path, caplog):
+    # The README's own-photos recipe in the workdir of `make train EXP=mlp`: digits, then
+    # an ImageFolder: every key of the data differs, and a content digest only one knows.
+    digits = {"train_examples": 1437, "test_examples": 360, "num_classes": 10, "classes": None,
+              "mean": [4.878142397355602], "std": [6.013962657438725], "train_digest": "a" * 32,
+              "test_digest": "b" * 32, "train_content": None, "test_content": None}  # fmt: skip
+    photos = {"train_examples": 36, "test_examples": 12, "num_classes": 3,
+              "classes": ["cat", "dog", "eel"], "mean": [125.78, 124.947, 127.129],
+              "std": [46.163, 46.415, 45.325], "train_digest": "c" * 32, "test_digest": "d" * 32,
+              "train_content": "e" * 32, "test_content": "f" * 32}  # fmt: skip
+    workdir, config = str(tmp_path), config_lib.default_config("mlp")
+    workdir_lib.record_config(workdir, config, allow_change=False, data=digits)
+    changed = {"data.name": "imagefolder", "data.dir": "~/photos", "data.image_size": 32,
+               "batch_size": 36}  # fmt: skip
+    for key, value in changed.items():
+        parent, leaf = key.rsplit(".", 1) if "." in key else ("", key)
+        (config_lib.value_of(config, parent) if parent else config)[leaf] = value
+    with caplog.at_level(logging.WARNING), pytest.raises(workdir_lib.WorkdirError) as refused:
+        workdir_lib.record_config(workdir, config, allow_change=False, data=photos)
+    message = str(refused.value)
+    assert len(message.replace(workdir, "W")) < 450, message  # It was over 1,000.
+    assert message.startswith(
+        f"The config or data differs from what {workdir} was trained with (as its config.json "
+        "records it): batch_size: 128 -> 36; data.dir: '' -> '~/photos'; "
+    ), message
+    for key in [*changed, *(f"dataset.{key}" for key in photos if "content" not in key)]:
+        assert key in message
+    assert message.endswith("Use another --workdir, or --allow_config_change to continue that "
+                            "run anyway.")  # fmt: skip
+    assert "records no" not in caplog.text  # Not "written by an older version": other data.
+
+
 def test_a_record_without_the_newer_keys_says_what_it_does_not_check(tmp_path, caplog):
     tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
     config, current = _imagefolder(tree)

@@ -259,15 +259,26 @@ def check_config(
     changes = _changes_since(previous, config, dict(data or {}), source)
     if changes and not allow_change:
         raise WorkdirError(
-            f"The config or data differs from what {workdir} was trained with (as {source} "
-            f"records it), in ways that change the run: {'; '.join(changes)}. Pass "
-            "--allow_config_change to continue anyway (the change is recorded in config.json), "
-            "or use another --workdir."
+            f"The config or data differs from what {workdir} was trained with (as "
+            f"{'its config.json' if source == path else source} records it): "
+            f"{_listing(changes)}. Use another --workdir, or --allow_config_change to "
+            "continue that run anyway."
         )
     record["changes"] = list(previous.get("changes", []))
     if changes:
         record["changes"].append({"at": _stamp(iso=True), "changes": changes})
     return ConfigRecord(path, record, tuple(changes), problem)
+
+
+def _listing(changes: list[str], budget: int = 160) -> str:
+    """The changes one after the other, the first whole and the others while they fit in
+    `budget` characters; the rest named by their keys (a new run in another run's workdir
+    changes everything, its data too)."""
+    shown = changes[:1]
+    while len(shown) < len(changes) and len("; ".join(changes[: len(shown) + 1])) <= budget:
+        shown.append(changes[len(shown)])
+    rest = [change.split(":", 1)[0] for change in changes[len(shown) :]]
+    return "; ".join(shown) + (f"; and {', '.join(rest)}" if rest else "")
 
 
 def _changes_since(
@@ -298,7 +309,8 @@ def _changes_since(
         )
     changes = trajectory_changes(previous["config"], config, ("data.dir",) if moved else ())
     changes += data_changes
-    unchecked = data_identity.unchecked_keys(recorded_data, data)
+    # On other data, a digest only one side knows is no sign of an older record.
+    unchecked = [] if data_changes else data_identity.unchecked_keys(recorded_data, data)
     if unchecked:
         logging.warning(
             "%s records no %s of the data (written by an older version, or not known then): "
