@@ -2,7 +2,8 @@
 
     WORKDIR/
       lock              host and pid of the run training here (held with flock)
-      config.json       the resolved config and the data as read, written once the run resumed
+      config.json       the resolved config (the keys it reads) and the data as read, written
+                        once the run resumed
       checkpoints/      haiku_state.checkpoint
       metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
       profile/          jax.profiler traces (config.profile_steps)
@@ -151,6 +152,19 @@ def _as_json(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config))
 
 
+def recorded_config(config: Any) -> dict[str, Any]:
+    """The config as `config.json` records it: the keys its combination reads (the synthetic
+    data's shape is no key of a run on the digits), as JSON gives them back."""
+    record = _as_json(config)
+    for name in config_lib.ignored_keys(config_lib.flatten(record)):
+        *parents, leaf = name.split(".")
+        node = record
+        for parent in parents:
+            node = node.get(parent, {})
+        node.pop(leaf, None)
+    return record
+
+
 def trajectory_changes(
     recorded: Mapping[str, Any], config: Any, also_free: Collection[str] = ()
 ) -> list[str]:
@@ -232,7 +246,7 @@ def check_config(
     Returns the record to `write()` once the run resumed; WorkdirError for a change of the
     trajectory unless `allow_change`."""
     path = os.path.join(workdir, CONFIG_FILE)
-    record = {"config": _as_json(config), "data": dict(data or {}), "changes": []}
+    record = {"config": recorded_config(config), "data": dict(data or {}), "changes": []}
     previous, problem = read_record(workdir)
     if not has_checkpoint:
         if previous is not None:
