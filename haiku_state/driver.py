@@ -70,7 +70,7 @@ def train_and_evaluate(
         final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
         saved = checkpointer.latest_step()
     if jax.process_index() == 0:
-        summaries.plot_curves(workdir)
+        summaries.plot_curves(workdir, f"{workdir}: {config.model.name} on {config.data.name}")
         print(
             f"Final eval at step {end.step}: {summaries.format_metrics(final)}. "
             + summaries.describe_outputs(workdir, "checkpoints/"),
