@@ -50,10 +50,11 @@ def test_run_writes_metrics_tensorboard_curves_and_checkpoints(finished_run):
     assert eval_records[0]["accuracy"] == pytest.approx(final["accuracy"])
     # Better than chance (10%) after 30 steps of a working setup.
     assert final["accuracy"] > 0.5
-    assert any(
-        name.startswith("events.out.tfevents")
-        for name in os.listdir(os.path.join(workdir, "tensorboard"))
-    )
+    for split in ("train", "eval"):  # One TensorBoard run per split, the same tags.
+        assert any(
+            name.startswith("events.out.tfevents")
+            for name in os.listdir(os.path.join(workdir, "tensorboard", split))
+        )
     assert os.path.getsize(os.path.join(workdir, summaries.CURVES_FILE)) > 0
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["15", "30"]
 
