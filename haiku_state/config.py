@@ -292,14 +292,17 @@ def default_config(model: str | None = None) -> ml_collections.ConfigDict:
     return config
 
 
+def ignored_keys(flat: Mapping[str, Any]) -> set[str]:
+    """The dotted keys a flat config does not read, given its other keys (`IGNORED_WHEN`)."""
+    return {name for names, ignored, _ in IGNORED_WHEN if ignored(flat.get) for name in names}
+
+
 def free_keys(recorded: Mapping[str, Any], config: Mapping[str, Any]) -> set[str]:
     """The dotted keys a resumed run may change, given the recorded and the new flat config:
     those marked `free`, those both ignore (`IGNORED_WHEN`), `steps` on the same
     `STEP_INDEPENDENT_SCHEDULES` schedule."""
     free = {key.name for key in SCHEMA if key.free}
-    for names, ignored, _ in IGNORED_WHEN:
-        if ignored(recorded.get) and ignored(config.get):
-            free.update(names)
+    free |= ignored_keys(recorded) & ignored_keys(config)
     schedule = config.get("optimizer.schedule")
     if schedule in STEP_INDEPENDENT_SCHEDULES and recorded.get("optimizer.schedule") == schedule:
         free.add("steps")

@@ -80,7 +80,7 @@ def train_and_evaluate(
         final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
         saved = checkpointer.latest_step()
     if jax.process_index() == 0:
-        summaries.plot_curves(workdir)
+        summaries.plot_curves(workdir, f"{workdir}: {config.model.name} on {config.data.name}")
         print(
             f"Final eval at step {end.step}: {summaries.format_metrics(final)}. "
             + summaries.describe_outputs(workdir, "checkpoints/"),
@@ -431,11 +431,13 @@ class Saver:
         return processes.any_process(time.monotonic() - self._last_save_time >= self._every_secs)
 
     def run(self, step: int, train_state: TrainState) -> None:
+        if step in self._monitor.saved_steps:
+            return  # Saved at its cadence right before a signal stopped the loop.
         self._window.check_finite()  # The losses since the last log.
         self._monitor.protect_last_good(self._checkpointer)
         replicas.check_savable(train_state, step)
         metrics = self._evaluator.metrics_at(step)
         metadata = {**self._metadata, divergence.OUTCOME_KEY: self._monitor.outcome.to_json()}
-        if self._checkpointer.save(train_state, metadata=metadata, metrics=metrics):
-            self._monitor.record_save(step)
+        self._checkpointer.save(train_state, metadata=metadata, metrics=metrics)
+        self._monitor.record_save(step)
         self._last_save_time = time.monotonic()

@@ -262,9 +262,7 @@ def _reading(
         checkpoint.Checkpointer(
             os.path.join(workdir, "checkpoints"), read_only=True, **best
         ) as checkpointer,
-        summaries.MetricWriter(
-            workdir, config.steps, enabled=enabled, tensorboard_run="eval"
-        ) as writer,
+        summaries.MetricWriter(workdir, config.steps, enabled=enabled) as writer,
     ):
 
         def evaluate(train_state: TrainState) -> dict[str, float] | None:

@@ -71,7 +71,6 @@ class MetricWriter:
         *,
         enabled: bool = True,
         resume_step: int | None = None,
-        tensorboard_run: str = "",
     ):
         self._total_steps = total_steps
         self._enabled = enabled
@@ -80,17 +79,13 @@ class MetricWriter:
         self._interactive = sys.stderr.isatty()
         self._progress_shown = False
         self._jsonl_path = os.path.join(workdir, METRICS_FILE)
-        self._tensorboard = None
+        self._tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
+        self._purge_step = None if resume_step is None else resume_step + 1
+        self._tensorboard: dict[str, Any] = {}  # A tensorboardX SummaryWriter by split.
         if enabled:
-            from tensorboardX import SummaryWriter
-
             os.makedirs(workdir, exist_ok=True)
             if resume_step is not None:
                 supersede_after(workdir, resume_step)
-            purge_step = None if resume_step is None else resume_step + 1
-            self._tensorboard = SummaryWriter(
-                os.path.join(workdir, TENSORBOARD_DIR, tensorboard_run), purge_step=purge_step
-            )
 
     def write(
         self,
@@ -105,13 +100,25 @@ class MetricWriter:
             return
         record = {"step": step, "split": split, **{k: float(v) for k, v in metrics.items()}}
         _append_record(self._jsonl_path, {**record, **(marks or {})})
+        tensorboard = self._tensorboard_run(split)
         for name, value in metrics.items():
-            self._tensorboard.add_scalar(f"{split}/{name}", float(value), step)
+            tensorboard.add_scalar(name, float(value), step)
         if split == "train":
             self._report_progress(step, metrics)
         else:
             self._end_progress_line()
             logging.info("[%s] step %d: %s", split, step, format_metrics(metrics))
+
+    def _tensorboard_run(self, split: str) -> Any:
+        """The TensorBoard run of `split`, `tensorboard/<split>/`: its metrics under their own
+        names, so that TensorBoard draws train and eval on one chart per metric."""
+        if split not in self._tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard[split] = SummaryWriter(
+                os.path.join(self._tensorboard_dir, split), purge_step=self._purge_step
+            )
+        return self._tensorboard[split]
 
     def _report_progress(self, step: int, metrics: Mapping[str, float]) -> None:
         now, eta = time.monotonic(), float("nan")
@@ -141,9 +148,9 @@ class MetricWriter:
 
     def close(self) -> None:
         self._end_progress_line()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        for tensorboard in self._tensorboard.values():
+            tensorboard.close()
+        self._tensorboard = {}
 
 
 @contextlib.contextmanager
@@ -240,27 +247,43 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     return sorted(latest.values(), key=lambda r: (r["split"], r["step"]))
 
 
-def plot_curves(workdir: str) -> str:
-    """Draws loss and accuracy against step, train and eval, into `curves.png`."""
+_CURVES = (("loss", "loss"), ("accuracy", "accuracy (%)"), ("learning_rate", "learning rate"))
+
+
+def plot_curves(workdir: str, title: str | None = None) -> str:
+    """Draws loss, accuracy (in percent) and the learning rate against step, train and eval,
+    into `curves.png`, under `title` (default: the workdir)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(workdir)
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for axis, metric in zip(axes, ("loss", "accuracy"), strict=True):
-        for split, style in (("train", "-"), ("eval", "o-")):
-            points = [
-                (r["step"], r[metric]) for r in records if r["split"] == split and metric in r
-            ]
-            if points:
-                axis.plot(*zip(*points, strict=True), style, label=split)
-        axis.set(xlabel="step", ylabel=metric)
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.tight_layout()
+    figure = curves_figure(read_metrics(workdir), workdir if title is None else title)
     path = os.path.join(workdir, CURVES_FILE)
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def curves_figure(records: list[dict[str, Any]], title: str) -> Any:
+    """The matplotlib figure of `plot_curves`: one panel per metric, train and eval on each."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(_CURVES), figsize=(15, 4))
+    for axis, (metric, label) in zip(axes, _CURVES, strict=True):
+        scale = 100.0 if metric in PERCENT_METRICS else 1.0
+        for split, style in (("train", "-"), ("eval", "o-")):
+            points = [
+                (r["step"], scale * r[metric])
+                for r in records
+                if r["split"] == split and metric in r
+            ]
+            if points:
+                axis.plot(*zip(*points, strict=True), style, label=split)
+        axis.set(xlabel="step", ylabel=label)
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure

@@ -6,6 +6,7 @@ import errno
 import gc
 import logging
 import os
+import re
 import shutil
 import sys
 
@@ -25,6 +26,7 @@ from checkpoint_helpers import (
     set_aside_dirs,
     step_dirs,
 )
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 import haiku_state as hs
 from haiku_state import checkpoint
@@ -50,11 +52,13 @@ def test_no_checkpoint_and_existing_steps_and_bad_metadata(setup, tmp_path):
             checkpointer.save(hs.unreplicate(train_state))
         with pytest.raises(TypeError, match="JSON-serialisable"):
             checkpointer.save(train_state, metadata={"seed": object()})
-        assert checkpointer.save(train_state)
+        checkpointer.save(train_state)
         checkpointer.wait_until_finished()
         before = listing(tmp_path)
-        # A final save at the step of the last periodic one: nothing is overwritten.
-        assert not checkpointer.save(train_state)
+        # A complete step is never rewritten: refused as Orbax refuses it, nothing touched.
+        exists = f"Checkpoint step 0 already exists at {tmp_path / '0'}; a complete step is never"
+        with pytest.raises(StepAlreadyExistsError, match=re.escape(exists)):
+            checkpointer.save(train_state)
         assert listing(tmp_path) == before
         with pytest.raises(FileNotFoundError, match="step 5"):
             checkpointer.restore(train_state, step=5)
@@ -130,8 +134,8 @@ def test_partial_checkpoints_are_never_loaded_and_unmarked_ones_are_moved_aside(
         # save's step is redone.
         [moved] = set_aside_dirs(tmp_path, 7, "incomplete")
         assert listing(moved) == unmarked
-        assert checkpointer.save(at_step(train_state, 7))
-        assert checkpointer.save(at_step(train_state, 5))
+        checkpointer.save(at_step(train_state, 7))
+        checkpointer.save(at_step(train_state, 5))
         checkpointer.wait_until_finished()
         assert checkpointer.all_steps() == [1, 5, 7]
         assert int(checkpointer.restore(train_state).step[0]) == 7
@@ -163,7 +167,7 @@ def test_a_damaged_final_step_is_saved_again(setup, tmp_path):
     damage(largest_file(tmp_path / "2" / "train_state" / "d"), "truncate")
     with Checkpointer(tmp_path) as checkpointer:
         assert int(checkpointer.restore(train_state).step[0]) == 1
-        assert checkpointer.save(at_step(train_state, 2))  # Its number is free again.
+        checkpointer.save(at_step(train_state, 2))  # Its number is free again.
         checkpointer.wait_until_finished()
         assert int(checkpointer.restore(train_state).step[0]) == 2
 
@@ -261,3 +265,26 @@ def test_a_full_disk_is_one_error_that_says_what_to_do(setup, tmp_path, monkeypa
         monkeypatch.setattr(checkpointer._manager, "save", full)
         with pytest.raises(OSError, match="No space left to write checkpoint step 0 .* free space"):
             checkpointer.save(setup.init())
+
+
+def test_a_failed_background_write_is_raised_once_and_deletes_nothing(setup, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    train_state = setup.init()
+    with Checkpointer(tmp_path, max_to_keep=1) as checkpointer:
+        checkpointer.save(at_step(train_state, 1))
+        checkpointer.wait_until_finished()
+
+        def disk_full(*args, **kwargs):  # As TensorStore fails in Orbax's commit thread.
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "params" in OCDBT database')
+
+        monkeypatch.setattr(async_checkpointer, "_on_commit_callback", disk_full)
+        checkpointer.save(at_step(train_state, 2))  # Returns: the write fails later.
+        with pytest.raises(OSError, match="No space left to write checkpoint step 2 .* step 1"):
+            checkpointer.wait_until_finished()
+        checkpointer.wait_until_finished()  # Raised once.
+        monkeypatch.undo()
+        # Step 2 was never committed, and retention deleted nothing for it.
+        assert checkpointer.all_steps() == [1] and not (tmp_path / "2").exists()
+        checkpointer.save(at_step(train_state, 3))
+    assert step_dirs(tmp_path) == {"3"}

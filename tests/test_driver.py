@@ -50,10 +50,11 @@ def test_run_writes_metrics_tensorboard_curves_and_checkpoints(finished_run):
     assert eval_records[0]["accuracy"] == pytest.approx(final["accuracy"])
     # Better than chance (10%) after 30 steps of a working setup.
     assert final["accuracy"] > 0.5
-    assert any(
-        name.startswith("events.out.tfevents")
-        for name in os.listdir(os.path.join(workdir, "tensorboard"))
-    )
+    for split in ("train", "eval"):  # One TensorBoard run per split, the same tags.
+        assert any(
+            name.startswith("events.out.tfevents")
+            for name in os.listdir(os.path.join(workdir, "tensorboard", split))
+        )
     assert os.path.getsize(os.path.join(workdir, summaries.CURVES_FILE)) > 0
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["15", "30"]
 
@@ -322,6 +323,29 @@ def test_a_signal_during_the_final_save_is_reported_after_it_with_exit_143(tmp_p
     )
     assert stopped.value.exit_code == 143
     assert (tmp_path / "checkpoints" / "30" / "commit_success.txt").exists()
+
+
+class SignalledAtStep(signals.StopRequest):
+    """A stop request whose SIGTERM arrives once `step` is done (and its actions run)."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    def should_stop(self, step: int) -> bool:
+        if step == self.step:
+            self.signal_name, self.signum = "SIGTERM", 15
+        return super().should_stop(step)
+
+
+def test_a_signal_right_after_a_periodic_save_stops_on_that_saved_step(tmp_path):
+    # Step 15 is saved at its cadence, then the signal: it is on disk, not saved again.
+    with pytest.raises(signals.Stopped) as stopped:
+        driver.train_and_evaluate(mlp_config(), str(tmp_path), stop=SignalledAtStep(15))
+    assert str(stopped.value) == (
+        "SIGTERM received: stopped at step 15 of 30; saved step 15. Run again to resume."
+    )
+    assert steps_on_disk(tmp_path) == [15]
 
 
 # -- Image folders and shards ----------------------------------------------------------------------

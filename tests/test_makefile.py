@@ -12,6 +12,7 @@ import configparser
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -265,6 +266,23 @@ def test_train_takes_a_config_variant_and_prepare_a_path_with_spaces():
         "haiku_state.prepare", "prepare", "FROM=imagefolder:/data/my photos", "TO=/out"
     )
     assert '--from="imagefolder:/data/my photos" --to="/out"' in prepare
+
+
+def test_the_readmes_own_photos_recipe_trains_in_a_workdir_of_its_own():
+    # In `make train EXP=mlp`'s workdir it would be refused: that run is on the digits.
+    readme = (REPO / "README.md").read_text()
+    [recipe] = [
+        block for block in re.findall(r"```sh\n(.*?)```", readme, re.S)
+        if "make train" in block and "data.name=imagefolder" in block
+    ]  # fmt: skip
+    make, target, *variables = shlex.split(recipe.replace("\\\n", " "))
+    assert (make, target) == ("make", "train")
+
+    def workdir(*variables: str) -> str:
+        [line] = [c for c in _dry_run("train", *variables) if "-m haiku_state.train" in c]
+        return re.search(r"--workdir=(\S+)", line).group(1)
+
+    assert workdir(*variables) != workdir("EXP=mlp") == "runs/mlp"
 
 
 def _phony_targets() -> list[str]:

@@ -21,7 +21,7 @@ def test_an_evaluators_records_land_in_the_file_a_resumed_run_rewrote(tmp_path):
     with summaries.MetricWriter(str(tmp_path), 100) as trainer:
         for step in (10, 20, 30):
             trainer.write(step, "train", {"loss": 1.0 / step})
-    with summaries.MetricWriter(str(tmp_path), 100, tensorboard_run="eval") as evaluator:
+    with summaries.MetricWriter(str(tmp_path), 100) as evaluator:
         evaluator.write(10, "eval", {"accuracy": 0.5}, {"separate": True})
         # Training resumes from step 10 and rewrites the file while the evaluator runs.
         with summaries.MetricWriter(str(tmp_path), 100, resume_step=10) as resumed:
@@ -42,7 +42,7 @@ def test_a_line_cut_by_a_kill_is_dropped_before_the_next_record_is_appended(tmp_
     with open(tmp_path / summaries.METRICS_FILE, "a") as f:
         f.write('{"step": 20, "split": "tr')  # A kill mid-write.
     for _ in range(2):  # Two evaluations, then a resumed training run: all read it back.
-        with summaries.MetricWriter(str(tmp_path), 100, tensorboard_run="eval") as evaluator:
+        with summaries.MetricWriter(str(tmp_path), 100) as evaluator:
             evaluator.write(10, "eval", {"accuracy": 0.5}, {"separate": True})
     with summaries.MetricWriter(str(tmp_path), 100, resume_step=10):
         pass
@@ -97,12 +97,13 @@ def test_the_outputs_are_named_with_how_to_view_them():
     )
 
 
-def test_tensorboard_serves_the_scalars_a_run_writes(tmp_path):
-    """The README's `tensorboard --logdir runs`: the viewer of the plots extra, on 127.0.0.1."""
+def test_tensorboard_serves_train_and_eval_as_runs_of_the_same_tags(tmp_path):
+    """The README's `tensorboard --logdir runs`: the viewer of the plots extra, on 127.0.0.1.
+    The runs `train` and `eval` share their tags, so each metric is one chart of both."""
     pytest.importorskip("tensorboard", reason="the plots extra (make train, make test) has it")
     with summaries.MetricWriter(str(tmp_path), 10) as writer:
-        writer.write(10, "train", {"loss": 0.5})
-        writer.write(10, "eval", {"accuracy": 0.9})
+        writer.write(10, "train", {"loss": 0.5, "accuracy": 0.8, "learning_rate": 0.1})
+        writer.write(10, "eval", {"loss": 0.4, "accuracy": 0.9})
     viewer = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", f"--logdir={tmp_path}", "--host=127.0.0.1",
          "--port=0", "--reload_interval=1"],
@@ -116,11 +117,36 @@ def test_tensorboard_serves_the_scalars_a_run_writes(tmp_path):
             address = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
         tags = {}
         deadline = time.monotonic() + 60
-        while "eval/accuracy" not in tags.get("tensorboard", {}) and time.monotonic() < deadline:
+        while "accuracy" not in tags.get("tensorboard/eval", {}) and time.monotonic() < deadline:
             time.sleep(0.5)
             with urllib.request.urlopen(f"{address[1]}data/plugin/scalars/tags") as response:
                 tags = json.load(response)
-        assert {"train/loss", "eval/accuracy"} <= set(tags["tensorboard"]), tags
+        assert set(tags) == {"tensorboard/train", "tensorboard/eval"}, tags
+        assert set(tags["tensorboard/train"]) == {"loss", "accuracy", "learning_rate"}, tags
+        assert set(tags["tensorboard/eval"]) == {"loss", "accuracy"}, tags
     finally:
         viewer.terminate()
         viewer.communicate(timeout=30)
+
+
+def test_the_curves_have_a_title_accuracy_in_percent_and_the_learning_rate():
+    pytest.importorskip("matplotlib", reason="the plots extra (make train, make test) has it")
+    import matplotlib.pyplot as plt
+
+    records = [
+        {"step": 10, "split": "train", "loss": 0.9, "accuracy": 0.5, "learning_rate": 0.1},
+        {"step": 20, "split": "train", "loss": 0.5, "accuracy": 0.75, "learning_rate": 0.05},
+        {"step": 20, "split": "eval", "loss": 0.6, "accuracy": 0.7},
+    ]
+    figure = summaries.curves_figure(records, "runs/mlp: mlp on digits")
+    try:
+        assert figure._suptitle.get_text() == "runs/mlp: mlp on digits"
+        loss, accuracy, learning_rate = figure.axes
+        assert accuracy.get_ylabel() == "accuracy (%)"
+        train, evaluation = (line.get_ydata().tolist() for line in accuracy.lines)
+        assert train == [50.0, 75.0] and evaluation == [70.0]
+        assert learning_rate.get_ylabel() == "learning rate"
+        assert [line.get_ydata().tolist() for line in learning_rate.lines] == [[0.1, 0.05]]
+        assert [line.get_label() for line in loss.lines] == ["train", "eval"]
+    finally:
+        plt.close(figure)

@@ -177,7 +177,7 @@ def test_a_failing_run_prints_its_error_once(tmp_path):
 def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
     result = run_module("--config=experiments/nope.py", f"--workdir={tmp_path}/w")
     assert result.returncode != 0
-    assert "Unknown experiment config 'experiments/nope.py'" in result.stderr
+    assert result.stderr.startswith("error: Unknown experiment config 'experiments/nope.py'")
     assert "'mlp', 'resnet', 'resnet50'" in result.stderr
     assert not (tmp_path / "w").exists()
 
@@ -187,11 +187,12 @@ def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
     [
         (
             ["--config.stepz=3"],
-            "--config.stepz: Unknown config key 'stepz' (did you mean 'steps'?); --helpconfig",
+            "error: --config.stepz: Unknown config key 'stepz' (did you mean 'steps'?); "
+            "--helpconfig",
         ),
         (
             ["--step=abc", "--mode=eval"],
-            "flag --step=abc: must be a step number or 'best' (--helpfull lists the flags)",
+            "error: flag --step=abc: must be a step number or 'best' (--helpfull lists the flags)",
         ),
         (["--num_processes=2"], "error: Multi-process flags given (--num_processes=2) but"),
     ],
@@ -208,7 +209,7 @@ def test_a_missing_workdir_is_one_line():
     result = run_module("--config=experiments/mlp.py")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip() == (
-        "--workdir is required: the run's directory (checkpoints, metrics, its config)."
+        "error: --workdir is required: the run's directory (checkpoints, metrics, its config)."
     )
 
 
@@ -229,7 +230,7 @@ def test_cli_bad_value_type_is_refused(tmp_path):
         "--config=experiments/mlp.py", "--config.steps=many", f"--workdir={tmp_path}/w"
     )
     assert result.returncode != 0
-    assert "--config.steps=many" in result.stderr
+    assert "--config.steps=many" in result.stderr and result.stderr.startswith("error: ")
     assert not (tmp_path / "w").exists()
 
 
@@ -245,6 +246,7 @@ def test_a_broken_config_file_is_one_line(tmp_path, contents, message):
     config_file.write_text(contents)
     result = run_module(f"--config={config_file}", f"--workdir={tmp_path}/w")
     assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert result.stderr.startswith("error: --config=")
     assert "Traceback" not in result.stderr and not (tmp_path / "w").exists()
 
 
@@ -257,6 +259,9 @@ def test_a_config_that_is_not_python_and_a_workdir_that_is_a_file_are_one_line(t
     ]:
         result = run_module(*flags)
         assert result.returncode != 0 and message in result.stderr, result.stderr
+        assert [line for line in result.stderr.splitlines() if message in line][0].startswith(
+            "error: "
+        )
         assert "Traceback" not in result.stderr
 
 

@@ -134,6 +134,41 @@ def test_data_that_changed_size_since_the_record_is_refused_like_a_config_change
     assert json.loads((tmp_path / "config.json").read_text())["data"] == grown
 
 
+def test_the_record_holds_the_keys_the_run_reads_and_an_older_full_one_still_binds(tmp_path):
+    workdir, path = str(tmp_path), tmp_path / "config.json"
+    digits = config_lib.default_config("mlp")
+    workdir_lib.record_config(workdir, digits, allow_change=False)
+    recorded = config_lib.flatten(json.loads(path.read_text())["config"])
+    synthetic_shape = ("data.image_shape", "data.num_classes", "data.num_train", "data.num_test")
+    in_memory = ("data.dir", "data.workers", "data.decoder", "data.skip_corrupt")
+    not_read = {*synthetic_shape, *in_memory, "data.max_corrupt_fraction"}
+    every_key = config_lib.flatten(workdir_lib._as_json(digits))
+    assert recorded == {key: value for key, value in every_key.items() if key not in not_read}
+    synthetic = config_lib.default_config("mlp")
+    synthetic.data.name = "synthetic"
+    os.makedirs(tmp_path / "synthetic")
+    workdir_lib.record_config(str(tmp_path / "synthetic"), synthetic, allow_change=False)
+    record = json.loads((tmp_path / "synthetic" / "config.json").read_text())
+    recorded = config_lib.flatten(record["config"])
+    assert all(name in recorded for name in synthetic_shape)
+    # A record of an older version holds every key: it still binds what the run reads, and
+    # the keys the run ignores may differ.
+    older = workdir_lib._as_json(digits)
+    older["data"]["num_classes"] = 100
+    path.write_text(json.dumps({"config": older, "data": {}, "changes": []}))
+    workdir_lib.record_config(workdir, digits, allow_change=False)
+    assert "num_classes" not in json.loads(path.read_text())["config"]["data"]
+    path.write_text(json.dumps({"config": older, "data": {}, "changes": []}))
+    with pytest.raises(workdir_lib.WorkdirError, match=r"seed: 0 -> 1"):
+        workdir_lib.record_config(workdir, _with(digits, seed=1), allow_change=False)
+
+
+def _with(config, **changes):
+    config = config.copy_and_resolve_references()
+    config.update(changes)
+    return config
+
+
 def test_steps_may_change_when_the_schedule_does_not_depend_on_them(tmp_path):
     workdir = str(tmp_path)
     constant = {"optimizer.schedule": "constant"}
@@ -331,6 +366,40 @@ def test_the_same_data_moved_resumes_and_other_data_is_still_refused(tmp_path, c
         workdir_lib.record_config(workdir, config, allow_change=False, data=identity)
     assert f"data.dir: {moved!r} -> {other!r}" in str(refused.value)
     assert "dataset.train_content" in str(refused.value)
+
+
+def test_a_new_run_in_another_runs_workdir_is_refused_in_a_short_line(tmp_path, caplog):
+    # The README's own-photos recipe in the workdir of `make train EXP=mlp`: digits, then
+    # an ImageFolder: every key of the data differs, and a content digest only one knows.
+    digits = {"train_examples": 1437, "test_examples": 360, "num_classes": 10, "classes": None,
+              "mean": [4.878142397355602], "std": [6.013962657438725], "train_digest": "a" * 32,
+              "test_digest": "b" * 32, "train_content": None, "test_content": None}  # fmt: skip
+    photos = {"train_examples": 36, "test_examples": 12, "num_classes": 3,
+              "classes": ["cat", "dog", "eel"], "mean": [125.78, 124.947, 127.129],
+              "std": [46.163, 46.415, 45.325], "train_digest": "c" * 32, "test_digest": "d" * 32,
+              "train_content": "e" * 32, "test_content": "f" * 32}  # fmt: skip
+    workdir, config = str(tmp_path), config_lib.default_config("mlp")
+    workdir_lib.record_config(workdir, config, allow_change=False, data=digits)
+    changed = {"data.name": "imagefolder", "data.dir": "~/photos", "data.image_size": 32,
+               "batch_size": 36}  # fmt: skip
+    for key, value in changed.items():
+        parent, leaf = key.rsplit(".", 1) if "." in key else ("", key)
+        (config_lib.value_of(config, parent) if parent else config)[leaf] = value
+    with caplog.at_level(logging.WARNING), pytest.raises(workdir_lib.WorkdirError) as refused:
+        workdir_lib.record_config(workdir, config, allow_change=False, data=photos)
+    message = str(refused.value)
+    assert len(message.replace(workdir, "W")) < 450, message  # It was over 1,000.
+    assert message.startswith(
+        f"The config or data differs from what {workdir} was trained with (as its config.json "
+        "records it): batch_size: 128 -> 36; data.image_size: None -> 32; data.name: 'digits' "
+        "-> 'imagefolder'; "
+    ), message
+    # data.dir is no key of a run on the digits: not recorded, so not a change.
+    for key in [*changed, *(f"dataset.{key}" for key in photos if "content" not in key)]:
+        assert (key in message) == (key != "data.dir"), key
+    assert message.endswith("Use another --workdir, or --allow_config_change to continue that "
+                            "run anyway.")  # fmt: skip
+    assert "records no" not in caplog.text  # Not "written by an older version": other data.
 
 
 def test_a_record_without_the_newer_keys_says_what_it_does_not_check(tmp_path, caplog):

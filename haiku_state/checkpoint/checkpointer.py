@@ -1,19 +1,22 @@
 """The `Checkpointer`: asynchronous saves of a `TrainState`, exact resumes, safe fallbacks.
 
-One Orbax step directory per step (its format: `step_format`; which to keep: `retention`).
-Every process calls `save` and `restore` at the same steps.
+One Orbax step directory per step (its format: `step_format`; which to keep: `retention`),
+written by Orbax's own asynchronous `CheckpointManager`: `save` returns once the state is
+copied to host memory, Orbax's threads write and commit it, and the next `save` (or
+`wait_until_finished`, `restore`, `close`) raises a failed write's error, once. Every
+process calls `save` and `restore` at the same steps.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import jax
-from absl import flags, logging
+from absl import logging
 from etils import epath
 
 from haiku_state import replication, sharding
@@ -56,10 +59,11 @@ class Checkpointer:
             keep_best_by=keep_best_by,
             keep_best_mode=keep_best_mode,
         )
-        self._manager = step_format.orbax_manager(self.directory, self.retention, read_only)
+        self._manager = step_format.orbax_manager(
+            self.directory, self.retention, read_only, async_save=async_save
+        )
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
-        self._thread = None if read_only else _writer_thread(async_save)
-        self._in_flight: concurrent.futures.Future | None = None
+        self._in_flight: int | None = None  # The step Orbax may still be writing.
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk (with Orbax's commit marker), ascending."""
@@ -99,27 +103,26 @@ class Checkpointer:
         *,
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
-    ) -> bool:
+    ) -> None:
         """Starts writing `train_state` (donatable once this returns) with JSON `metadata`
-        and eval `metrics`; whether it started (a complete step is never rewritten)."""
+        and eval `metrics`. A complete step is never rewritten: its step raises Orbax's
+        `StepAlreadyExistsError` (one set aside as damaged or unfinished is free again)."""
         if self._steps.read_only:
             raise PermissionError(f"Checkpointer of {self.directory} is read-only.")
         _check_layout(train_state, "save")
         encoded = step_format.encode(train_state)
         metadata_item = step_format.metadata_item(encoded, metadata, metrics)
         self.wait_until_finished()  # Now the disk is current.
-        if not self._steps.claim(encoded.step):
-            return False
+        self._steps.claim(encoded.step)
         self.retention.record(encoded.step, metadata_item["metrics"])
-        quiet_logs.drop_late_loop_callbacks()  # A failed write is reported once, by `_write`.
+        quiet_logs.drop_late_loop_callbacks()  # A failed write is reported once, below.
         logging.info(
             "Saving checkpoint step %d to %s.", encoded.step, self._steps.step_dir(encoded.step)
         )
-        if self._thread is None:
-            self._write(encoded, metadata_item)
-        else:
-            self._in_flight = self._thread.submit(self._write, encoded, metadata_item)
-        return True
+        self._in_flight = encoded.step
+        with self._reporting_a_full_disk(encoded.step):
+            args = step_format.save_args(encoded, metadata_item)
+            self._manager.save(encoded.step, args=args, force=True)
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
         """Restores `step` (None: the newest, falling back over damaged ones, set aside) in
@@ -156,6 +159,7 @@ class Checkpointer:
 
     def set_aside(self, step: int, reason: str) -> epath.Path | None:
         """Renames `step` to `<step>.<reason>-<time>` (by process 0 of a writer); never deletes."""
+        self.wait_until_finished()
         return self._steps.set_aside(step, reason)
 
     def metadata(self, step: int | None = None) -> dict | None:
@@ -164,18 +168,15 @@ class Checkpointer:
         return None if step is None else self._read(step_format.read_metadata, step)
 
     def wait_until_finished(self) -> None:
-        """Blocks until the save in flight (if any) is on disk; raises its error if any."""
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            in_flight.result()
-        self._manager.wait_until_finished()
+        """Blocks until the save in flight (if any) is committed; raises its error, once."""
+        step, self._in_flight = self._in_flight, None
+        with self._reporting_a_full_disk(step):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         try:
             self.wait_until_finished()
         finally:
-            if self._thread is not None:
-                self._thread.shutdown()
             self._manager.close()
 
     def __enter__(self) -> Checkpointer:
@@ -184,17 +185,19 @@ class Checkpointer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _write(self, encoded: step_format.Encoded, metadata_item: dict[str, Any]) -> None:
-        self.retention.saving_step = encoded.step
+    @contextlib.contextmanager
+    def _reporting_a_full_disk(self, step: int | None) -> Iterator[None]:
+        """Around Orbax's save and its wait: a write that failed for want of space is one
+        `OSError` saying what to do; any other failure is raised as it is. Either way the
+        steps on disk stay Orbax's to keep or delete."""
         try:
-            args = step_format.save_args(encoded, metadata_item)
-            self._manager.save(encoded.step, args=args, force=True)
-            self._manager.wait_until_finished()
+            yield
         except Exception as e:
-            self._steps.raise_if_disk_full(e, encoded.step)
+            # Orbax forgot the older steps it was to delete once this one was committed.
+            self._manager.reload()
+            if step is not None:
+                self._steps.raise_if_disk_full(e, step)
             raise
-        finally:
-            self.retention.saving_step = None
 
     def _restore_step(self, like: TrainState, step: int) -> TrainState:
         train_state = step_format.restore_step(self._manager, step, like, self._axis_name)
@@ -218,24 +221,3 @@ def _check_layout(train_state: TrainState, where: str) -> None:
     )
     if not sharding.is_global(train_state) or not on_a_mesh:
         replication.check_device_axis(train_state, where)
-
-
-def _writer_thread(async_save: bool) -> concurrent.futures.ThreadPoolExecutor | None:
-    """The one thread writes run in, or None to write synchronously. Orbax's default
-    barrier, a device collective, could deadlock with the step's from this thread."""
-    if not async_save:
-        return None
-    if jax.process_count() > 1:
-        try:
-            flags.FLAGS.experimental_orbax_use_distributed_barrier = True
-            client_barriers = bool(flags.FLAGS.experimental_orbax_use_distributed_barrier)
-        except flags.UnparsedFlagAccessError:  # Raised by the read.
-            client_barriers = False
-        if not client_barriers:
-            logging.warning(
-                "Multi-process run without parsed absl flags: Orbax's barriers would be "
-                "device collectives, which must not run in a background thread. Checkpoints "
-                "are written synchronously; run under absl.app to write them asynchronously."
-            )
-            return None
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint_writer")

@@ -2,7 +2,9 @@
 
 An Orbax preservation policy of our own, as Orbax's count every step it lists: here
 only the step being saved and complete steps of a format version read here count,
-ranked by our `metadata` item's metrics; any other step is always preserved.
+ranked by our `metadata` item's metrics; any other step is always preserved. Orbax asks
+it in `CheckpointManager.save`, in the caller's thread, and deletes what it does not keep
+once the new step is committed.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Retention:
         self.keep_every_steps = keep_every_steps
         self.keep_best_by = keep_best_by
         self.keep_best_mode = keep_best_mode
-        self.saving_step: int | None = None  # Counts while it is written.
+        self._being_saved: int | None = None  # Counts before it is complete.
         self.protected: set[int] = set()  # Kept whatever the policy says (this process only).
         self._is_complete = is_complete
         self._read_metrics = read_metrics
@@ -49,7 +51,8 @@ class Retention:
         self._told_unranked = False
 
     def record(self, step: int, metrics: Metrics | None) -> None:
-        """The eval metrics of a step being saved; warns once if they lack `keep_best_by`."""
+        """The eval metrics of the step about to be saved, which counts from now on though
+        it is not complete yet; warns once if they lack `keep_best_by`."""
         if self.keep_best_by and metrics and self.keep_best_by not in metrics:
             if not self._told_unranked:
                 logging.warning(
@@ -61,6 +64,7 @@ class Retention:
             self._told_unranked = True
         self._metrics[step] = metrics
         self._unsupported.discard(step)
+        self._being_saved = step
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
         """Orbax's preservation-policy interface: a step not countable is always preserved."""
@@ -85,7 +89,7 @@ class Retention:
         return max(ranked)[1] if ranked else None
 
     def _is_countable(self, step: int) -> bool:
-        if step == self.saving_step:
+        if step == self._being_saved:
             return True
         if not self._is_complete(step):
             return False

@@ -95,15 +95,15 @@ def package_versions() -> dict[str, str]:
 
 
 def orbax_manager(
-    directory: epath.Path, preservation_policy: Any, read_only: bool
+    directory: epath.Path, preservation_policy: Any, read_only: bool, *, async_save: bool = False
 ) -> ocp.CheckpointManager:
-    """A synchronous Orbax `CheckpointManager` of these items (the `Checkpointer` has its
-    own writer thread)."""
+    """An Orbax `CheckpointManager` of these items; with `async_save`, Orbax's asynchronous
+    one (`save` returns once its blocking part is done, its threads write and commit)."""
     handlers = {TRAIN_STATE: ocp.StandardCheckpointHandler()}
     handlers.update({name: ocp.JsonCheckpointHandler(_JSON_FILE) for name in (STEP, METADATA)})
     options = ocp.CheckpointManagerOptions(
         preservation_policy=preservation_policy,
-        enable_async_checkpointing=False,
+        enable_async_checkpointing=async_save and not read_only,
         create=not read_only,
         read_only=read_only,
         save_interval_steps=0 if read_only else 1,

@@ -15,7 +15,17 @@ from haiku_state.guards import config_checks
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, refusing in one line an unknown experiment, an unknown config key
-    (with the nearest one), a bad flag or value, a missing --workdir; --helpconfig lists keys."""
+    (with the nearest one), a bad flag or value, a missing --workdir; --helpconfig lists keys.
+    Every refusal is one line on stderr that starts `error: `, as a failed run's is."""
+    try:
+        return _parse_flags(argv)
+    except SystemExit as e:
+        if isinstance(e.code, str) and not e.code.startswith("error: "):
+            raise SystemExit(f"error: {e.code}") from None
+        raise
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
     config_arg = next(
         (arg.split("=", 1)[1] for arg in argv[1:] if arg.startswith("--config=")), None
     )

@@ -44,16 +44,16 @@ class StepDirectories:
         """The complete steps, ascending."""
         return [step for step in self.named_steps() if self.is_complete(step)]
 
-    def claim(self, step: int) -> bool:
-        """Whether `step` may be saved (not if complete); an unfinished one is set aside first."""
+    def claim(self, step: int) -> None:
+        """Frees `step` to be saved: an unfinished one is set aside; a complete one raises
+        Orbax's `StepAlreadyExistsError`, as its `CheckpointManager.save` does."""
         if self.is_complete(step):
-            logging.info(
-                "Checkpoint step %d exists at %s; not saving it again.", step, self.step_dir(step)
+            raise ocp.checkpoint_manager.StepAlreadyExistsError(
+                f"Checkpoint step {step} already exists at {self.step_dir(step)}; a complete "
+                "step is never rewritten (move it aside first to save that step again)."
             )
-            return False
         if self.step_dir(step).exists():
             self._set_aside_saying(step, "incomplete", "it has no commit marker")
-        return True
 
     def set_aside(self, step: int, reason: str) -> epath.Path | None:
         """Renames `step` to `<step>.<reason>-<time>` (process 0 of a writer); the new path."""

@@ -2,7 +2,8 @@
 
     WORKDIR/
       lock              host and pid of the run training here (held with flock)
-      config.json       the resolved config and the data as read, written once the run resumed
+      config.json       the resolved config (the keys it reads) and the data as read, written
+                        once the run resumed
       checkpoints/      haiku_state.checkpoint
       metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
       profile/          jax.profiler traces (config.profile_steps)
@@ -151,6 +152,19 @@ def _as_json(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config))
 
 
+def recorded_config(config: Any) -> dict[str, Any]:
+    """The config as `config.json` records it: the keys its combination reads (the synthetic
+    data's shape is no key of a run on the digits), as JSON gives them back."""
+    record = _as_json(config)
+    for name in config_lib.ignored_keys(config_lib.flatten(record)):
+        *parents, leaf = name.split(".")
+        node = record
+        for parent in parents:
+            node = node.get(parent, {})
+        node.pop(leaf, None)
+    return record
+
+
 def trajectory_changes(
     recorded: Mapping[str, Any], config: Any, also_free: Collection[str] = ()
 ) -> list[str]:
@@ -232,7 +246,7 @@ def check_config(
     Returns the record to `write()` once the run resumed; WorkdirError for a change of the
     trajectory unless `allow_change`."""
     path = os.path.join(workdir, CONFIG_FILE)
-    record = {"config": _as_json(config), "data": dict(data or {}), "changes": []}
+    record = {"config": recorded_config(config), "data": dict(data or {}), "changes": []}
     previous, problem = read_record(workdir)
     if not has_checkpoint:
         if previous is not None:
@@ -259,15 +273,26 @@ def check_config(
     changes = _changes_since(previous, config, dict(data or {}), source)
     if changes and not allow_change:
         raise WorkdirError(
-            f"The config or data differs from what {workdir} was trained with (as {source} "
-            f"records it), in ways that change the run: {'; '.join(changes)}. Pass "
-            "--allow_config_change to continue anyway (the change is recorded in config.json), "
-            "or use another --workdir."
+            f"The config or data differs from what {workdir} was trained with (as "
+            f"{'its config.json' if source == path else source} records it): "
+            f"{_listing(changes)}. Use another --workdir, or --allow_config_change to "
+            "continue that run anyway."
         )
     record["changes"] = list(previous.get("changes", []))
     if changes:
         record["changes"].append({"at": _stamp(iso=True), "changes": changes})
     return ConfigRecord(path, record, tuple(changes), problem)
+
+
+def _listing(changes: list[str], budget: int = 160) -> str:
+    """The changes one after the other, the first whole and the others while they fit in
+    `budget` characters; the rest named by their keys (a new run in another run's workdir
+    changes everything, its data too)."""
+    shown = changes[:1]
+    while len(shown) < len(changes) and len("; ".join(changes[: len(shown) + 1])) <= budget:
+        shown.append(changes[len(shown)])
+    rest = [change.split(":", 1)[0] for change in changes[len(shown) :]]
+    return "; ".join(shown) + (f"; and {', '.join(rest)}" if rest else "")
 
 
 def _changes_since(
@@ -298,7 +323,8 @@ def _changes_since(
         )
     changes = trajectory_changes(previous["config"], config, ("data.dir",) if moved else ())
     changes += data_changes
-    unchecked = data_identity.unchecked_keys(recorded_data, data)
+    # On other data, a digest only one side knows is no sign of an older record.
+    unchecked = [] if data_changes else data_identity.unchecked_keys(recorded_data, data)
     if unchecked:
         logging.warning(
             "%s records no %s of the data (written by an older version, or not known then): "
