@@ -50,13 +50,8 @@ _MEMORY_FIELDS = (
 )
 
 
-def compiled_costs(lowered: jax.stages.Lowered) -> dict[str, Any]:
-    """Per-device FLOPs, bytes accessed and memory of a lowered step, once compiled.
-
-    The executable comes from the compilation cache when the step has already
-    run with these shapes; lowering consumes no donated argument.
-    """
-    compiled = lowered.compile()
+def compiled_costs(compiled: jax.stages.Compiled) -> dict[str, Any]:
+    """Per-device FLOPs, bytes accessed and memory of a compiled step."""
     costs = compiled.cost_analysis() or {}
     flops = float(costs.get("flops", math.nan))
     memory = compiled.memory_analysis()
@@ -120,20 +115,47 @@ def flops_figures(
     }
 
 
+# Datasheet peaks of dense matrix math, TFLOP/s per chip: (part of the device kind, half
+# precision, float32 as the models' matmuls run it at JAX's default precision: bfloat16
+# passes on a TPU, TF32 on an NVIDIA GPU). The first that matches is taken.
+DATASHEET_TFLOPS = (
+    ("TPU v5 lite", 197.0, 197.0),
+    ("TPU v6 lite", 918.0, 918.0),
+    ("TPU v5", 459.0, 459.0),
+    ("TPU v4", 275.0, 275.0),
+    ("H200", 989.0, 494.7),
+    ("H100", 989.0, 494.7),
+    ("A100", 312.0, 156.0),
+)
+
+
+def datasheet_tflops(device_kind: str, precision: str) -> float | None:
+    """The datasheet's dense peak of one chip in `precision`, or None for an unknown chip."""
+    for part, half, single in DATASHEET_TFLOPS:
+        if part in device_kind:
+            return single if precision == "float32" else half
+    return None
+
+
 def utilisation(
     flops_per_step: float | None,
     steps_per_s: float,
     peak: dict[str, Any] | None,
     precision: str = "float32",
+    device_kind: str = "",
+    num_devices: int = 1,
 ) -> dict[str, Any]:
-    """Achieved TFLOP/s, and MFU against the all-devices matmul peak in `precision`.
+    """Achieved TFLOP/s; MFU against the datasheet's peak of the chips (`mfu_datasheet`), and
+    against the all-devices matmul peak measured in `precision` (`mfu`).
 
     `peak` is `measure_peak_matmul`'s result; without a figure for `precision`
-    there is no MFU (never one against another precision's peak).
+    there is no measured MFU (never one against another precision's peak).
     """
     achieved = flops_per_step * steps_per_s / 1e12 if flops_per_step else None
     measured = (peak or {}).get(precision)
     peak_tflops = measured["all_devices_tflop_per_s"] if measured else None
+    datasheet = datasheet_tflops(device_kind, precision)
+    datasheet = datasheet * num_devices if datasheet else None
     return {
         "achieved_tflop_per_s": achieved,
         "peak_tflop_per_s": peak_tflops,
@@ -142,6 +164,8 @@ def utilisation(
             f"measured {precision} matmul, pmapped over all local devices" if measured else None
         ),
         "mfu": achieved / peak_tflops if achieved and peak_tflops else None,
+        "datasheet_tflop_per_s": datasheet,
+        "mfu_datasheet": achieved / datasheet if achieved and datasheet else None,
     }
 
 
@@ -194,6 +218,42 @@ def measure_peak_matmul(
             "all_devices_tflop_per_s": flops * num_devices / every_s / 1e12,
         }
     return result
+
+
+def working_bytes(compiled: jax.stages.Compiled) -> int:
+    """What running a compiled program needs beyond its arguments: outputs not aliased to
+    (donated) arguments, and temporaries; 0 where XLA reports nothing."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return 0
+    fields = ("output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+    output, alias, temp = (int(getattr(memory, field, 0)) for field in fields)
+    return max(output - alias, 0) + temp
+
+
+# Of the device's memory a benchmark plans to use at most: XLA keeps some for itself.
+MEMORY_HEADROOM = 0.92
+
+
+def check_fits_on_device(compiled: Any) -> None:
+    """Raises MemoryError, saying by how much, when what is on the first device now and the
+    working memory of the largest of the `compiled` programs exceed its memory (where the
+    platform reports a limit: a GPU or TPU): the variant states are all resident at once,
+    the programs run one at a time."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # Some backends raise instead of returning None.
+        stats = {}
+    if "bytes_limit" not in stats:
+        return
+    limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    largest = max((working_bytes(program) for program in compiled), default=0)
+    if in_use + largest > MEMORY_HEADROOM * limit:
+        raise MemoryError(
+            f"the variants' states ({in_use / 2**30:.2f} GiB on the device) and the largest "
+            f"step's working memory ({largest / 2**30:.2f} GiB) exceed "
+            f"{MEMORY_HEADROOM:.0%} of the device's {limit / 2**30:.2f} GiB"
+        )
 
 
 def device_memory_peak() -> int | None:

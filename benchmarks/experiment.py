@@ -33,13 +33,7 @@ from typing import Any
 import jax
 
 from benchmarks import checkpoints, costs, flops, loop, timing, variants
-from benchmarks.settings import (
-    LOOP_TARGET,
-    UPDATER_TARGETS,
-    Settings,
-    check_precision,
-    synthetic_config,
-)
+from benchmarks.settings import Settings, check_precision, synthetic_config, targets_for
 from haiku_state import sharding
 from haiku_state.experiment import build_experiment
 from haiku_state.updater import Updater
@@ -125,28 +119,31 @@ def _fresh_directory(workdir: Path, prefix: str) -> Path:
 
 def _warm_up(
     updater: Updater, timed: Sequence[timing.Variant], settings: Settings, say: Log
-) -> tuple[int, dict[str, float]]:
-    """Compiles and warms up every variant; returns the steps per timed window, and the
-    seconds each program took to compile side by side (`_compile_side_by_side`)."""
-    compile_s = _compile_side_by_side(updater, timed, say)
+) -> tuple[int, dict[str, float], dict[str, Any]]:
+    """Compiles and warms up every variant; returns the steps per timed window, the seconds
+    each program took to compile side by side, and the compiled programs by variant
+    (`_compile_side_by_side`)."""
+    compile_s, compiled = _compile_side_by_side(updater, timed, say)
     step_s = []
     for variant in timed:
         step_s.append(timing.warm_up(variant, settings.warmup_steps))
         say(f"{variant.name} first call {variant.first_call_s:.1f} s")
     steps = timing.window_length(settings.steps_per_window, settings.target_window_s, step_s[0])
-    return steps, compile_s
+    return steps, compile_s, compiled
 
 
 # Variants that run another variant's program: compiled with it.
-_SAME_PROGRAM = {"updater_with_norms": "updater", "updater_with_input": "updater"}
+_SAME_PROGRAM = {"updater_with_input": "updater"}
 
 
 def _lowered(updater: Updater, variant: timing.Variant) -> jax.stages.Lowered:
     """The variant's step lowered for its own train state and first batch."""
-    if variant.name in ("updater", "updater_steps"):
-        stacked = variant.steps_per_call > 1
+    if variant.name in ("updater", "updater_steps", "updater_with_norms"):
         return updater.lower_update(
-            variant.carry, variant.batches[0], with_norms=False, stacked=stacked
+            variant.carry,
+            variant.batches[0],
+            with_norms=variant.name == "updater_with_norms",
+            stacked=variant.steps_per_call > 1,
         )
     if variant.name in (*variants.JIT_VARIANTS, "updater_shard_map"):
         other = variant.step.func.__self__  # functools.partial(updater.update, ...)
@@ -156,7 +153,7 @@ def _lowered(updater: Updater, variant: timing.Variant) -> jax.stages.Lowered:
 
 def _compile_side_by_side(
     updater: Updater, timed: Sequence[timing.Variant], say: Log
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, Any]]:
     """Compiles the variants' programs at once, one thread each, into the compilation cache.
 
     XLA compiles in C++ without the GIL, so on a many-core accelerator host the
@@ -164,34 +161,41 @@ def _compile_side_by_side(
     host, against 47 to 74 s each alone): the first calls then load them from the
     cache. Without a compilation cache (`jax_compilation_cache_dir`) nothing is
     done here and each compiles at its first call. Returns each program's
-    compile seconds, longer than alone (they share the host's cores).
+    compile seconds, longer than alone (they share the host's cores), and the compiled
+    programs (for their costs). Raises `MemoryError` before anything runs if the variants'
+    train states and the largest program's working memory would not fit the device.
     """
     if not jax.config.jax_compilation_cache_dir:
-        return {}
+        return {}, {}
     lowered = {
         variant.name: _lowered(updater, variant)
         for variant in timed
         if variant.name not in _SAME_PROGRAM
     }
 
-    def compile_one(lowered_program: jax.stages.Lowered) -> float:
+    def compile_one(lowered_program: jax.stages.Lowered) -> tuple[float, Any]:
         began = time.perf_counter()
-        lowered_program.compile()
-        return time.perf_counter() - began
+        compiled = lowered_program.compile()
+        return time.perf_counter() - began, compiled
 
     began = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-        seconds = dict(zip(lowered, pool.map(compile_one, lowered.values()), strict=True))
+        done = dict(zip(lowered, pool.map(compile_one, lowered.values()), strict=True))
     say(f"{len(lowered)} programs compiled side by side in {time.perf_counter() - began:.1f} s")
-    return seconds
+    compiled = {name: program for name, (_, program) in done.items()}
+    costs.check_fits_on_device(compiled.values())
+    return {name: seconds for name, (seconds, _) in done.items()}, compiled
 
 
-def _step_costs(updater: Updater, timed: Sequence[timing.Variant]) -> dict[str, dict[str, Any]]:
-    """XLA's analyses of the Updater's steps (each backend timed), the hand-written's, Flax's."""
+def _step_costs(
+    updater: Updater, timed: Sequence[timing.Variant], compiled: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """XLA's analyses of the Updater's steps (each backend timed), the hand-written's, Flax's:
+    of the programs compiled side by side, else compiled (from the cache) now."""
     by_name = {variant.name: variant for variant in timed}
-    names = ("updater", *variants.JIT_VARIANTS, "hand_written", "flax")
+    names = ("updater", "updater_steps", *variants.JIT_VARIANTS, "hand_written", "flax")
     return {
-        name: costs.compiled_costs(_lowered(updater, by_name[name]))
+        name: costs.compiled_costs(compiled.get(name) or _lowered(updater, by_name[name]).compile())
         for name in names
         if name in by_name
     }
@@ -230,8 +234,8 @@ def _step_figures(
 ) -> dict[str, Any]:
     """Every figure of the timed steps: throughput, ratios, FLOPs, MFU, memory."""
     num_devices, batch_size = jax.local_device_count(), config.batch_size
-    steps_per_window, side_by_side_compile_s = _warm_up(updater, timed, settings, say)
-    step_costs = _step_costs(updater, timed)
+    steps_per_window, side_by_side_compile_s, compiled = _warm_up(updater, timed, settings, say)
+    step_costs = _step_costs(updater, timed, compiled)
     updater_variant = next(variant for variant in timed if variant.name == "updater")
     counted = flops.count_flops(
         functools.partial(updater.update, with_norms=False),
@@ -266,13 +270,15 @@ def _step_figures(
         "windows": settings.windows,
         "throughput": throughput,
         "ratios": ratios,
-        "targets": {
-            "updater_vs_hand_written": UPDATER_TARGETS[name],
-            "loop_vs_update": LOOP_TARGET,
-        },
+        "targets": targets_for(name, costs.device_info()["platform"]),
         "flops": step_flops,
         "utilisation": costs.utilisation(
-            step_flops["per_step"], throughput["updater"]["steps_per_s"], peak, settings.precision
+            step_flops["per_step"],
+            throughput["updater"]["steps_per_s"],
+            peak,
+            settings.precision,
+            costs.device_info()["device_kind"],
+            num_devices,
         ),
         "memory": {
             "compiled_update_per_device": step_costs["updater"]["memory_per_device"],

@@ -55,7 +55,7 @@ import jax
 import numpy as np
 from PIL import Image
 
-from benchmarks import baseline_decode
+from benchmarks import baseline_decode, report
 from benchmarks.compiles import CompileEvents
 from benchmarks.loop import Deadline
 from haiku_state import compilation_cache, data, driver, summaries
@@ -523,10 +523,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             record["loop"] = measure_loop(args, root, workers)
     record["machine"]["load_average_after"] = os.getloadavg()
     text = json.dumps(record, indent=1)
-    print(text)
-    if args.out:
+    if args.out:  # The figures in the file; a few lines of them on the screen.
         with open(args.out, "w") as f:
             f.write(text + "\n")
+        print("\n".join(report.input_pipeline_lines(record)) + f"\nwrote {args.out}")
+    else:
+        print(text)
     return record
 
 

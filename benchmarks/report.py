@@ -15,7 +15,7 @@ import argparse
 import datetime
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,31 +53,133 @@ def _write_rate(result: dict[str, Any]) -> str:
     return f"{checkpoint['async']['write_mb_per_s']:.0f}" if "async" in checkpoint else "-"
 
 
-# (title, width, cell of a result) of the text table.
-_TEXT_COLUMNS: list[tuple[str, int, Callable[[dict[str, Any]], str]]] = [
-    ("experiment", 10, _label),
-    ("dev", 3, lambda r: str(r["num_devices"])),
-    ("batch", 5, lambda r: str(r["batch_size"])),
-    ("updater ex/s", 12, lambda r: _fmt(_examples_per_s(r, "updater"), ",.0f")),
-    ("steps/s", 8, lambda r: _fmt(r["throughput"]["updater"]["steps_per_s"], ".2f")),
-    ("hand ex/s", 10, lambda r: _fmt(_examples_per_s(r, "hand_written"), ",.0f")),
-    ("upd/hand", 8, lambda r: _fmt(r["ratios"].get("updater_vs_hand_written"), ".3f")),
-    ("norms", 6, lambda r: _fmt(r["ratios"].get("updater_with_norms_vs_updater"), ".3f")),
-    ("input/pre", 9, lambda r: _fmt(r["ratios"].get("input_pipeline_vs_presharded"), ".3f")),
-    ("flax ex/s", 10, lambda r: _fmt(_examples_per_s(r, "flax"), ",.0f")),
-    ("upd/flax", 8, lambda r: _fmt(r["ratios"].get("updater_vs_flax"), ".3f")),
-    ("shmap ex/s", 10, lambda r: _fmt(_examples_per_s(r, "updater_shard_map"), ",.0f")),
-    ("shmap/pmap", 10, lambda r: _fmt(r["ratios"].get("updater_shard_map_vs_pmap"), ".3f")),
-    ("jit/pmap", 8, lambda r: _fmt(r["ratios"].get("updater_jit_vs_pmap"), ".3f")),
-    ("fsdp/pmap", 9, lambda r: _fmt(r["ratios"].get("updater_fsdp_vs_pmap"), ".3f")),
-    ("TFLOP/s", 8, lambda r: _fmt(r["utilisation"]["achieved_tflop_per_s"], ".3f")),
-    ("MFU", 6, lambda r: _fmt(r["utilisation"]["mfu"], ".1%")),
-    ("compile s", 9, lambda r: _fmt(r["throughput"]["updater"]["compile_s"], ".1f")),
-    ("loop ex/s", 10, lambda r: _fmt((r.get("loop") or {}).get("examples_per_s"), ",.0f")),
-    ("loop/upd", 8, lambda r: _fmt((r.get("loop") or {}).get("ratio_vs_update"), ".3f")),
-    ("ckpt async/sync s", 17, lambda r: _blocked(r, 1, ".3f", "/")),
-    ("ckpt MB/s", 9, _write_rate),
-]
+Row = tuple[str, str, str, str]  # (what was measured, value, target, met / MISSED / "")
+
+
+def _verdict(value: float | None, target: float | None) -> tuple[str, str]:
+    if target is None:
+        return "", ""
+    if value is None:
+        return f">= {target:g}", "not measured"
+    return f">= {target:g}", "met" if value >= target else "MISSED"
+
+
+def _ratio_row(label: str, value: float | None, target: float | None = None) -> Row:
+    return (label, _fmt(value, ".3f"), *_verdict(value, target))
+
+
+def _per_call(result: dict[str, Any]) -> int:
+    return (result["throughput"].get("updater_steps") or {}).get("steps_per_call") or 0
+
+
+def result_rows(result: dict[str, Any]) -> list[Row]:
+    """Each figure of one measurement, labelled with what was measured, against its target."""
+    targets, ratios, throughput = result.get("targets", {}), result["ratios"], result["throughput"]
+    updater = throughput["updater"]
+    rows: list[Row] = [
+        (
+            "Updater, one step a call",
+            f"{updater['examples_per_s']:,.0f} examples/s ({updater['step_ms']:.2f} ms a step)",
+            "",
+            "",
+        )
+    ]
+    per_call = _per_call(result)
+    if per_call:
+        several = throughput["updater_steps"]
+        rows.append(
+            (
+                f"Updater, {per_call} steps a call",
+                f"{several['examples_per_s']:,.0f} examples/s ({several['step_ms']:.2f} ms a step)",
+                "",
+                "",
+            )
+        )
+    rows.append(
+        _ratio_row(
+            "Updater / hand-written step", ratios.get("updater_vs_hand_written"),
+            targets.get("updater_vs_hand_written"),
+        )
+    )  # fmt: skip
+    flax_target = targets.get("updater_vs_flax")
+    if per_call:
+        rows.append(
+            _ratio_row("Updater, one step a call / Flax peer", ratios.get("updater_vs_flax"))
+        )
+        rows.append(
+            _ratio_row(
+                f"Updater, {per_call} steps a call / Flax peer",
+                ratios.get("updater_steps_vs_flax"),
+                flax_target,
+            )
+        )
+    elif "flax" in throughput:
+        rows.append(_ratio_row("Updater / Flax peer", ratios.get("updater_vs_flax"), flax_target))
+    for label, ratio in (
+        ("Updater with the norms (logged steps) / without", "updater_with_norms_vs_updater"),
+        ("Updater fed by its input pipeline / pre-sharded", "input_pipeline_vs_presharded"),
+        ("Updater backend shard_map / pmap", "updater_shard_map_vs_pmap"),
+        ("Updater backend jit / pmap", "updater_jit_vs_pmap"),
+        ("Updater backend jit fsdp / pmap", "updater_fsdp_vs_pmap"),
+    ):
+        if ratios.get(ratio) is not None:
+            rows.append(_ratio_row(label, ratios[ratio]))
+    rows += _utilisation_rows(result, targets) + _loop_rows(result, targets)
+    checkpoint = result.get("checkpoint") or {}
+    if "async" in checkpoint:
+        rows.append(("a save blocks training: async / sync", _blocked(result, 1e3, ".0f", " / ")
+                     + " ms", "", ""))  # fmt: skip
+    rows.append(("compile of the Updater's step", _fmt(updater.get("compile_s"), ".1f") + " s",
+                 "", ""))  # fmt: skip
+    return rows
+
+
+def _utilisation_rows(result: dict[str, Any], targets: dict[str, float]) -> list[Row]:
+    use = result.get("utilisation") or {}
+    rows = []
+    if use.get("datasheet_tflop_per_s"):
+        value = use.get("mfu_datasheet")
+        rows.append(
+            (
+                f"MFU of the datasheet's {use['datasheet_tflop_per_s']:.0f} TFLOP/s",
+                _fmt(value, ".1%"),
+                *_verdict(value, targets.get("mfu_datasheet")),
+            )
+        )
+    if use.get("peak_tflop_per_s"):
+        rows.append(
+            (
+                f"MFU of the measured {use['peak_precision']} matmul, "
+                f"{use['peak_tflop_per_s']:.0f} TFLOP/s",
+                _fmt(use.get("mfu"), ".1%"),
+                "",
+                "",
+            )
+        )
+    return rows
+
+
+def _loop_rows(result: dict[str, Any], targets: dict[str, float]) -> list[Row]:
+    loop = result.get("loop") or {}
+    if "ratio_vs_update" not in loop:
+        return [("training loop", "skipped: " + str(loop.get("skipped", "-"))[:60], "", "")]
+    without = loop.get("ratio_vs_update_without_checkpoints")
+    cost = loop["checkpoint_windows"]["cost_per_save_s"]
+    return [
+        _ratio_row("loop / bare update, windows without a save", without,
+                   targets.get("loop_vs_update")),
+        _ratio_row("loop / bare update, every steady window", loop["ratio_vs_update"],
+                   targets.get("loop_whole_vs_update")),
+        ("a save costs the loop", _fmt(cost, ".0f", 1e3) + " ms", "", ""),
+    ]  # fmt: skip
+
+
+def result_heading(result: dict[str, Any]) -> str:
+    sized = " (sized down to fit the device)" if result.get("sized_down") else ""
+    return (
+        f"{_label(result)}: batch {result['batch_size']} on {result['num_devices']} x "
+        f"{result.get('device_kind', '?')}{sized}"
+    )
 
 
 def peak_line(run: dict[str, Any]) -> str:
@@ -151,44 +253,14 @@ def input_pipeline_lines(result: dict[str, Any] | None) -> list[str]:
 
 
 def format_table(record: dict[str, Any]) -> str:
-    """The run's figures as a fixed-width text table, with its peaks, skips and notes."""
-    lines = ["  ".join(f"{title:>{width}}" for title, width, _ in _TEXT_COLUMNS)]
+    """The run's figures, a short table per measurement, each figure against its target, then
+    the peaks, skips and notes (every figure is in the record's JSON)."""
+    lines = []
     for result in record["results"]:
-        lines.append("  ".join(f"{cell(result):>{width}}" for _, width, cell in _TEXT_COLUMNS))
+        lines.append(result_heading(result))
+        for label, value, target, verdict in result_rows(result):
+            lines.append(f"  {label:<52} {value:<38} {target:<8} {verdict}".rstrip())
     return "\n".join(lines + _run_notes(record))
-
-
-def _loop_cell(loop: dict[str, Any]) -> str:
-    """loop / update (without saves; cost per save), as the README's table shows it."""
-    if "ratio_vs_update" not in loop:
-        return "-"
-    without = _fmt(loop.get("ratio_vs_update_without_checkpoints"), ".2f")
-    cost = _fmt(loop["checkpoint_windows"]["cost_per_save_s"], ".0f", 1e3)
-    return f"{loop['ratio_vs_update']:.2f} ({without}; {cost} ms)"
-
-
-# (title, cell of a result) of the README's table.
-_MARKDOWN_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-    ("experiment", _label),
-    ("dev", lambda r: str(r["num_devices"])),
-    ("batch", lambda r: str(r["batch_size"])),
-    ("Updater ex/s", lambda r: _fmt(_examples_per_s(r, "updater"), ",.0f")),
-    ("/ hand-written", lambda r: _fmt(r["ratios"].get("updater_vs_hand_written"), ".3f")),
-    (
-        "with norms / without",
-        lambda r: _fmt(r["ratios"].get("updater_with_norms_vs_updater"), ".3f"),
-    ),
-    ("/ Flax", lambda r: _fmt(r["ratios"].get("updater_vs_flax"), ".3f")),
-    ("shard_map / pmap", lambda r: _fmt(r["ratios"].get("updater_shard_map_vs_pmap"), ".3f")),
-    (
-        "input / pre-sharded",
-        lambda r: _fmt(r["ratios"].get("input_pipeline_vs_presharded"), ".3f"),
-    ),
-    ("MFU", lambda r: _fmt(r["utilisation"]["mfu"], ".1%")),
-    ("compile s", lambda r: _fmt(r["throughput"]["updater"]["compile_s"], ".1f")),
-    ("loop / update (without saves; per save)", lambda r: _loop_cell(r.get("loop") or {})),
-    ("ckpt blocked async / sync, ms", lambda r: _blocked(r, 1e3, ".0f", " / ")),
-]
 
 
 def _display_path(path: str | Path) -> str:
@@ -226,12 +298,13 @@ def _loop_runs_lines(record: dict[str, Any]) -> list[str]:
 
 
 def markdown_table(record: dict[str, Any], record_path: str | Path) -> str:
-    """The README's table of a record: a caption naming it, the rows, then its notes."""
-    lines = [_caption(record, record_path), ""]
-    lines.append("| " + " | ".join(title for title, _ in _MARKDOWN_COLUMNS) + " |")
-    lines.append("|" + "---|" * len(_MARKDOWN_COLUMNS))
+    """The README's tables of a record: a caption naming it, a table per measurement (each
+    figure against its target), then its notes."""
+    lines = [_caption(record, record_path)]
     for result in record["results"]:
-        lines.append("| " + " | ".join(cell(result) for _, cell in _MARKDOWN_COLUMNS) + " |")
+        lines += ["", f"**{result_heading(result)}**", ""]
+        lines += ["| figure | value | target | |", "|---|---|---|---|"]
+        lines += [f"| {' | '.join(row)} |" for row in result_rows(result)]
     notes = _loop_runs_lines(record) + _run_notes(record)
     return "\n".join(lines + ([""] + [f"* {note}" for note in notes] if notes else []))
 

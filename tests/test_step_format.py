@@ -347,7 +347,7 @@ def test_mismatches_name_the_first_path_and_change_nothing(setup, tmp_path):
         opt_state=hs.replicate(optax.sgd(0.1).init(hs.unreplicate(train_state.params)))
     )
     with Checkpointer(tmp_path) as checkpointer:
-        expected = "params['mlp/batch_norm']['offset']: checkpoint (1, 16) vs model (1, 32)"
+        expected = "params['mlp/batch_norm']['offset']: checkpoint (16,) vs model (32,)"
         with pytest.raises(ValueError, match=re.escape(expected)):
             checkpointer.restore(wider)
         expected = "opt_state[0]['trace']['mlp/batch_norm']['offset']: in the checkpoint"
