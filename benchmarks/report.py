@@ -149,7 +149,7 @@ def _utilisation_rows(result: dict[str, Any], targets: dict[str, float]) -> list
     if use.get("peak_tflop_per_s"):
         rows.append(
             (
-                f"MFU of the measured {use['peak_precision']} matmul, "
+                f"MFU of the measured {use.get('peak_precision') or ''} matmul, "
                 f"{use['peak_tflop_per_s']:.0f} TFLOP/s",
                 _fmt(use.get("mfu"), ".1%"),
                 "",

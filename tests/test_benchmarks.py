@@ -179,22 +179,31 @@ def _synthetic_result(experiment: str, num_devices: int, examples_per_s: float) 
     }
 
 
-def test_table_shows_the_shard_map_updater_and_a_dash_for_variants_not_timed():
+def test_table_marks_each_figure_against_its_target_and_says_what_was_measured():
     result = _synthetic_result("resnet", 2, 1000.0)
-    del result["throughput"]["hand_written"]  # As --quick times the ResNet.
-    result["ratios"]["updater_vs_hand_written"] = None
+    result["throughput"]["updater"].update(step_ms=128.0, compile_s=1.0)
+    result["throughput"]["updater_steps"] = {
+        "examples_per_s": 1300.0, "step_ms": 98.5, "steps_per_call": 5
+    }  # fmt: skip
     result["throughput"]["updater_shard_map"] = {"examples_per_s": 990.0}
-    result["ratios"]["updater_shard_map_vs_pmap"] = 0.99
-    result["throughput"]["updater"].update(steps_per_s=7.8, compile_s=1.0)
+    result["ratios"].update(
+        updater_shard_map_vs_pmap=0.99, updater_steps_vs_flax=1.3, updater_vs_hand_written=None
+    )
+    result["targets"] = {"updater_vs_hand_written": 0.98, "updater_vs_flax": 1.0}
     result.update(batch_size=128, utilisation={"achieved_tflop_per_s": None, "mfu": None})
-    header, row = report.format_table({"results": [result], "runs": []}).splitlines()
-    titles = ["updater ex/s", "hand ex/s", "upd/hand", "shmap ex/s", "shmap/pmap"]
-    assert all(title in header for title in titles)
-    cells = row.split()
-    assert cells[:5] == ["resnet", "2", "128", "1,000", "7.80"]
-    # Hand-written examples/s, Updater / hand-written, and with norms / without.
-    assert cells[5:8] == ["-", "-", "-"]
-    assert cells[11:13] == ["990", "0.990"]  # shard_map Updater examples/s and / pmap.
+    lines = report.format_table({"results": [result], "runs": []}).splitlines()
+    assert lines[0] == "resnet: batch 128 on 2 x cpu"
+    rows = {line[2:54].strip(): line[54:].split() for line in lines[1:]}
+    assert rows["Updater, one step a call"][:2] == ["1,000", "examples/s"]
+    assert rows["Updater, 5 steps a call"][:2] == ["1,300", "examples/s"]
+    assert rows["Updater / hand-written step"] == ["-", ">=", "0.98", "not", "measured"]
+    assert rows["Updater, one step a call / Flax peer"] == ["1.020"]  # No target of its own.
+    assert rows["Updater, 5 steps a call / Flax peer"] == ["1.300", ">=", "1", "met"]
+    assert rows["Updater backend shard_map / pmap"] == ["0.990"]
+    result["ratios"]["updater_steps_vs_flax"] = 0.9
+    assert "1.300" not in report.format_table({"results": [result], "runs": []})
+    missed = report.format_table({"results": [result], "runs": []}).splitlines()[5]
+    assert missed.split()[-4:] == ["0.900", ">=", "1", "MISSED"]
 
 
 def test_plot_draws_scaling_throughput_and_ratio_charts(tmp_path):
@@ -238,8 +247,10 @@ def _full_record(results: list[dict]) -> dict:
 
 def test_readme_table_is_written_between_the_markers_from_a_record(tmp_path):
     result = _synthetic_result("mlp", 1, 1000.0)
-    result.update(batch_size=128, utilisation={"achieved_tflop_per_s": 0.1, "mfu": 0.25})
-    result["throughput"]["updater"]["compile_s"] = 2.0
+    utilisation = {"achieved_tflop_per_s": 0.1, "mfu": 0.25, "peak_tflop_per_s": 0.4,
+                   "peak_precision": "float32"}  # fmt: skip
+    result.update(batch_size=128, utilisation=utilisation)
+    result["throughput"]["updater"].update(compile_s=2.0, step_ms=128.0)
     result["loop"] = {
         "ratio_vs_update": 0.93,
         "ratio_vs_update_without_checkpoints": 0.97,
@@ -253,9 +264,13 @@ def test_readme_table_is_written_between_the_markers_from_a_record(tmp_path):
     table = report.markdown_table(_full_record([result]), tmp_path / "cpu.json")
     assert "from `" + str(tmp_path / "cpu.json") + "`" in table
     assert "`python -m benchmarks.run --quick` of 2026-01-01 12:30 UTC, 61 s" in table
-    [row] = [line for line in table.splitlines() if line.startswith("| mlp")]
-    assert row.split(" | ")[3:5] == ["1,000", "0.990"]  # Updater ex/s, / hand-written.
-    assert "| 25.0% | 2.0 | 0.93 (0.97; 58 ms) | 3 / 108 |" in row
+    assert "**mlp: batch 128 on 1 x cpu**" in table
+    assert "| Updater, one step a call | 1,000 examples/s (128.00 ms a step) |  |  |" in table
+    assert "| Updater / hand-written step | 0.990 | >= 0.97 | met |" in table
+    assert "| MFU of the measured float32 matmul, 0 TFLOP/s | 25.0% |  |  |" in table
+    assert "| loop / bare update, windows without a save | 0.970 | >= 0.9 | met |" in table
+    assert "| a save costs the loop | 58 ms |  |  |" in table
+    assert "| a save blocks training: async / sync | 3 / 108 ms |  |  |" in table
     assert "loop / update 0.930, 0.910, 0.950" in table
     assert "skipped (2 dev): resnet50: not asked for" in table
 

@@ -55,8 +55,8 @@ def test_subprocess_env_gives_the_device_count_on_cpu_and_gpu(monkeypatch):
 def test_quick_runs_the_mlp_in_every_precision_and_the_others_in_float32():
     quick = run._parse_args(["--quick"])
     planned = run.measurements(quick)
-    assert {p for name, p, _ in planned if name == "mlp"} == set(models.PRECISIONS)
-    assert {p for name, p, _ in planned if name != "mlp"} == {"float32"}
+    assert {p for name, p, _, _ in planned if name == "mlp"} == set(models.PRECISIONS)
+    assert {p for name, p, _, _ in planned if name != "mlp"} == {"float32"}
     for precision in ("bfloat16", "float16"):
         half, skip_loop = run.settings_for("mlp", quick, "cpu", 2, precision)
         assert half.precision == precision
@@ -64,17 +64,20 @@ def test_quick_runs_the_mlp_in_every_precision_and_the_others_in_float32():
         assert half.loop_steps == 0 and "float32" in skip_loop
     # --precisions is what runs, on every experiment.
     named = run._parse_args(["--quick", "--precisions=float16"])
-    assert run.measurements(named) == [("mlp", "float16", None), ("resnet", "float16", None)]
+    assert run.measurements(named) == [
+        ("mlp", "float16", None, ()),
+        ("resnet", "float16", None, ()),
+    ]
     assert run.measurements(run._parse_args([])) == [
-        (n, "float32", None) for n in settings.EXPERIMENTS
+        (n, "float32", None, ()) for n in settings.EXPERIMENTS
     ]
 
 
 def test_batch_sizes_are_measured_in_turn_each_in_its_settings():
     args = run._parse_args(["--experiments=resnet50", "--batch_sizes=256,512,1024", "--full"])
     planned = run.measurements(args)
-    assert planned == [("resnet50", "float32", b) for b in (256, 512, 1024)]
-    for name, precision, batch_size in planned:
+    assert planned == [("resnet50", "float32", b, ()) for b in (256, 512, 1024)]
+    for name, precision, batch_size, _ in planned:
         assert run.settings_for(name, args, "gpu", 1, precision, batch_size)[0].batch_size == (
             batch_size
         )
@@ -86,6 +89,76 @@ def test_batch_sizes_are_measured_in_turn_each_in_its_settings():
     for bad in (["--batch_size=64", "--batch_sizes=32"], ["--batch_sizes=0,8"]):
         with pytest.raises(SystemExit):
             run._parse_args(bad)
+
+
+def test_on_an_accelerator_nothing_named_measures_resnet50_in_bfloat16_beside_its_peers():
+    args = run._parse_args([])
+    run.apply_platform_defaults(args, "tpu", 8)
+    assert (args.devices, args.plan, args.no_input_pipeline) == ([8], "accelerator", True)
+    planned = run.measurements(args, "TPU v5 lite", 8)
+    assert [(name, precision, batch) for name, precision, batch, _ in planned] == [
+        ("resnet50", "bfloat16", 1024),  # The v5e's best batch, 128 a chip, every peer.
+        ("resnet", "float32", 128),
+        ("resnet50", "bfloat16", 2048),  # 256 a chip, beside Flax and the hand-written step.
+    ]
+    second = dict(planned[2][3])
+    assert second["updater_jit"] is False and second["checkpoint_saves"] == 0
+    assert run.measurements(args, "NVIDIA H200", 1)[0][2] == 256  # No figure: 256 a device.
+    # What is named stays: devices, experiments, the input pipeline.
+    named = run._parse_args(["--devices=1", "--experiments=mlp", "--input_pipeline"])
+    run.apply_platform_defaults(named, "gpu", 4)
+    assert (named.devices, named.plan, named.no_input_pipeline) == ([1], "named", False)
+    on_cpu = run._parse_args([])
+    run.apply_platform_defaults(on_cpu, "cpu", 1)
+    assert (on_cpu.devices, on_cpu.plan) == ([1, 2, 4], "named")
+
+
+def test_a_measurement_that_runs_out_of_device_memory_is_sized_down(monkeypatch):
+    tried = []
+
+    def benchmark(name, settings_, **_):
+        tried.append(settings_.batch_size)
+        if settings_.batch_size > 64:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        return {"experiment": name}
+
+    monkeypatch.setattr(run, "benchmark_experiment", benchmark)
+    device_run = {"skipped": []}
+    result = run._measure_within_memory(
+        "resnet50", settings.Settings(batch_size=256), {}, "/tmp", None, device_run
+    )
+    assert tried == [256, 128, 64]
+    assert [line.split(":")[0] for line in result["sized_down"]] == ["batch 256", "batch 128"]
+    assert device_run["skipped"] == []
+
+    def broken(name, settings_, **_):
+        raise ValueError("another failure")
+
+    monkeypatch.setattr(run, "benchmark_experiment", broken)
+    assert (
+        run._measure_within_memory("mlp", settings.Settings(), {}, "/tmp", None, device_run) is None
+    )
+    assert device_run["skipped"] == [
+        "mlp (float32, batch default): failed: ValueError: another failure"
+    ]
+
+
+def test_targets_and_the_datasheet_peaks_of_the_chips():
+    assert settings.targets_for("resnet50", "tpu") == {
+        "updater_vs_hand_written": 0.98,
+        "updater_vs_flax": 1.02,
+        "mfu_datasheet": 0.34,
+        "loop_vs_update": 0.95,
+    }
+    assert settings.targets_for("resnet", "cpu")["loop_vs_update"] == 0.90
+    assert "updater_vs_flax" not in settings.targets_for("mlp", "gpu")
+    from benchmarks import costs
+
+    assert costs.datasheet_tflops("TPU v5 lite", "bfloat16") == 197.0
+    assert costs.datasheet_tflops("NVIDIA H100 80GB HBM3", "float32") == 494.7
+    assert costs.datasheet_tflops("cpu", "bfloat16") is None
+    use = costs.utilisation(2e12, 10.0, None, "bfloat16", "TPU v5 lite", 2)
+    assert use["mfu_datasheet"] == pytest.approx(20.0 / 394.0) and use["mfu"] is None
 
 
 def test_the_loop_time_limit_reaches_every_measurements_settings():
