@@ -58,8 +58,10 @@ def loop_config(name: str, settings: Settings, num_devices: int) -> Any:
     config.steps = steps
     config.log_every = log_every
     config.eval_every = steps
-    if settings.steps_per_call:  # The bare update's, which it is compared with.
-        config.steps_per_call = settings.steps_per_call
+    if settings.steps_per_call:  # The bare update's, which it is compared with; every
+        config.steps_per_call = per_call = settings.steps_per_call  # cadence a multiple of it.
+        for key in ("steps", "log_every", "check_every", "checkpoint_every", "eval_every"):
+            config[key] = round_up(config[key], per_call)
     config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 4)
     # This process's compilation cache (a private one in `benchmarks.run`), not the user's.
     config.compilation_cache_dir = jax.config.jax_compilation_cache_dir or ""

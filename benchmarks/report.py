@@ -102,7 +102,7 @@ def result_rows(result: dict[str, Any]) -> list[Row]:
         )
     )  # fmt: skip
     flax_target = targets.get("updater_vs_flax")
-    if per_call:
+    if per_call and "flax" in throughput:
         rows.append(
             _ratio_row("Updater, one step a call / Flax peer", ratios.get("updater_vs_flax"))
         )
@@ -141,7 +141,7 @@ def _utilisation_rows(result: dict[str, Any], targets: dict[str, float]) -> list
         value = use.get("mfu_datasheet")
         rows.append(
             (
-                f"MFU of the datasheet's {use['datasheet_tflop_per_s']:.0f} TFLOP/s",
+                f"MFU of the datasheet's {use['datasheet_tflop_per_s']:.4g} TFLOP/s",
                 _fmt(value, ".1%"),
                 *_verdict(value, targets.get("mfu_datasheet")),
             )
@@ -150,7 +150,7 @@ def _utilisation_rows(result: dict[str, Any], targets: dict[str, float]) -> list
         rows.append(
             (
                 f"MFU of the measured {use.get('peak_precision') or ''} matmul, "
-                f"{use['peak_tflop_per_s']:.0f} TFLOP/s",
+                f"{use['peak_tflop_per_s']:.3g} TFLOP/s",
                 _fmt(use.get("mfu"), ".1%"),
                 "",
                 "",

@@ -559,7 +559,7 @@ def _run_device_count(args: argparse.Namespace, argv: list[str], num_devices: in
     # Beside the run's records: a worker cut short leaves what it measured there.
     os.makedirs(args.output_dir, exist_ok=True)
     with tempfile.NamedTemporaryFile(
-        prefix=".worker-", suffix=".json", dir=args.output_dir, delete=False
+        prefix="worker-", suffix=".json.partial", dir=args.output_dir, delete=False
     ) as f:
         output = f.name
     command = [

@@ -124,6 +124,7 @@ def throughput(variant: Variant, steps_per_window: int, batch_size: int) -> dict
         "step_ms": 1e3 * step_s,
         "window_steps_per_s": [steps_per_window / s for s in variant.window_s],
         "first_call_s": variant.first_call_s,
+        "steps_per_call": variant.steps_per_call,
         # The first call traces, compiles and runs one step.
         "compile_s": max(variant.first_call_s - step_s, 0.0),
     }
