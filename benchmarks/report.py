@@ -56,12 +56,13 @@ def _write_rate(result: dict[str, Any]) -> str:
 Row = tuple[str, str, str, str]  # (what was measured, value, target, met / MISSED / "")
 
 
-def _verdict(value: float | None, target: float | None) -> tuple[str, str]:
+def _verdict(value: float | None, target: float | None, spec: str = "g") -> tuple[str, str]:
     if target is None:
         return "", ""
+    floor = f">= {format(target, spec)}"
     if value is None:
-        return f">= {target:g}", "not measured"
-    return f">= {target:g}", "met" if value >= target else "MISSED"
+        return floor, "not measured"
+    return floor, "met" if value >= target else "MISSED"
 
 
 def _ratio_row(label: str, value: float | None, target: float | None = None) -> Row:
@@ -129,8 +130,9 @@ def result_rows(result: dict[str, Any]) -> list[Row]:
     if "async" in checkpoint:
         rows.append(("a save blocks training: async / sync", _blocked(result, 1e3, ".0f", " / ")
                      + " ms", "", ""))  # fmt: skip
-    rows.append(("compile of the Updater's step", _fmt(updater.get("compile_s"), ".1f") + " s",
-                 "", ""))  # fmt: skip
+    beside = " (side by side with the others)" if updater.get("compiled_side_by_side") else ""
+    rows.append((f"compile of the Updater's step{beside}",
+                 _fmt(updater.get("compile_s"), ".1f") + " s", "", ""))  # fmt: skip
     return rows
 
 
@@ -142,8 +144,8 @@ def _utilisation_rows(result: dict[str, Any], targets: dict[str, float]) -> list
         rows.append(
             (
                 f"MFU of the datasheet's {use['datasheet_tflop_per_s']:.4g} TFLOP/s",
-                _fmt(value, ".1%"),
-                *_verdict(value, targets.get("mfu_datasheet")),
+                _fmt(value, ".2%"),
+                *_verdict(value, targets.get("mfu_datasheet"), ".0%"),
             )
         )
     if use.get("peak_tflop_per_s"):
@@ -259,7 +261,7 @@ def format_table(record: dict[str, Any]) -> str:
     for result in record["results"]:
         lines.append(result_heading(result))
         for label, value, target, verdict in result_rows(result):
-            lines.append(f"  {label:<52} {value:<38} {target:<8} {verdict}".rstrip())
+            lines.append(f"  {label:<62} {value:<38} {target:<8} {verdict}".rstrip())
     return "\n".join(lines + _run_notes(record))
 
 

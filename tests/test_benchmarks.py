@@ -193,7 +193,7 @@ def test_table_marks_each_figure_against_its_target_and_says_what_was_measured()
     result.update(batch_size=128, utilisation={"achieved_tflop_per_s": None, "mfu": None})
     lines = report.format_table({"results": [result], "runs": []}).splitlines()
     assert lines[0] == "resnet: batch 128 on 2 x cpu"
-    rows = {line[2:54].strip(): line[54:].split() for line in lines[1:]}
+    rows = {line[2:64].strip(): line[64:].split() for line in lines[1:]}
     assert rows["Updater, one step a call"][:2] == ["1,000", "examples/s"]
     assert rows["Updater, 5 steps a call"][:2] == ["1,300", "examples/s"]
     assert rows["Updater / hand-written step"] == ["-", ">=", "0.98", "not", "measured"]
