@@ -171,6 +171,54 @@ def test_a_failing_run_prints_its_error_once(tmp_path):
     ]
 
 
+def test_only_the_packages_own_raise_counts_as_raised_on_purpose():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from haiku_state import config as config_lib
+    from haiku_state import replication, train
+    from haiku_state.guards import config_checks
+
+    config = config_lib.load_config_file("experiments/mlp.py")
+    config.batch_size = 3
+    with pytest.raises(ValueError) as refusal:
+        config_checks.validate_config(config, 2, 1)
+    assert train.raised_on_purpose(refusal.value)
+    # A library's error through the package's frames (JAX cuts its own from the traceback).
+    for leaf in (np.zeros(()), jnp.zeros(())):
+        with pytest.raises(IndexError) as passed_through:
+            replication.unreplicate(leaf)
+        assert not train.raised_on_purpose(passed_through.value)
+
+
+def test_a_librarys_error_is_one_line_naming_errors_log_which_holds_its_traceback(tmp_path):
+    # JAX's ValueError in the middle of a run, where a library bug or XLA's runtime error is.
+    code = (
+        "import sys\n"
+        "import jax.numpy as jnp\n"
+        "from haiku_state import train\n"
+        "train.train_and_evaluate = lambda *args, **kwargs: jnp.argmax(jnp.zeros(0))\n"
+        "train.main(['haiku_state.train', *sys.argv[1:]])\n"
+    )
+    flags = ["--config=experiments/mlp.py", f"--workdir={tmp_path}"]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *flags],
+        cwd=REPO, env=_environment(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: attempt to get argmax of an empty sequence (traceback in {tmp_path}/errors.log)"
+    )
+    assert "Traceback" not in result.stderr
+    logged = (tmp_path / "errors.log").read_text()
+    assert "Traceback (most recent call last)" in logged and "in _argmax" in logged, logged
+    # The package's own refusal stays one line, with nothing written.
+    refused = run_module(*flags, "--cpu_devices=2", "--config.batch_size=3")
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1].startswith("error: config.batch_size=3 is not")
+    assert "errors.log" not in refused.stderr and os.listdir(tmp_path) == ["errors.log"]
+
+
 # -- Bad input: one line, before anything is written ----------------------------------------------
 
 
