@@ -222,11 +222,13 @@ def test_a_librarys_error_is_one_line_naming_errors_log_which_holds_its_tracebac
 # -- Bad input: one line, before anything is written ----------------------------------------------
 
 
-def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
+def test_cli_missing_experiment_file_says_so_and_lists_the_experiments(tmp_path):
     result = run_module("--config=experiments/nope.py", f"--workdir={tmp_path}/w")
     assert result.returncode != 0
-    assert "Unknown experiment config 'experiments/nope.py'" in result.stderr
-    assert "'mlp', 'resnet', 'resnet50'" in result.stderr
+    assert result.stderr.startswith(
+        "--config=experiments/nope.py: the file experiments/nope.py does not exist; the "
+        "experiments are ['mlp', 'resnet', 'resnet50'"
+    ), result.stderr
     assert not (tmp_path / "w").exists()
 
 
@@ -242,6 +244,12 @@ def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
             "flag --step=abc: must be a step number or 'best' (--helpfull lists the flags)",
         ),
         (["--num_processes=2"], "error: Multi-process flags given (--num_processes=2) but"),
+        (
+            ["--config.steps=10", "foo", "bar"],
+            "Unexpected arguments on the command line: 'foo' 'bar'; everything is given as a "
+            "flag, --name=value, and a value with spaces is quoted (--workdir='runs/my run').",
+        ),
+        (["--workdir=runs/my", "run"], "Unexpected argument on the command line: 'run'; "),
     ],
 )
 def test_a_command_line_mistake_is_one_line_without_the_flag_listing(tmp_path, flags, line):
