@@ -356,6 +356,11 @@ def test_the_readmes_own_photos_command_trains_on_a_folder_of_a_hundred_images(
         f"Eval of {workdir}/checkpoints at step 6: accuracy {final['accuracy']:.2%}, "
         f"loss {final['loss']:.4f}"
     )
+    # An evaluation whose command line names no data.dir reads the run's, and says so.
+    config.data.dir = ""
+    with caplog.at_level("INFO"):
+        assert evaluation.evaluate_checkpoint(config, workdir) == pytest.approx(final)
+    assert f"data.dir: the run's, {photos} (the command line gives none;" in caplog.text
 
 
 def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_checkpoint(

@@ -14,9 +14,10 @@ import shutil
 
 import pytest
 from checkpoint_helpers import read_step_item, set_format_version, write_step_item
-from configs import StopAfterChecks, mlp_config
+from configs import REPO, StopAfterChecks, mlp_config
 
 from haiku_state import checkpoint, driver, evaluation
+from haiku_state import config as config_lib
 from haiku_state.experiment import build_experiment, placeholder_batch
 from haiku_state.guards import signals
 
@@ -82,6 +83,20 @@ def test_the_eval_modes_evaluate_the_run_as_its_record_says(trained, tmp_path, c
     with pytest.raises(ValueError, match=r"no keep_best_by was configured for the run .* Pass "
                        r"--step=<a step> \(complete steps: \[10, 20, 30\]\)"):  # fmt: skip
         evaluation.evaluate_checkpoint(given, workdir, step="best")
+
+
+def test_another_experiments_config_is_set_aside_for_the_runs_own(trained, caplog):
+    workdir, final = trained
+    given = config_lib.load_config_file(os.path.join(REPO, "experiments", "resnet.py"))
+    given.eval_batch_size = 64  # How the evaluator runs is the command line's.
+    with caplog.at_level(logging.WARNING):
+        metrics = evaluation.evaluate_checkpoint(given, workdir)
+    assert metrics == pytest.approx(final)
+    assert (
+        f"The config given is for the model 'resnet', but the run in {workdir} trained 'mlp': "
+        "the command line's config is set aside, but for how the evaluator runs (eval_batch_size"
+    ) in caplog.text
+    assert f"evaluating the run with its own config, as {workdir}/config.json" in caplog.text
 
 
 def test_a_stopped_eval_mode_raises_stopped_with_the_signal_and_records_nothing(trained):
