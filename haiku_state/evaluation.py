@@ -216,9 +216,7 @@ def evaluate_checkpoint(
                     f"No checkpoint in {directory} has the eval metric "
                     f"config.keep_best_by={config.keep_best_by!r}."
                 )
-        train_state = checkpointer.restore(like, step)
-        if train_state is None:
-            raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
+        train_state = _restore(checkpointer, like, step)
         metrics = evaluate(train_state)
         if metrics is None:
             raise stop.stopped(
@@ -228,6 +226,25 @@ def evaluate_checkpoint(
         summary = summaries.format_metrics(metrics)
         print(f"Eval of {directory} at step {step_of(train_state)}: {summary}", flush=True)
     return metrics
+
+
+def _restore(
+    checkpointer: checkpoint.Checkpointer, like: TrainState, step: int | None
+) -> TrainState:
+    """`step` (None: the newest complete one) as `like`. A damaged one is refused as a training
+    run refuses it, naming the steps there are: an evaluation does not stand in another."""
+    steps = checkpointer.all_steps()
+    if not steps:
+        raise FileNotFoundError(f"No complete checkpoint in {checkpointer.directory}; train first.")
+    try:
+        return checkpointer.restore(like, steps[-1] if step is None else step)
+    except ValueError as e:
+        if step is not None or len(steps) == 1:
+            raise
+        said = str(e) if str(e).endswith(".") else f"{e}."
+        raise type(e)(
+            f"{said} Not evaluated (complete steps: {steps}; --step=<step> evaluates one)."
+        ) from None
 
 
 def follow_checkpoints(

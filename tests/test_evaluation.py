@@ -126,6 +126,24 @@ def test_eval_follow_stops_at_a_step_of_an_unknown_format_version_naming_it(trai
     assert isinstance(error.value, ValueError)  # One line and exit status 1 on the command line.
 
 
+def test_eval_mode_refuses_a_latest_step_whose_version_and_items_do_not_match(trained, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained[0], workdir)
+    set_format_version(workdir / "checkpoints" / "30", 1)  # It holds version 2's items.
+    metrics_before = (workdir / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError) as error:
+        evaluation.evaluate_checkpoint(_config(), str(workdir))
+    assert str(error.value) == (
+        "Checkpoint step 30 is damaged: its step item says format_version 1 but lacks "
+        "checksums, which version 1 writes; it holds version 2's key_layout, fingerprints "
+        "instead: the version and the items do not match. Not evaluated (complete steps: "
+        "[10, 20, 30]; --step=<step> evaluates one)."
+    )
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "20", "30"]  # Nothing moved.
+    assert (workdir / "metrics.jsonl").read_text() == metrics_before  # Nothing recorded.
+    assert evaluation.evaluate_checkpoint(_config(), str(workdir), step=20)  # Asked for.
+
+
 def test_eval_follow_fails_when_the_last_step_is_damaged_and_skips_an_earlier_one(
     trained, tmp_path, caplog
 ):
