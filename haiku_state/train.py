@@ -16,6 +16,7 @@ or `--multihost` where JAX detects the cluster (SLURM, TPU pods).
 from __future__ import annotations
 
 import dis
+import faulthandler
 import functools
 import os
 import sys
@@ -123,6 +124,7 @@ _USER_ERRORS = (
     MemoryError,
 )
 ERRORS_FILE = "errors.log"
+EXIT_WITHIN_SECS = 10.0  # After a one-line error, the most the process may take to end.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -146,7 +148,7 @@ def _run_mode(command_line: _Flags, config: Any, stop: signals.StopRequest) -> N
 def _main(command_line: _Flags, argv: list[str]) -> None:
     del argv  # Unused: everything comes in flags.
     # First thing: from here to the exit a signal asks for a clean stop.
-    stop = signals.StopRequest().install()
+    stop = signals.StopRequest(take_within_secs=signals.TAKE_WITHIN_SECS).install()
     quiet_logs.keep_the_log_to_this_package()
     if command_line.cpu_devices.value:
         jax.config.update("jax_num_cpu_devices", command_line.cpu_devices.value)
@@ -172,6 +174,9 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
         sys.exit(e.exit_code)
     except _USER_ERRORS as e:
         processes.exit_if_lost(e)
+        # Device work the error left stuck (a collective a failed device never joins) must
+        # not hold the exit: past the bound, the threads' stacks and exit status 1.
+        faulthandler.dump_traceback_later(EXIT_WITHIN_SECS, exit=True)
         if raised_on_purpose(e):
             sys.exit(f"error: {e}")  # The one line, on stderr beside the log.
         where = _write_traceback(e, command_line.workdir.value)

@@ -183,10 +183,12 @@ def _grain_batches(
 
 
 def exit_with_parent(worker_index: int, worker_count: int) -> None:
-    """grain's `worker_init_fn`: exit with the training process; ignore Ctrl-C (the training
-    process stops the pipeline); one OpenCV thread, not to compete with the other workers."""
+    """grain's `worker_init_fn`: exit with the training process; ignore Ctrl-C and a closed
+    terminal's hangup, sent to the whole process group (the training process stops the
+    pipeline); one OpenCV thread, not to compete with the other workers."""
     del worker_index, worker_count  # The same for every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     cv2.setNumThreads(1)
     orphans.exit_with_parent()
 
