@@ -81,7 +81,7 @@ def _replacing_damaged(read):
             return read(cache_key, *args, **kwargs)
         except jax_internal_cache.CacheVerificationError:
             raise  # Not damage: JAX raises it on purpose.
-        except Exception as e:  # noqa: BLE001 (JAX warns and goes on for any of them.)
+        except Exception as e:  # JAX warns and goes on for any of them: damage, a miss.
             _set_aside_damaged(cache_key, e)
             return None, None
 
