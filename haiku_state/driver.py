@@ -54,7 +54,7 @@ def train_and_evaluate(
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     first_state = _first_train_state(experiment, config, workdir)
-    data_record = data_identity.identity(experiment.dataset)
+    data_record = data_identity.identity(experiment.dataset, config.data.verify == "content")
 
     with (
         _stop_request(stop) as stop,
