@@ -320,11 +320,12 @@ def test_two_images_of_one_size_swapped_with_their_times_pass_unless_content_is_
     for path, image in zip((first, second), images, strict=True):
         with open(path, "wb") as f:
             f.write(image + bytes(size - len(image)))  # One size, as PNG decoders allow.
-    loaded = lambda: data.load_dataset("imagefolder", data_dir=tree, image_size=8)  # noqa: E731
-    stat_record, content_record = (
-        data_identity.identity(loaded()),
-        data_identity.identity(loaded(), content=True),
-    )
+
+    def loaded():
+        return data.load_dataset("imagefolder", data_dir=tree, image_size=8)
+
+    stat_record = data_identity.identity(loaded())
+    content_record = data_identity.identity(loaded(), content=True)
     assert stat_record["train_bytes"] is None and content_record["train_bytes"]
     times = [os.stat(path).st_mtime_ns for path in (first, second)]
     contents = [open(path, "rb").read() for path in (first, second)]
