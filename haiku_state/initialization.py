@@ -262,10 +262,13 @@ def host_memory_headroom() -> tuple[int, str] | None:
     the host has available; None if none can be read."""
     bounds = []
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY:
-        with open("/proc/self/statm") as f:
-            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        bounds.append((limit - mapped, f"its address-space limit, ulimit -v {limit // 1024}"))
+    try:
+        if limit != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            bounds.append((limit - mapped, f"its address-space limit, ulimit -v {limit // 1024}"))
+    except (OSError, ValueError):
+        pass
     try:
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
             most, used = f.read().strip(), int(g.read())
