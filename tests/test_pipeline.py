@@ -258,7 +258,8 @@ def test_a_decoding_worker_leaves_ctrl_c_to_the_training_process():
 
 
 _WORKERS_TO_THE_END = """
-import os, sys
+import gc, os, sys
+from grain.multiprocessing import SharedMemoryArray
 from haiku_state import data
 from haiku_state.data import pipeline
 
@@ -267,7 +268,10 @@ def run(root):
     batches = pipeline.encoded_train_batches(split, 6, seed=3, num_steps=3, workers=2)
     kept = [next(batches)]  # Still held at the exit, as a prefetch queue holds batches.
     batches.close()  # Early, with batches in flight.
-    batches = pipeline.encoded_train_batches(split, 6, seed=3, num_steps=40, workers=2)
+    held = {id(leaf) for batch in kept for leaf in batch.values()}
+    alive = [o for o in gc.get_objects() if isinstance(o, SharedMemoryArray) and id(o) not in held]
+    print(f"arrays of the closed pipeline still to release: {len(alive)}", flush=True)
+    batches = pipeline.encoded_train_batches(split, 6, seed=3, num_steps=40, workers=1)
     try:
         kept += list(batches)
     except data.CorruptImageError as e:  # The run's error; the exit holds its traceback.
@@ -282,8 +286,8 @@ if __name__ == "__main__":
 
 def test_no_run_leaves_shared_memory_behind_on_success_or_error(tmp_path):
     # grain unlinked each batch's shared memory when its array was deleted, in a thread the
-    # exit did not wait for, and some only once a collection found them: the resource
-    # tracker said "There appear to be 4 leaked shared_memory objects".
+    # exit did not wait for, and the arrays a closed pipeline held only once a collection
+    # found them: the resource tracker said "There appear to be 4 leaked shared_memory objects".
     root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
     add_corrupt_file(root, "truncated")
     script = tmp_path / "to_the_end.py"
@@ -293,6 +297,7 @@ def test_no_run_leaves_shared_memory_behind_on_success_or_error(tmp_path):
         [sys.executable, str(script), root], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 1, result.stderr[-3000:]
+    assert "arrays of the closed pipeline still to release: 0" in result.stdout
     assert "stopped: CorruptImageError; of the batches held, in /dev/shm: []" in result.stderr
     assert "leaked" not in result.stderr and "resource_tracker" not in result.stderr, result.stderr[
         -3000:
