@@ -380,6 +380,7 @@ def test_a_run_that_collapses_after_a_resume_is_judged_on_the_whole_run_and_so_i
         assert re.search(r"its eval accuracy fell to 0\.\d+ \(step 60\), under 0\.5x its best, "
                          r"0\.\d+ \(step 30\)", message), message  # fmt: skip
         assert steps_on_disk(tmp_path) == [30, 45, 60]  # Saved, and kept as retention says.
+        assert "from an earlier checkpoint (steps [30, 45] are kept: move the later" in message
     # Each checkpoint records the run's first loss and how many examples each accuracy had.
     with checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True) as reader:
         outcome = divergence.Outcome.from_json(reader.metadata(60)[divergence.OUTCOME_KEY])
