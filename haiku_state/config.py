@@ -183,6 +183,10 @@ SCHEMA = (
     Key("data.max_corrupt_fraction", 0.001, float, bounds=FRACTION, free=True,
         help="with skip_corrupt: the run stops once more of an epoch's training examples than this "
         "fraction (and more than one) were unreadable"),
+    Key("data.verify", "stat", str, choices=("stat", "content"), free=True,
+        help="what identifies an ImageFolder tree's images, refused on resume if changed: stat, "
+        "each file's size and modification time; content, each file's bytes too (read in full at "
+        "every start)"),
     Key("data.max_shift", 1, int, bounds=NON_NEGATIVE,
         help="on-device random shifts of up to this many pixels"),
     Key("data.flip", False, bool,
@@ -225,6 +229,8 @@ IGNORED_WHEN = (
      lambda get: get("data.name") not in data.ENCODED_DATASETS, "the data is held in memory"),
     (("data.max_corrupt_fraction",), lambda get: not get("data.skip_corrupt"),
      "skip_corrupt is False"),
+    (("data.verify",), lambda get: get("data.name") != "imagefolder",
+     "only an ImageFolder tree's files are verified so (shards have their SHA-256s)"),
     (("optimizer.momentum", "optimizer.nesterov"), lambda get: get("optimizer.name") != "sgd",
      "only sgd reads it"),
     (("optimizer.warmup_steps",), lambda get: get("optimizer.schedule") != "warmup_cosine",

@@ -9,6 +9,7 @@ a multi-process run makes the same calls, and only process 0 logs.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -63,7 +64,7 @@ def train_and_evaluate(
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     first_state = _first_train_state(experiment, config, workdir)
-    data_record = data_identity.identity(experiment.dataset)
+    data_record = data_identity.identity(experiment.dataset, config.data.verify == "content")
 
     with (
         _stop_request(stop) as stop,
@@ -78,7 +79,7 @@ def train_and_evaluate(
             experiment, config, workdir, train_state, checkpointer, data_record, stop
         )
         final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
-        saved = checkpointer.latest_step()
+        saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
     if jax.process_index() == 0:
         summaries.plot_curves(workdir, f"{workdir}: {config.model.name} on {config.data.name}")
         print(
@@ -92,7 +93,7 @@ def train_and_evaluate(
             f"{saved}. Run again to end the run (it evaluates step {saved} again)."
         )
     monitor.check_recovered(end.step, final)  # A loss that exploded and stayed so fails the run.
-    monitor.check_outcome(end.step, final)  # So does a run that ended far worse than its best.
+    monitor.check_outcome(end.step, final, kept)  # So does one that ended far worse than it was.
     return final
 
 
@@ -108,7 +109,7 @@ def _train(
     """The loop from the resumed step to the last, with its actions; saves where a signal
     stopped it."""
     start_step = step_of(train_state)
-    monitor = divergence.Monitor(start_step, divergence.outcome_at(checkpointer, start_step))
+    monitor = _monitor(experiment, config, checkpointer, start_step)
     with (
         summaries.MetricWriter(
             workdir,
@@ -152,6 +153,20 @@ def _train(
                 saver.run(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
+
+
+def _monitor(
+    experiment: Experiment, config: Any, checkpointer: checkpoint.Checkpointer, start_step: int
+) -> divergence.Monitor:
+    """The run's divergence monitor: its outcome as the resumed checkpoint recorded it, the
+    examples its accuracies are measured on, and the chance loss, ln(classes)."""
+    return divergence.Monitor(
+        start_step,
+        divergence.outcome_at(checkpointer, start_step),
+        examples_per_step=config.batch_size,
+        eval_examples=data.num_examples(experiment.dataset.test),
+        chance_loss=math.log(experiment.dataset.num_classes),
+    )
 
 
 def _final_evaluation(
@@ -382,7 +397,7 @@ class Evaluator:
         if metrics is not None:  # None: a signal interrupted it.
             self.latest = (step, metrics)
             self._writer.write(step, "eval", metrics)
-            self._monitor.outcome.log_eval(step, metrics)
+            self._monitor.log_eval(step, metrics)
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
         return self.latest[1] if self.latest and self.latest[0] == step else None

@@ -19,7 +19,7 @@ import jax
 from absl import logging
 
 from haiku_state import checkpoint, compilation_cache, data, summaries
-from haiku_state.config import FOLLOW_THE_DATA, at_default, keep_best_mode
+from haiku_state.config import FOLLOW_THE_DATA, at_default, default_config, keep_best_mode
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
 from haiku_state.guards import config_checks, signals
 from haiku_state.guards import workdir as workdir_lib
@@ -124,7 +124,8 @@ def _recorded(workdir: str) -> bool:
 
 def run_config(config: Any, workdir: str) -> Any:
     """`config` with the keys of the run's recorded config (`config.json`, else the latest
-    checkpoint's metadata), but `EVALUATOR_KEYS`; warns naming those that differ."""
+    checkpoint's metadata), but `EVALUATOR_KEYS` (`data.dir` too where `config` has none);
+    warns naming those that differ, or that `config` is another model's, set aside."""
     record, problem = workdir_lib.read_record(workdir)
     source = os.path.join(workdir, workdir_lib.CONFIG_FILE)
     if record is None:
@@ -134,10 +135,32 @@ def run_config(config: Any, workdir: str) -> Any:
     if record is None:
         logging.warning("%s holds no record of its config; evaluating with the one given.", workdir)
         return config
+    keep, recorded_dir = list(EVALUATOR_KEYS), record["config"].get("data", {}).get("dir")
+    if not config.data.dir and recorded_dir:
+        logging.info(
+            "data.dir: the run's, %s (the command line gives none; --config.data.dir=<a "
+            "folder> reads the data from another).",
+            recorded_dir,
+        )
+        keep.remove("data.dir")
+    recorded_model = record["config"].get("model", {}).get("name", config.model.name)
+    if recorded_model != config.model.name:  # Another experiment's config: none of it holds.
+        logging.warning(
+            "The config given is for the model %r, but the run in %s trained %r: the command "
+            "line's config is set aside, but for how the evaluator runs (%s); evaluating the "
+            "run with its own config, as %s records it.",
+            config.model.name,
+            workdir,
+            recorded_model,
+            ", ".join(EVALUATOR_KEYS),
+            source,
+        )
+        config = _with_evaluator_keys(default_config(recorded_model), config)
+        return workdir_lib.with_recorded(config, record["config"], keep)[0]
     # A default the run fitted to its data is recorded fitted: that is no difference.
     fitted = [name for name in FOLLOW_THE_DATA if at_default(config, name)]
     config, changed = workdir_lib.with_recorded(
-        config, record["config"], EVALUATOR_KEYS, unreported=fitted
+        config, record["config"], keep, unreported=[*fitted, *EVALUATOR_KEYS]
     )
     if changed:
         logging.warning(
@@ -147,6 +170,17 @@ def run_config(config: Any, workdir: str) -> Any:
             "; ".join(changed),
         )
     return workdir_lib.with_legacy_values(config, record["config"], source)
+
+
+def _with_evaluator_keys(config: Any, given: Any) -> Any:
+    """`config` with `given`'s values of `EVALUATOR_KEYS`."""
+    for key in EVALUATOR_KEYS:
+        *parents, leaf = key.split(".")
+        node, source = config, given
+        for parent in parents:
+            node, source = node[parent], source[parent]
+        node[leaf] = source[leaf]
+    return config
 
 
 def _checkpoint_config(workdir: str) -> dict[str, Any] | None:
@@ -182,9 +216,7 @@ def evaluate_checkpoint(
                     f"No checkpoint in {directory} has the eval metric "
                     f"config.keep_best_by={config.keep_best_by!r}."
                 )
-        train_state = checkpointer.restore(like, step)
-        if train_state is None:
-            raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
+        train_state = _restore(checkpointer, like, step)
         metrics = evaluate(train_state)
         if metrics is None:
             raise stop.stopped(
@@ -194,6 +226,25 @@ def evaluate_checkpoint(
         summary = summaries.format_metrics(metrics)
         print(f"Eval of {directory} at step {step_of(train_state)}: {summary}", flush=True)
     return metrics
+
+
+def _restore(
+    checkpointer: checkpoint.Checkpointer, like: TrainState, step: int | None
+) -> TrainState:
+    """`step` (None: the newest complete one) as `like`. A damaged one is refused as a training
+    run refuses it, naming the steps there are: an evaluation does not stand in another."""
+    steps = checkpointer.all_steps()
+    if not steps:
+        raise FileNotFoundError(f"No complete checkpoint in {checkpointer.directory}; train first.")
+    try:
+        return checkpointer.restore(like, steps[-1] if step is None else step)
+    except ValueError as e:
+        if step is not None or len(steps) == 1:
+            raise
+        said = str(e) if str(e).endswith(".") else f"{e}."
+        raise type(e)(
+            f"{said} Not evaluated (complete steps: {steps}; --step=<step> evaluates one)."
+        ) from None
 
 
 def follow_checkpoints(

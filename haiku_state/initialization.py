@@ -4,14 +4,21 @@ Compiled, `forward.init` draws each parameter in a kernel of its own, about a se
 TPU (ResNet-50: ~53 s, and ~15 s for the forward pass). Here one small program on the host's CPU
 cuts each parameter with a standard random initialiser (`TruncatedNormal`, `RandomNormal`,
 `RandomUniform`) from one flat draw per distribution, takes every other entry from
-`forward.init` with the forward pass dead code, and zeroes state computed from the input
+`forward.init` with the forward pass dead code (its own initialiser, `VarianceScaling` too,
+run with a key drawn from the seed), and zeroes state computed from the input
 (BatchNorm's averages, which the first step overwrites). A parameter computed from the input
 makes it `forward.init` as it is. The numpy values are alike on every platform and device count.
+
+The program's memory is known before it runs, and one that does not fit is refused
+(`HostMemoryError`): XLA:CPU runs a program asynchronously, and an output it then fails to
+allocate leaves the others never ready (jaxlib 0.10-0.12), a wait no signal ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -20,6 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
+
+
+class HostMemoryError(MemoryError):
+    """The program that draws the initial params and state needs more host memory than this
+    process may allocate."""
 
 
 class _Draw(NamedTuple):
@@ -116,9 +128,13 @@ def initial_params_and_state(
         if any(from_input[:num_params]):  # forward.init as it is, forward pass and all.
             draws.clear()
             closed, shapes = _trace_init(forward, key, batch, axis_name, creator=None)
-            values = _run_on_host(closed, key, jax.tree.leaves(batch), draws)[0]
+            values = _run_on_host(closed, key, jax.tree.leaves(batch), draws, shapes)[0]
         else:
-            values, flat_draws = _run_on_host(closed, key, None, draws, skip=from_input)
+            # Neither what reads the input nor the drawn parameters' stand-ins are computed.
+            drawn = [f"{module}/{name}" in draws for module, name in _param_names(shapes[0])]
+            drawn += [False] * (len(from_input) - len(drawn))  # The state's leaves.
+            skip = [reads or stand_in for reads, stand_in in zip(from_input, drawn, strict=True)]
+            values, flat_draws = _run_on_host(closed, key, None, draws, shapes, skip=skip)
     leaves, tree = jax.tree.flatten(shapes)
     values = [
         np.zeros(leaf.shape, leaf.dtype) if value is None else np.asarray(value)
@@ -128,6 +144,13 @@ def initial_params_and_state(
     if draws:
         params = _with_draws(params, draws, flat_draws)
     return params, state
+
+
+def _param_names(params: hk.Params) -> list[tuple[str, str]]:
+    """`(module, name)` of each leaf of `params`, in `jax.tree.leaves` order."""
+    return [
+        (path[0].key, path[1].key) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
 
 
 def initial_shapes(
@@ -167,9 +190,10 @@ def _trace_init(forward, key, batch, axis_name, creator):
     return jax.make_jaxpr(flat_run, return_shape=True)(key, *leaves)
 
 
-def _run_on_host(closed, key, batch_leaves, draws, skip=None):
+def _run_on_host(closed, key, batch_leaves, draws, shapes, skip=None):
     """Runs the traced init on the host device: its outputs (None where `skip`), and the draws.
-    Without `batch_leaves` the input is zeros, dead code where `skip` marks what reads it."""
+    Without `batch_leaves` the input is zeros, dead code where `skip` marks what reads it.
+    `HostMemoryError`, naming the largest of `shapes`, if the program cannot fit."""
     skip = skip or [False] * len(closed.jaxpr.outvars)
     sizes: dict[tuple, int] = {}  # Of each distribution's flat draw, in order of first use.
     for draw in draws.values():
@@ -192,10 +216,74 @@ def _run_on_host(closed, key, batch_leaves, draws, skip=None):
     device = host_device()
     if batch_leaves is not None:
         batch_leaves = [jax.device_put(np.asarray(jax.device_get(x)), device) for x in batch_leaves]
-    kept, flat = jax.device_get(jax.jit(program)(jax.device_put(key, device), batch_leaves))
+    key = jax.device_put(key, device)
+    compiled = jax.jit(program).lower(key, batch_leaves).compile()
+    _check_fits_in_host_memory(compiled.memory_analysis(), shapes)
+    kept, flat = jax.device_get(compiled(key, batch_leaves))
     kept = iter(kept)
     values = [None if skipped else next(kept) for skipped in skip]
     return values, dict(zip(sizes, flat, strict=True))
+
+
+def _check_fits_in_host_memory(memory: Any, shapes: tuple[hk.Params, hk.State]) -> None:
+    """`HostMemoryError` if the program's outputs and work space (XLA's `memory`) exceed what
+    this process may still allocate."""
+    headroom = host_memory_headroom()
+    if memory is None or headroom is None:
+        return
+    needed = memory.output_size_in_bytes + memory.temp_size_in_bytes
+    available, bound = headroom
+    if needed <= available:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    path, largest = max(leaves, key=lambda named: _bytes(named[1]))
+    name = "/".join(str(getattr(part, "key", part)) for part in path[1:])
+    shape = "x".join(map(str, largest.shape))
+    raise HostMemoryError(
+        f"The initial params and state take {_gib(memory.output_size_in_bytes)} and drawing "
+        f"them {_gib(memory.temp_size_in_bytes)} more, beyond the {_gib(max(available, 0))} "
+        f"this process may still allocate on the host ({bound}). The largest: {name}, {shape} "
+        f"{largest.dtype} ({_gib(_bytes(largest))}); a smaller model or input "
+        "(data.image_size) fits."
+    )
+
+
+def _bytes(leaf: jax.ShapeDtypeStruct) -> int:
+    return leaf.size * leaf.dtype.itemsize
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.3g} GiB"
+
+
+def host_memory_headroom() -> tuple[int, str] | None:
+    """The bytes this process may still allocate on the host and what bounds them: its
+    address-space limit (`ulimit -v`), its container's (cgroup v2 `memory.max`), the memory
+    the host has available; None if none can be read."""
+    bounds = []
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    try:
+        if limit != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            bounds.append((limit - mapped, f"its address-space limit, ulimit -v {limit // 1024}"))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            most, used = f.read().strip(), int(g.read())
+        if most != "max":
+            bounds.append((int(most) - used, "its container's limit, cgroup memory.max"))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        free = sum(int(fields[name].split()[0]) * 1024 for name in ("MemAvailable", "SwapFree"))
+        bounds.append((free, "the memory and swap this host has available"))
+    except (OSError, KeyError, ValueError):
+        pass
+    return min(bounds, default=None)
 
 
 def _with_draws(params: hk.Params, draws: dict[str, _Draw], flat_draws: dict[tuple, np.ndarray]):

@@ -100,7 +100,7 @@ class MetricWindow:
         start_step, start_time = self._start
         self._pending, self._start = [], (step, now)
         means = {name: total / counts[name] for name, total in sums.items()}
-        self._monitor.outcome.log_train(step, means)
+        self._monitor.log_train(step, means, step - start_step)
         return WindowSummary(means, step - start_step, now - start_time)
 
 

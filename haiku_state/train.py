@@ -7,15 +7,22 @@ r"""The command line: `python -m haiku_state.train`. Flags, the runtime, one-lin
 Nothing in the library imports this module, and its flags are defined only when
 `main` runs. Exit status: 0 when the run (or evaluation) finished; 128 + the
 signal's number (143 for SIGTERM) when a signal stopped it after saving; 1 with
-a one-line error otherwise. Multi-process runs: `--coordinator_address=HOST:PORT
---num_processes=N --process_id=K` on every process, or `--multihost` where JAX
-detects the cluster (SLURM, TPU pods).
+a one-line error otherwise (an error the package did not raise on purpose appends
+its traceback to WORKDIR/errors.log, and the line names it). Multi-process runs:
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=K` on every process,
+or `--multihost` where JAX detects the cluster (SLURM, TPU pods).
 """
 
 from __future__ import annotations
 
+import dis
+import faulthandler
 import functools
+import os
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -106,8 +113,19 @@ def _define_flags() -> _Flags:
 
 
 # One-line errors: bad input, bad files, a run that cannot go on. Anything else is a bug
-# and keeps its traceback.
-_USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, RuntimeError, OSError)
+# and keeps its traceback. Of these, the ones a library raised (JAX's runtime errors, device
+# out of memory, a library's ValueError) also keep theirs, in the workdir's ERRORS_FILE.
+_USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FloatingPointError,
+    RuntimeError,
+    OSError,
+    MemoryError,
+)
+ERRORS_FILE = "errors.log"
+EXIT_WITHIN_SECS = 10.0  # After a one-line error, the most the process may take to end.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _step_flag(value: str | None) -> int | str | None:
@@ -130,7 +148,7 @@ def _run_mode(command_line: _Flags, config: Any, stop: signals.StopRequest) -> N
 def _main(command_line: _Flags, argv: list[str]) -> None:
     del argv  # Unused: everything comes in flags.
     # First thing: from here to the exit a signal asks for a clean stop.
-    stop = signals.StopRequest().install()
+    stop = signals.StopRequest(take_within_secs=signals.TAKE_WITHIN_SECS).install()
     quiet_logs.keep_the_log_to_this_package()
     if command_line.cpu_devices.value:
         jax.config.update("jax_num_cpu_devices", command_line.cpu_devices.value)
@@ -156,9 +174,48 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
         sys.exit(e.exit_code)
     except _USER_ERRORS as e:
         processes.exit_if_lost(e)
-        sys.exit(f"error: {e}")  # The one line, on stderr beside the log.
+        # Device work the error left stuck (a collective a failed device never joins) must
+        # not hold the exit: past the bound, the threads' stacks and exit status 1.
+        faulthandler.dump_traceback_later(EXIT_WITHIN_SECS, exit=True)
+        if raised_on_purpose(e):
+            sys.exit(f"error: {e}")  # The one line, on stderr beside the log.
+        where = _write_traceback(e, command_line.workdir.value)
+        sys.exit(f"error: {e} (traceback in {where})")
     finally:
         stop.ignore_until_exit()
+
+
+def raised_on_purpose(error: BaseException) -> bool:
+    """Whether `error` comes from a `raise` statement of this package: a refusal with its
+    message, not a library's error that passed through (JAX cuts its own frames from a
+    traceback, so the innermost frame left may be the package's call into it)."""
+    innermost = error.__traceback__
+    while innermost is not None and innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    if innermost is None:
+        return False
+    code = innermost.tb_frame.f_code
+    in_package = os.path.abspath(code.co_filename).startswith(_PACKAGE_DIR)
+    return in_package and code.co_code[innermost.tb_lasti] == dis.opmap["RAISE_VARARGS"]
+
+
+def _write_traceback(error: BaseException, workdir: str | None) -> str:
+    """Appends `error`'s traceback to the workdir's ERRORS_FILE (the system's temporary
+    directory's while there is no workdir); the path, or why nothing could be written."""
+    directory = workdir if workdir and os.path.isdir(workdir) else tempfile.gettempdir()
+    name = ERRORS_FILE if directory == workdir else f"haiku_state-{os.getpid()}-{ERRORS_FILE}"
+    path = os.path.join(directory, name)
+    header = (
+        f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} process {jax.process_index()} "
+        f"(pid {os.getpid()}): {' '.join(sys.argv)}\n"
+    )
+    try:
+        with open(path, "a") as f:
+            f.write(header + "".join(traceback.format_exception(error)))
+    except OSError as e:
+        traceback.print_exception(error)
+        return f"the lines above: {path} cannot be written ({e.strerror or e})"
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -134,6 +134,30 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
     assert compile_in_a_process() == {"cache_hits": first["cache_misses"], "cache_misses": 0}
 
 
+def test_a_damaged_entry_is_one_line_and_replaced_by_the_program_compiled_instead(tmp_path):
+    def compile_in_a_process():
+        command = [sys.executable, "-c", _COMPILE_ONCE, str(tmp_path / "cache")]
+        env = {**os.environ, "PYTHONPATH": REPO}
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+    first, _ = compile_in_a_process()
+    entries = [tmp_path / "cache" / name for name in _entries(tmp_path / "cache")]
+    for entry in entries:  # Truncated, as a full disk or a killed copy leaves them.
+        entry.write_bytes(entry.read_bytes()[:100])
+    damaged, said = compile_in_a_process()
+    assert damaged == {"cache_hits": 0, "cache_misses": first["cache_misses"]}
+    assert "Error reading persistent compilation cache entry" not in said
+    lines = [line for line in said.splitlines() if "Compilation cache: the entry" in line]
+    assert len(lines) == 1, said
+    assert "cannot be read (error: Error -5 while decompressing data" in lines[0]
+    assert "its program is compiled and written anew, as is any other damaged entry" in lines[0]
+    assert all(entry.stat().st_size > 100 for entry in entries)  # Written anew.
+    again, said = compile_in_a_process()
+    assert again == {"cache_hits": first["cache_misses"], "cache_misses": 0}
+    assert "Compilation cache: the entry" not in said
+
+
 def test_training_and_evaluation_compile_into_the_configs_cache(tmp_path, cache_off_afterwards):
     config = mlp_config(compilation_cache_dir=str(tmp_path / "train_cache"), steps=10)
     config.update(log_every=5, eval_every=10, check_every=5, checkpoint_every=5)

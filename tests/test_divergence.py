@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from configs import mlp_config, steps_on_disk
 
-from haiku_state import driver
+from haiku_state import checkpoint, driver
 from haiku_state.guards import divergence
 
 
@@ -33,6 +33,32 @@ def test_a_loss_explodes_when_not_finite_or_over_the_factor_times_the_first(
 ):
     assert divergence.EXPLOSION_FACTOR == 100.0
     assert divergence.is_exploding(loss, first_loss) is exploding
+
+
+def test_a_loss_under_the_chance_loss_has_not_exploded_however_small_the_first():
+    # A warm start from a finished run: its first loss is tiny, its later ones are not.
+    chance = math.log(10)
+    assert not divergence.is_exploding(0.15, 0.0009, chance)
+    assert divergence.is_exploding(0.15, 0.0009)  # Without the floor, as it was.
+    assert divergence.is_exploding(300.0, 2.3, chance)
+    assert divergence.is_exploding(math.nan, 0.0009, chance)
+
+
+def test_the_first_loss_of_a_resumed_process_is_the_runs():
+    # The run began at 2.3; this process resumes at 0.0004 and meets a batch of 0.057.
+    outcome = divergence.Outcome(first_loss=divergence.Figure(1, 2.3))
+    monitor = divergence.Monitor(resumed_step=20, outcome=outcome)
+    monitor.observe(_losses((21, 0.0004), (25, 0.057)))
+    assert monitor.first_exploding_step is None
+    assert monitor.outcome.first_loss == divergence.Figure(1, 2.3)
+    # A checkpoint written before the first loss was recorded: its first window's mean.
+    older = divergence.Outcome(first_train_loss=divergence.Figure(10, 2.0))
+    monitor = divergence.Monitor(resumed_step=20, outcome=older)
+    monitor.observe(_losses((21, 0.0004), (25, 0.057), (26, 201.0)))
+    assert monitor.first_exploding_step == 26
+    fresh = divergence.Monitor(resumed_step=0)
+    fresh.observe(_losses((1, 2.5), (2, 2.4)))
+    assert fresh.outcome.first_loss == divergence.Figure(1, 2.5)  # Saved with each checkpoint.
 
 
 def test_the_checkpoint_of_the_step_before_the_first_exploding_loss_holds_diverged_params():
@@ -198,7 +224,7 @@ def test_a_run_whose_loss_stays_exploded_ends_with_an_error_and_keeps_the_last_g
 ):
     # Stands in for a finite explosion: the loss "explodes" once it falls under 1.6.
     monkeypatch.setattr(
-        divergence, "is_exploding", lambda loss, first: not math.isfinite(loss) or loss < 1.6
+        divergence, "is_exploding", lambda loss, *_: not math.isfinite(loss) or loss < 1.6
     )
     with pytest.raises(divergence.LossExplodedError) as error:
         driver.train_and_evaluate(mlp_config(checkpoint_every=5, max_to_keep=1), str(tmp_path))
@@ -244,6 +270,73 @@ def test_a_run_that_ended_as_well_as_it_went_passes(windows, evals, final_accura
     assert outcome.problems(windows[-1][0], {"accuracy": final_accuracy, "loss": 1.0}) == []
 
 
+def test_a_warm_started_runs_tiny_loss_may_rise_by_less_than_the_floor():
+    # init_from a finished run: 0.00086 -> 0.0028 is over 1.25x, and nothing at all.
+    outcome = _outcome([(10, 0.00086, 1.0), (20, 0.0028, 1.0)])
+    assert outcome.problems(20, {"accuracy": 1.0, "loss": 0.0001}) == []
+    outcome = _outcome([(10, 0.00086, 1.0), (20, 0.2, 0.96)])  # A real rise.
+    assert outcome.problems(20, {"accuracy": 0.96}) == [
+        "its train loss ended at 0.2 (step 20), over 1.25x its first logged, 0.00086 (step 10)"
+    ]
+
+
+def test_an_accuracy_fall_that_chance_explains_on_so_few_examples_is_no_collapse():
+    # Random labels, 10 eval images: 2 right at best, then none.
+    outcome = divergence.Outcome()
+    for step, accuracy in [(50, 0.0), (300, 0.2), (350, 0.0)]:
+        outcome.log_eval(step, {"accuracy": accuracy, "loss": 2.4}, examples=10)
+    assert outcome.problems(600, {"accuracy": 0.0, "loss": 2.5}, 10, math.log(10)) == []
+    # 10 of 10, then none: no chance explains it.
+    outcome.log_eval(400, {"accuracy": 1.0}, examples=10)
+    assert outcome.problems(600, {"accuracy": 0.0}, 10) == [
+        "its eval accuracy fell to 0.0000 (step 600), under 0.5x its best, 1.0000 (step 400)"
+    ]
+    # The digits' 360: 0.2 -> 0.05 is beyond chance there.
+    outcome = divergence.Outcome()
+    outcome.log_eval(300, {"accuracy": 0.2}, examples=360)
+    assert len(outcome.problems(600, {"accuracy": 0.05}, 360)) == 1
+    # Train windows are sized by their steps' examples: 8 examples a window is noise.
+    few, many = _outcome([]), _outcome([])
+    for step, accuracy in [(1, 0.375), (2, 0.0)]:
+        few.log_train(step, {"loss": 2.3, "accuracy": accuracy}, examples=8)
+        many.log_train(step, {"loss": 2.3, "accuracy": accuracy}, examples=640)
+    assert few.problems(2, {}) == [] and len(many.problems(2, {})) == 1
+    assert divergence.Outcome.from_json(outcome.to_json()) == outcome  # The counts are kept.
+    assert outcome.to_json()["best_eval_accuracy"] == [300, 0.2, 360]
+
+
+def test_an_eval_loss_that_rose_past_its_first_and_chance_is_divergence_not_overfitting():
+    chance = math.log(10)
+    outcome = divergence.Outcome()
+    outcome.log_eval(100, {"accuracy": 0.0861, "loss": 3.55}, examples=360)
+    # lr 4, momentum 0.99: the train windows said little, the evaluation everything.
+    assert outcome.problems(600, {"accuracy": 0.0861, "loss": 578.9}, 360, chance) == [
+        "its eval loss ended at 578.9 (step 600), over 1.25x its first evaluation's, 3.55 "
+        "(step 100)"
+    ]
+    # Overfitting: the eval loss rises past its first, still under chance's.
+    overfit = divergence.Outcome()
+    overfit.log_eval(100, {"accuracy": 0.8, "loss": 0.5}, examples=360)
+    assert overfit.problems(600, {"accuracy": 0.85, "loss": 1.0}, 360, chance) == []
+    # Random labels memorised: a rise within the floor's 1.25x.
+    memorised = divergence.Outcome()
+    memorised.log_eval(50, {"accuracy": 0.0, "loss": 2.38}, examples=10)
+    assert memorised.problems(600, {"accuracy": 0.1, "loss": 2.5}, 10, chance) == []
+
+
+def test_ended_worse_suggests_an_earlier_checkpoint_only_when_one_is_kept():
+    outcome = _outcome([(10, 2.0, 0.3), (20, 0.8, 0.7), (30, 2.6, 0.5)])
+    monitor = divergence.Monitor(30, outcome)
+    with pytest.raises(divergence.EndedWorseError) as error:
+        monitor.check_outcome(30, {"accuracy": 0.5}, kept_steps=[30])  # max_to_keep=1
+    assert str(error.value).endswith(
+        "train again, in a new workdir (no checkpoint before step 30 is kept)."
+    )
+    with pytest.raises(divergence.EndedWorseError) as error:
+        monitor.check_outcome(30, {"accuracy": 0.5}, kept_steps=[15, 30])
+    assert "from an earlier checkpoint (steps [15] are kept: move the later" in str(error.value)
+
+
 def test_a_run_that_ended_far_worse_names_each_rule_it_broke_with_its_figures():
     # make train EXP=mlp with learning_rate=4 and momentum 0.99, as it logged.
     windows = [(50, 3.3337, 0.4637), (100, 4.6264, 0.1528), (600, 2.3240, 0.1014)]
@@ -287,3 +380,10 @@ def test_a_run_that_collapses_after_a_resume_is_judged_on_the_whole_run_and_so_i
         assert re.search(r"its eval accuracy fell to 0\.\d+ \(step 60\), under 0\.5x its best, "
                          r"0\.\d+ \(step 30\)", message), message  # fmt: skip
         assert steps_on_disk(tmp_path) == [30, 45, 60]  # Saved, and kept as retention says.
+        assert "from an earlier checkpoint (steps [30, 45] are kept: move the later" in message
+    # Each checkpoint records the run's first loss and how many examples each accuracy had.
+    with checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True) as reader:
+        outcome = divergence.Outcome.from_json(reader.metadata(60)[divergence.OUTCOME_KEY])
+    assert outcome.first_loss.step == 1 and outcome.first_eval_loss.step == 30
+    assert outcome.best_eval_accuracy.examples == 360  # The digits' test split.
+    assert outcome.last_train_accuracy.examples == 10 * 64  # A window of 10 steps of 64.

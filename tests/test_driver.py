@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 from configs import StopAfterChecks, mlp_config, steps_on_disk
-from image_trees import CORRUPTIONS, write_imagefolder
+from image_trees import CORRUPTIONS, image_bytes, write_imagefolder
 
 from haiku_state import checkpoint, data, driver, evaluation, prepare, summaries, train
 from haiku_state import config as config_lib
@@ -425,6 +425,11 @@ def test_the_readmes_own_photos_command_trains_on_a_folder_of_a_hundred_images(
         f"Eval of {workdir}/checkpoints at step 6: accuracy {final['accuracy']:.2%}, "
         f"loss {final['loss']:.4f}"
     )
+    # An evaluation whose command line names no data.dir reads the run's, and says so.
+    config.data.dir = ""
+    with caplog.at_level("INFO"):
+        assert evaluation.evaluate_checkpoint(config, workdir) == pytest.approx(final)
+    assert f"data.dir: the run's, {photos} (the command line gives none;" in caplog.text
 
 
 def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_checkpoint(
@@ -458,6 +463,30 @@ def test_a_corrupt_image_stops_training_naming_file_and_step_and_keeps_the_check
     for end in (8, 12):
         steps_holding = len([s for s in holding if end - 4 < s <= end])
         assert logged[end] == pytest.approx(steps_holding / 4 / 16)
+
+
+def test_data_verify_content_refuses_a_resume_on_two_images_swapped_with_their_times(tmp_path):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(6, 1))
+    folder = os.path.join(tree, "train", "cat")
+    first, second = (os.path.join(folder, name) for name in ("cat_1.jpeg", "cat_3.png"))
+    images = [image_bytes(np.random.default_rng(seed), 24, 24, "PNG") for seed in (1, 2)]
+    for path, image in zip((first, second), images, strict=True):  # One size: the blind spot.
+        with open(path, "wb") as f:
+            f.write(image + bytes(max(map(len, images)) - len(image)))
+    config = _imagefolder_config(tree, steps=3, **{"data.verify": "content"})
+    workdir = str(tmp_path / "run")
+    driver.train_and_evaluate(config, workdir)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
+    assert recorded["train_bytes"] and recorded["test_bytes"]
+    times = [os.stat(path).st_mtime_ns for path in (first, second)]
+    contents = [open(path, "rb").read() for path in (first, second)]
+    for path, content, mtime in zip((first, second), contents[::-1], times, strict=True):
+        with open(path, "wb") as f:
+            f.write(content)
+        os.utime(path, ns=(mtime, mtime))
+    config.steps = 6
+    with pytest.raises(ValueError, match="dataset.train_bytes: the bytes of the train images"):
+        driver.train_and_evaluate(config, workdir)
 
 
 def _workdir_files(workdir) -> dict[str, str]:

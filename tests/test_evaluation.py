@@ -14,9 +14,10 @@ import shutil
 
 import pytest
 from checkpoint_helpers import read_step_item, set_format_version, write_step_item
-from configs import StopAfterChecks, mlp_config
+from configs import REPO, StopAfterChecks, mlp_config
 
 from haiku_state import checkpoint, driver, evaluation
+from haiku_state import config as config_lib
 from haiku_state.experiment import build_experiment, placeholder_batch
 from haiku_state.guards import signals
 
@@ -84,6 +85,20 @@ def test_the_eval_modes_evaluate_the_run_as_its_record_says(trained, tmp_path, c
         evaluation.evaluate_checkpoint(given, workdir, step="best")
 
 
+def test_another_experiments_config_is_set_aside_for_the_runs_own(trained, caplog):
+    workdir, final = trained
+    given = config_lib.load_config_file(os.path.join(REPO, "experiments", "resnet.py"))
+    given.eval_batch_size = 64  # How the evaluator runs is the command line's.
+    with caplog.at_level(logging.WARNING):
+        metrics = evaluation.evaluate_checkpoint(given, workdir)
+    assert metrics == pytest.approx(final)
+    assert (
+        f"The config given is for the model 'resnet', but the run in {workdir} trained 'mlp': "
+        "the command line's config is set aside, but for how the evaluator runs (eval_batch_size"
+    ) in caplog.text
+    assert f"evaluating the run with its own config, as {workdir}/config.json" in caplog.text
+
+
 def test_a_stopped_eval_mode_raises_stopped_with_the_signal_and_records_nothing(trained):
     workdir, _ = trained
     metrics_file = os.path.join(workdir, "metrics.jsonl")
@@ -109,6 +124,24 @@ def test_eval_follow_stops_at_a_step_of_an_unknown_format_version_naming_it(trai
     assert message.startswith("eval_follow cannot evaluate step 30 (evaluated steps [10, 20]): ")
     assert "30 has format version 99; this haiku_state reads format versions [1, 2, 3]" in message
     assert isinstance(error.value, ValueError)  # One line and exit status 1 on the command line.
+
+
+def test_eval_mode_refuses_a_latest_step_whose_version_and_items_do_not_match(trained, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained[0], workdir)
+    set_format_version(workdir / "checkpoints" / "30", 1)  # It holds version 2's items.
+    metrics_before = (workdir / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError) as error:
+        evaluation.evaluate_checkpoint(_config(), str(workdir))
+    assert str(error.value) == (
+        "Checkpoint step 30 is damaged: its step item says format_version 1 but lacks "
+        "checksums, which version 1 writes; it holds version 2's key_layout, fingerprints "
+        "instead: the version and the items do not match. Not evaluated (complete steps: "
+        "[10, 20, 30]; --step=<step> evaluates one)."
+    )
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "20", "30"]  # Nothing moved.
+    assert (workdir / "metrics.jsonl").read_text() == metrics_before  # Nothing recorded.
+    assert evaluation.evaluate_checkpoint(_config(), str(workdir), step=20)  # Asked for.
 
 
 def test_eval_follow_fails_when_the_last_step_is_damaged_and_skips_an_earlier_one(

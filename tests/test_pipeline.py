@@ -240,19 +240,69 @@ def test_default_workers_leave_a_core_to_the_training_loop(dataset, monkeypatch)
 
 
 def test_a_decoding_worker_leaves_ctrl_c_to_the_training_process():
-    # Ctrl-C reaches the whole process group; a worker that raised KeyboardInterrupt
-    # would print its traceback beside the training process's orderly stop.
+    # Ctrl-C, and a closed terminal's hangup, reach the whole process group; a worker that
+    # raised KeyboardInterrupt would print its traceback beside the training process's
+    # orderly stop, and one that a hangup killed would fail the run.
     code = (
         "import os, signal, time\n"
         "from haiku_state.data import pipeline\n"
         "pipeline.exit_with_parent(0, 1)\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
+        "os.kill(os.getpid(), signal.SIGHUP)\n"
         "time.sleep(0.1)\n"
         "print('still here')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and "still here" in result.stdout, result.stderr
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Not ours.
+
+
+_WORKERS_TO_THE_END = """
+import gc, os, sys
+from grain.multiprocessing import SharedMemoryArray
+from haiku_state import data
+from haiku_state.data import pipeline
+
+def run(root):
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=16).train
+    batches = pipeline.encoded_train_batches(split, 6, seed=3, num_steps=3, workers=2)
+    kept = [next(batches)]  # Still held at the exit, as a prefetch queue holds batches.
+    batches.close()  # Early, with batches in flight.
+    held = {id(leaf) for batch in kept for leaf in batch.values()}
+    alive = [o for o in gc.get_objects() if isinstance(o, SharedMemoryArray) and id(o) not in held]
+    print(f"arrays of the closed pipeline still to release: {len(alive)}", flush=True)
+    batches = pipeline.encoded_train_batches(split, 6, seed=3, num_steps=40, workers=1)
+    try:
+        kept += list(batches)
+    except data.CorruptImageError as e:  # The run's error; the exit holds its traceback.
+        names = [batch["image"].shm.name for batch in kept]
+        there = [name for name in names if os.path.exists(os.path.join("/dev/shm", name))]
+        sys.exit(f"stopped: {type(e).__name__}; of the batches held, in /dev/shm: {there}")
+
+if __name__ == "__main__":
+    run(sys.argv[1])
+"""
+
+
+def test_no_run_leaves_shared_memory_behind_on_success_or_error(tmp_path):
+    # grain unlinked each batch's shared memory when its array was deleted, in a thread the
+    # exit did not wait for, and the arrays a closed pipeline held only once a collection
+    # found them: the resource tracker said "There appear to be 4 leaked shared_memory objects".
+    root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
+    add_corrupt_file(root, "truncated")
+    script = tmp_path / "to_the_end.py"
+    script.write_text(_WORKERS_TO_THE_END)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    result = subprocess.run(
+        [sys.executable, str(script), root], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "arrays of the closed pipeline still to release: 0" in result.stdout
+    assert "stopped: CorruptImageError; of the batches held, in /dev/shm: []" in result.stderr
+    assert "leaked" not in result.stderr and "resource_tracker" not in result.stderr, result.stderr[
+        -3000:
+    ]
+    assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
 
 
 _ORPHAN = """

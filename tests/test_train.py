@@ -171,14 +171,64 @@ def test_a_failing_run_prints_its_error_once(tmp_path):
     ]
 
 
+def test_only_the_packages_own_raise_counts_as_raised_on_purpose():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from haiku_state import config as config_lib
+    from haiku_state import replication, train
+    from haiku_state.guards import config_checks
+
+    config = config_lib.load_config_file("experiments/mlp.py")
+    config.batch_size = 3
+    with pytest.raises(ValueError) as refusal:
+        config_checks.validate_config(config, 2, 1)
+    assert train.raised_on_purpose(refusal.value)
+    # A library's error through the package's frames (JAX cuts its own from the traceback).
+    for leaf in (np.zeros(()), jnp.zeros(())):
+        with pytest.raises(IndexError) as passed_through:
+            replication.unreplicate(leaf)
+        assert not train.raised_on_purpose(passed_through.value)
+
+
+def test_a_librarys_error_is_one_line_naming_errors_log_which_holds_its_traceback(tmp_path):
+    # JAX's ValueError in the middle of a run, where a library bug or XLA's runtime error is.
+    code = (
+        "import sys\n"
+        "import jax.numpy as jnp\n"
+        "from haiku_state import train\n"
+        "train.train_and_evaluate = lambda *args, **kwargs: jnp.argmax(jnp.zeros(0))\n"
+        "train.main(['haiku_state.train', *sys.argv[1:]])\n"
+    )
+    flags = ["--config=experiments/mlp.py", f"--workdir={tmp_path}"]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *flags],
+        cwd=REPO, env=_environment(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: attempt to get argmax of an empty sequence (traceback in {tmp_path}/errors.log)"
+    )
+    assert "Traceback" not in result.stderr
+    logged = (tmp_path / "errors.log").read_text()
+    assert "Traceback (most recent call last)" in logged and "in _argmax" in logged, logged
+    # The package's own refusal stays one line, with nothing written.
+    refused = run_module(*flags, "--cpu_devices=2", "--config.batch_size=3")
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1].startswith("error: config.batch_size=3 is not")
+    assert "errors.log" not in refused.stderr and os.listdir(tmp_path) == ["errors.log"]
+
+
 # -- Bad input: one line, before anything is written ----------------------------------------------
 
 
-def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
+def test_cli_missing_experiment_file_says_so_and_lists_the_experiments(tmp_path):
     result = run_module("--config=experiments/nope.py", f"--workdir={tmp_path}/w")
     assert result.returncode != 0
-    assert result.stderr.startswith("error: Unknown experiment config 'experiments/nope.py'")
-    assert "'mlp', 'resnet', 'resnet50'" in result.stderr
+    assert result.stderr.startswith(
+        "error: --config=experiments/nope.py: the file experiments/nope.py does not exist; the "
+        "experiments are ['mlp', 'resnet', 'resnet50'"
+    ), result.stderr
     assert not (tmp_path / "w").exists()
 
 
@@ -195,6 +245,12 @@ def test_cli_unknown_experiment_lists_the_experiments(tmp_path):
             "error: flag --step=abc: must be a step number or 'best' (--helpfull lists the flags)",
         ),
         (["--num_processes=2"], "error: Multi-process flags given (--num_processes=2) but"),
+        (
+            ["--config.steps=10", "foo", "bar"],
+            "Unexpected arguments on the command line: 'foo' 'bar'; everything is given as a "
+            "flag, --name=value, and a value with spaces is quoted (--workdir='runs/my run').",
+        ),
+        (["--workdir=runs/my", "run"], "Unexpected argument on the command line: 'run'; "),
     ],
 )
 def test_a_command_line_mistake_is_one_line_without_the_flag_listing(tmp_path, flags, line):
@@ -342,6 +398,8 @@ def test_eval_follow_evaluates_every_checkpoint_beside_a_training_run(tmp_path):
         ("start", "Starting at step 0", "SIGINT received: stopped at step 0 of 60; nothing saved"),
         # Two signals 150 ms apart.
         ("mid_run_twice", "step 20/", "SIGTERM received: stopped at step {saved} of 60; saved"),
+        # A closed terminal's hangup is a request to stop like any other.
+        ("mid_run_hangup", "step 20/", "SIGHUP received: stopped at step {saved} of 60; saved"),
         # The last step is evaluated, then saved: a signal then is still not a success.
         ("final_save", "Saving checkpoint step 60 ", "at step 60, the last, after its final"),
     ],
@@ -349,9 +407,10 @@ def test_eval_follow_evaluates_every_checkpoint_beside_a_training_run(tmp_path):
 def test_a_signal_at_any_phase_saves_says_where_and_exits_128_plus_its_number(
     tmp_path, phase, needle, last_line
 ):
+    signum = {"start": signal.SIGINT, "mid_run_hangup": signal.SIGHUP}.get(phase, signal.SIGTERM)
     process = start(tmp_path, "--config.checkpoint_every=1000", steps=60)
     wait_for_output(process, needle)
-    process.send_signal(signal.SIGINT if phase == "start" else signal.SIGTERM)
+    process.send_signal(signum)
     if phase == "mid_run_twice":
         time.sleep(0.15)
         process.send_signal(signal.SIGTERM)
@@ -359,12 +418,12 @@ def test_a_signal_at_any_phase_saves_says_where_and_exits_128_plus_its_number(
     if phase == "final_save" and process.returncode == 0:  # The run had returned by then.
         last_line = "Final eval at step 60: accuracy"
     else:
-        assert process.returncode == (130 if phase == "start" else 143), output[-3000:]
+        assert process.returncode == 128 + signum, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
     saved = steps_on_disk(tmp_path) if (tmp_path / "checkpoints").exists() else []
     if phase == "final_save":
         assert saved == [60]
-    elif phase == "mid_run_twice":
+    elif phase.startswith("mid_run"):
         assert len(saved) == 1 and 20 <= saved[0] < 60
     for step in saved:
         assert (tmp_path / "checkpoints" / str(step) / "commit_success.txt").exists()
@@ -379,3 +438,101 @@ def test_eval_follow_stopped_while_it_waits_for_checkpoints_exits_143(tmp_path):
     assert follower.returncode == 143, output[-3000:]
     assert "SIGTERM received: stopped while waiting for" in output.strip().splitlines()[-1]
     assert "No checkpoints" not in output and not (tmp_path / "not_yet").exists()
+
+
+# -- No hang: a failed allocation, a main thread stuck in native code, an exit held up -----------
+
+
+def _run_patched(setup: str, *flags, timeout: float = 120):
+    """The command line after `setup` (Python run first: limits, patches of haiku_state.train,
+    which the command then runs), started; its stdout and stderr in one pipe."""
+    code = f"import sys\nfrom haiku_state import train\n{setup}\n"
+    code += "train.main(['haiku_state.train', *sys.argv[1:]])\n"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *flags],
+        cwd=REPO, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_initial_params_beyond_the_address_space_limit_are_one_line_not_a_hang(tmp_path):
+    # The hostile user's run: `ulimit -v` and an MLP on 1024-px images (3 GiB of weights,
+    # drawn with 9 GiB more). XLA:CPU lost the failed allocation and the run waited forever.
+    from image_trees import write_imagefolder
+
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    limit = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))"
+    process = _run_patched(
+        limit, "--config=experiments/mlp.py", f"--workdir={tmp_path}/run", "--cpu_devices=2",
+        "--config.data.name=imagefolder", f"--config.data.dir={tree}", "--config.batch_size=4",
+        "--config.data.image_size=1024", "--config.data.workers=0", "--config.steps=2",
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=90)
+    finally:
+        process.kill()
+    assert process.returncode == 1, output[-3000:]
+    last_line = output.strip().splitlines()[-1]
+    assert last_line.startswith("error: The initial params and state take 3 GiB and drawing"), (
+        last_line
+    )
+    assert "this process may still allocate on the host (its address-space limit, ulimit -v " in (
+        last_line
+    )
+    assert "The largest: mlp/linear/w, 3145728x256 float32 (3 GiB)" in last_line
+    assert not (tmp_path / "run").exists()  # Refused before the workdir is touched.
+
+
+def test_a_signal_the_main_thread_cannot_take_ends_the_process_in_seconds(tmp_path):
+    # The main thread blocks in native code that no signal interrupts (a mutex locked twice),
+    # as it did waiting for an XLA result that never came.
+    stuck = (
+        "import ctypes\n"
+        "from haiku_state.guards import signals\n"
+        "signals.TAKE_WITHIN_SECS = 1.0\n"
+        "def stuck(*args, **kwargs):\n"
+        "    mutex = ctypes.create_string_buffer(64)\n"
+        "    libc = ctypes.CDLL(None)\n"
+        "    libc.pthread_mutex_lock(mutex)\n"
+        "    print('stuck', flush=True)\n"
+        "    libc.pthread_mutex_lock(mutex)\n"
+        "train.train_and_evaluate = stuck"
+    )
+    process = _run_patched(stuck, "--config=experiments/mlp.py", f"--workdir={tmp_path}")
+    try:
+        wait_for_output(process, "stuck")
+        time.sleep(0.5)  # Into the second lock (a signal before it is taken, and recorded).
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 143 and time.monotonic() - sent < 10, output[-3000:]
+    assert (
+        output.strip()
+        .splitlines()[-1]
+        .endswith(
+            "SIGTERM received, and not taken in 1 s: the main thread is stuck in native code (a "
+            "wait for a device that will never answer, or a compilation). Exiting without saving; "
+            "a rerun resumes from the latest complete checkpoint."
+        )
+    ), output[-3000:]
+
+
+def test_an_error_ends_the_process_even_if_something_holds_up_its_exit(tmp_path):
+    # What a collective a failed device never joins does to the exit: here a thread that
+    # never ends, which Python waits for.
+    held = (
+        "import threading\n"
+        "train.EXIT_WITHIN_SECS = 1.0\n"
+        "def failing(*args, **kwargs):\n"
+        "    threading.Thread(target=threading.Event().wait).start()\n"
+        "    raise ValueError('a refusal')\n"
+        "train.train_and_evaluate = failing"
+    )
+    process = _run_patched(held, "--config=experiments/mlp.py", f"--workdir={tmp_path}")
+    try:
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 1, output[-3000:]
+    assert "error: a refusal" in output

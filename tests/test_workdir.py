@@ -344,6 +344,42 @@ def test_an_image_overwritten_under_its_name_is_other_data(tmp_path):
         workdir_lib.record_config(workdir, config, allow_change=False, data=after)
 
 
+def test_two_images_of_one_size_swapped_with_their_times_pass_unless_content_is_verified(
+    tmp_path, caplog
+):
+    tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
+    folder = os.path.join(tree, "train", CLASSES[0])
+    first, second = (os.path.join(folder, name) for name in sorted(os.listdir(folder))[:2])
+    images = [image_bytes(np.random.default_rng(seed), 24, 24, "PNG") for seed in (1, 2)]
+    size = max(map(len, images))
+    for path, image in zip((first, second), images, strict=True):
+        with open(path, "wb") as f:
+            f.write(image + bytes(size - len(image)))  # One size, as PNG decoders allow.
+
+    def loaded():
+        return data.load_dataset("imagefolder", data_dir=tree, image_size=8)
+
+    stat_record = data_identity.identity(loaded())
+    content_record = data_identity.identity(loaded(), content=True)
+    assert stat_record["train_bytes"] is None and content_record["train_bytes"]
+    times = [os.stat(path).st_mtime_ns for path in (first, second)]
+    contents = [open(path, "rb").read() for path in (first, second)]
+    for path, content, mtime in zip((first, second), contents[::-1], times, strict=True):
+        with open(path, "wb") as f:
+            f.write(content)
+        os.utime(path, ns=(mtime, mtime))
+    # The known blind spot: sizes and times are those recorded.
+    assert data_identity.identity_changes(stat_record, data_identity.identity(loaded())) == []
+    swapped = data_identity.identity(loaded(), content=True)
+    assert data_identity.identity_changes(content_record, swapped) == [
+        f"dataset.train_bytes: the bytes of the train images differ (data.verify=content: an "
+        f"image rewritten with its size and time kept, or two swapped): "
+        f"{content_record['train_bytes']} -> {swapped['train_bytes']}"
+    ]
+    # A run recorded without the bytes and resumed with them says what it could not compare.
+    assert data_identity.unchecked_keys(stat_record, swapped) == ["test_bytes", "train_bytes"]
+
+
 def test_the_same_data_moved_resumes_and_other_data_is_still_refused(tmp_path, caplog):
     tree = write_imagefolder(tmp_path / "tree", per_class=(2, 1))
     workdir = str(tmp_path / "run")

@@ -71,6 +71,10 @@ class FileRecords:
         """A digest of every file's size and modification time: an image overwritten too."""
         return data_identity.stat_digest(self.path, len(self))
 
+    def bytes_digest(self) -> str:
+        """A digest of every file's bytes (`data.verify=content`): read in full."""
+        return data_identity.bytes_digest(self.path, len(self))
+
     def name(self, index: int) -> str:
         """`train/<class>/<file>`."""
         return os.path.relpath(self.path(index), os.path.dirname(self._folder))

@@ -14,9 +14,10 @@ from haiku_state.guards import config_checks
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, refusing in one line an unknown experiment, an unknown config key
-    (with the nearest one), a bad flag or value, a missing --workdir; --helpconfig lists keys.
-    Every refusal is one line on stderr that starts `error: `, as a failed run's is."""
+    """absl's flag parsing, refusing in one line a missing experiment file, an unknown config
+    key (with the nearest one), a bad flag or value, a word that is no flag, a missing
+    --workdir; --helpconfig lists keys. Every refusal is one line on stderr that starts
+    `error: `, as a failed run's is."""
     try:
         return _parse_flags(argv)
     except SystemExit as e:
@@ -31,15 +32,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
     )
     experiments = config_lib.available_experiments()
     if config_arg is None:
-        rest = _parse_absl_flags(argv)  # --help and --helpfull print and exit here.
+        _refuse_arguments(_parse_absl_flags(argv))  # --help and --helpfull exit here.
         if flags.FLAGS.helpconfig:
             _print_config_keys(None, None)
         sys.exit(f"--config is required: one of {[f'experiments/{n}.py' for n in experiments]}.")
     config_path = config_arg.split(":")[0]
     if not os.path.isfile(config_path):
+        missing = "is a directory" if os.path.isdir(config_path) else "does not exist"
         sys.exit(
-            f"Unknown experiment config {config_arg!r}; the experiments are {experiments} "
-            f"(files in {config_lib.EXPERIMENTS_DIR})."
+            f"--config={config_arg}: the file {config_path} {missing}; the experiments are "
+            f"{experiments} (files in {config_lib.EXPERIMENTS_DIR})."
         )
     if not config_path.endswith(".py"):
         sys.exit(f"--config={config_arg}: expected a Python file defining get_config().")
@@ -54,7 +56,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         # The --config flag loads the file again: it may import the files beside it.
         with config_lib.importable_directory(config_path):
-            rest = _parse_absl_flags(argv)
+            rest = _refuse_arguments(_parse_absl_flags(argv))
     except (AttributeError, KeyError) as e:  # An override the check above let through.
         message = str(e.args[0] if e.args else e).strip("'\"").splitlines()[0]
         sys.exit(f"Bad config override: {message}; --helpconfig lists the keys of {config_arg}.")
@@ -71,6 +73,19 @@ def _parse_absl_flags(argv: list[str]) -> list[str]:
         return flags.FLAGS(argv)
     except flags.Error as e:
         sys.exit(f"{e} (--helpfull lists the flags)")
+
+
+def _refuse_arguments(rest: list[str]) -> list[str]:
+    """`rest` (the program's name alone), else exits naming the words that are no flag: a
+    stray word, or the rest of an unquoted value with spaces (`--workdir=runs/my run`)."""
+    if len(rest) > 1:
+        words = " ".join(repr(word) for word in rest[1:])
+        sys.exit(
+            f"Unexpected argument{'s' * (len(rest) > 2)} on the command line: {words}; "
+            "everything is given as a flag, --name=value, and a value with spaces is quoted "
+            "(--workdir='runs/my run')."
+        )
+    return rest
 
 
 def _print_config_keys(config: Any, config_arg: str | None) -> None:

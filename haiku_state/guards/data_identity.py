@@ -3,13 +3,15 @@
 A run's record holds `identity(dataset)`: sizes, classes, statistics, and per split a
 digest of what decides the examples (`<split>_digest`: a file index, the shards, the
 pixels) and one of an encoded split's content (`<split>_content`: file sizes and times,
-the shards' SHA-256s). A key None in either record (not known) or missing from an older
+the shards' SHA-256s); with `content` (`data.verify=content`), one of every file's bytes
+(`<split>_bytes`). A key None in either record (not known) or missing from an older
 one is not compared (`unchecked_keys`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -30,9 +32,11 @@ from haiku_state.data.splits import (
 )
 
 # Keys compared only when both records know them (`unchecked_keys`).
-_MAY_BE_UNKNOWN = ("train_content", "test_content")
-# `stat_digest` stats blocks of files in parallel: a network filesystem answers faster.
+_MAY_BE_UNKNOWN = ("train_content", "test_content", "train_bytes", "test_bytes")
+# `stat_digest` stats blocks of files in parallel (`bytes_digest` reads them): a network
+# filesystem answers faster.
 STAT_BLOCK = 4096
+BYTES_BLOCK = 256
 STAT_THREADS = 16
 # In this host's cache of an ArrayRecord folder: the shards read and found to match.
 VERIFIED_FILE = "verified.json"
@@ -57,7 +61,9 @@ def split_digest(split: AnySplit) -> str | None:
     return hasher.hexdigest()
 
 
-def identity(dataset: Dataset) -> dict[str, Any]:
+def identity(dataset: Dataset, content: bool = False) -> dict[str, Any]:
+    """What identifies `dataset`; with `content`, a digest of every file's bytes too."""
+    bytes_of = functools.partial(_records_digest, name="bytes_digest") if content else None
     return {
         "train_examples": num_examples(dataset.train),
         "test_examples": num_examples(dataset.test),
@@ -70,6 +76,8 @@ def identity(dataset: Dataset) -> dict[str, Any]:
         "test_digest": split_digest(dataset.test),
         "train_content": _records_digest(dataset.train, "content_digest"),
         "test_content": _records_digest(dataset.test, "content_digest"),
+        "train_bytes": bytes_of and bytes_of(dataset.train),
+        "test_bytes": bytes_of and bytes_of(dataset.test),
     }
 
 
@@ -106,6 +114,12 @@ def identity_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) ->
             changes.append(
                 f"dataset.{key}: the {split} examples differ (files added, removed or renamed, "
                 f"or other shards): {old} -> {new}"
+            )
+        elif key.endswith("_bytes"):
+            split = key.removesuffix("_bytes")
+            changes.append(
+                f"dataset.{key}: the bytes of the {split} images differ (data.verify=content: an "
+                f"image rewritten with its size and time kept, or two swapped): {old} -> {new}"
             )
         elif key.endswith("_content"):
             split = key.removesuffix("_content")
@@ -146,6 +160,31 @@ def stat_digest(path: Callable[[int], str], count: int) -> str:
     with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
         for block in pool.map(sizes_and_times, blocks):
             hasher.update(block)
+    return hasher.hexdigest()
+
+
+def bytes_digest(path: Callable[[int], str], count: int) -> str:
+    """A digest of the bytes of files `path(0..count-1)`, in order: what `stat_digest` does
+    not see (a file rewritten with its size and time kept, two files of one size swapped)."""
+
+    def block_digest(indices: range) -> bytes:
+        hasher = hashlib.blake2b(digest_size=16)
+        for index in indices:
+            file = path(index)
+            try:
+                with open(file, "rb") as f:
+                    content = f.read()
+            except FileNotFoundError:
+                raise MissingDataError(f"{file} is gone (listed in the file index).") from None
+            hasher.update(len(content).to_bytes(8, "little"))
+            hasher.update(content)
+        return hasher.digest()
+
+    blocks = [range(s, min(s + BYTES_BLOCK, count)) for s in range(0, count, BYTES_BLOCK)]
+    hasher = hashlib.blake2b(digest_size=16)
+    with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
+        for digest in pool.map(block_digest, blocks):
+            hasher.update(digest)
     return hasher.hexdigest()
 
 

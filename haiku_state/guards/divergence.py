@@ -1,12 +1,15 @@
 """A diverging run: telling it from the fetched losses, and which checkpoints it spoiled.
 
-A loss that is not finite, or over `EXPLOSION_FACTOR` x the run's first, explodes. The
+A loss that is not finite, or over `EXPLOSION_FACTOR` x the run's first (and over the
+chance loss, where it is known), explodes. The
 checkpoint of step `s` holds the params step `s + 1`'s loss is computed with, so those
 from the step before the first exploding loss on hold diverged params: while the loss
 explodes the last good one is kept, a non-finite loss sets the diverged ones aside
 (renamed, never deleted), and a loss still exploding at the end is `LossExplodedError`.
 A run can also collapse with a finite loss: `Outcome` judges its end, saved with each
-checkpoint so a resumed run is judged as the uninterrupted one (`EndedWorseError`).
+checkpoint so a resumed run is judged as the uninterrupted one (`EndedWorseError`). Each
+rule asks for a change beyond noise: a loss `LOSS_RISE_MIN` above where it was, an
+accuracy whose fall exceeds what the number of examples it was measured on explains.
 """
 
 from __future__ import annotations
@@ -26,11 +29,18 @@ if TYPE_CHECKING:  # The guard is given the run's Checkpointer; it imports no sp
 
 EXPLOSION_FACTOR = 100.0  # A loss this many times the run's first: the run diverges.
 
-# A run ends badly when its last train loss is over LOSS_RISE_FACTOR x its first, or its last
-# accuracy is under COLLAPSE_FRACTION of its best in that split and COLLAPSE_MIN_DROP below.
+# A run ends badly when its last train loss is over LOSS_RISE_FACTOR x its first and
+# LOSS_RISE_MIN above it; when its final eval loss is so over its first evaluation's and over
+# the chance loss, ln(classes) (what a network that rates every class alike scores: not a run
+# that overfits); or when its last accuracy in a split is under COLLAPSE_FRACTION of its best,
+# COLLAPSE_MIN_DROP below it, and further below than chance explains: the accuracies'
+# Wilson intervals at CONFIDENCE_Z standard errors, on the examples each was measured on,
+# do not overlap (10 eval images cannot tell 0.2 from 0.0).
 LOSS_RISE_FACTOR = 1.25
+LOSS_RISE_MIN = 0.1
 COLLAPSE_FRACTION = 0.5
 COLLAPSE_MIN_DROP = 0.1
+CONFIDENCE_Z = 3.0
 OUTCOME_KEY = "outcome"  # Of the outcome so far in a checkpoint's metadata.
 
 
@@ -45,6 +55,7 @@ class EndedWorseError(RuntimeError):
 class Figure(NamedTuple):
     step: int
     value: float
+    examples: int | None = None  # Of an accuracy: how many it was measured on, if known.
 
 
 @dataclasses.dataclass
@@ -56,36 +67,54 @@ class Outcome:
     last_train_accuracy: Figure | None = None
     best_train_accuracy: Figure | None = None
     best_eval_accuracy: Figure | None = None
+    first_eval_loss: Figure | None = None
+    first_loss: Figure | None = None  # The run's first finite step loss (`Monitor`).
 
-    def log_train(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Takes in the means of a logged train window that ended at `step`."""
+    def log_train(
+        self, step: int, metrics: Mapping[str, float], examples: int | None = None
+    ) -> None:
+        """Takes in the means of a logged train window that ended at `step`, over `examples`."""
         if "loss" in metrics:
             self.last_train_loss = Figure(step, float(metrics["loss"]))
             self.first_train_loss = self.first_train_loss or self.last_train_loss
         if "accuracy" in metrics:
-            self.last_train_accuracy = Figure(step, float(metrics["accuracy"]))
+            self.last_train_accuracy = Figure(step, float(metrics["accuracy"]), examples)
             self.best_train_accuracy = _higher(self.best_train_accuracy, self.last_train_accuracy)
 
-    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Takes in the evaluation of `step`."""
+    def log_eval(
+        self, step: int, metrics: Mapping[str, float], examples: int | None = None
+    ) -> None:
+        """Takes in the evaluation of `step`, over `examples`."""
         if "accuracy" in metrics:
-            evaluated = Figure(step, float(metrics["accuracy"]))
+            evaluated = Figure(step, float(metrics["accuracy"]), examples)
             self.best_eval_accuracy = _higher(self.best_eval_accuracy, evaluated)
+        if "loss" in metrics and self.first_eval_loss is None:
+            self.first_eval_loss = Figure(step, float(metrics["loss"]))
 
-    def problems(self, last_step: int, final_eval: Mapping[str, float]) -> list[str]:
-        """One phrase per rule broken, with its figures: the last train loss over
-        `LOSS_RISE_FACTOR` x the first, or the last train (or final eval) accuracy under
-        `COLLAPSE_FRACTION` of the best and `COLLAPSE_MIN_DROP` below it."""
-        found = _rose(self.first_train_loss, self.last_train_loss)
+    def problems(
+        self,
+        last_step: int,
+        final_eval: Mapping[str, float],
+        eval_examples: int | None = None,
+        chance_loss: float | None = None,
+    ) -> list[str]:
+        """One phrase per rule broken, with its figures: the last train loss, or the final
+        eval loss (known `chance_loss`), risen beyond `LOSS_RISE_FACTOR` and `LOSS_RISE_MIN`;
+        the last train (or final eval, on `eval_examples`) accuracy collapsed from its best."""
+        found = _rose("train loss", self.first_train_loss, self.last_train_loss, "first logged")
+        if "loss" in final_eval and chance_loss is not None:
+            final_loss = Figure(last_step, float(final_eval["loss"]))
+            if final_loss.value > chance_loss:
+                found += _rose("eval loss", self.first_eval_loss, final_loss, "first evaluation's")
         found += _collapsed("train", self.last_train_accuracy, self.best_train_accuracy)
         if "accuracy" in final_eval:
-            final = Figure(last_step, float(final_eval["accuracy"]))
+            final = Figure(last_step, float(final_eval["accuracy"]), eval_examples)
             found += _collapsed("eval", final, _higher(self.best_eval_accuracy, final))
         return found
 
     def to_json(self) -> dict[str, list]:
         return {
-            field.name: list(figure)
+            field.name: list(figure if figure.examples is not None else figure[:2])
             for field in dataclasses.fields(self)
             if (figure := getattr(self, field.name)) is not None
         }
@@ -98,8 +127,8 @@ class Outcome:
         names = {field.name for field in dataclasses.fields(cls)}
         return cls(
             **{
-                name: Figure(int(step), float(value))
-                for name, (step, value) in record.items()
+                name: Figure(int(step), float(value), *(int(n) for n in examples))
+                for name, (step, value, *examples) in record.items()
                 if name in names
             }
         )
@@ -114,16 +143,28 @@ def _higher(best: Figure | None, candidate: Figure) -> Figure:
     return candidate if best is None or candidate.value > best.value else best
 
 
-def _rose(first: Figure | None, last: Figure | None) -> list[str]:
-    """`["its train loss ended at ..."]` if the `last` logged loss is far over the `first`."""
+def _rose(what: str, first: Figure | None, last: Figure | None, first_name: str) -> list[str]:
+    """`["its <what> ended at ..."]` if the `last` loss is far over the `first`, else []."""
     if first is None or last is None or last.step <= first.step:
         return []
-    if last.value <= LOSS_RISE_FACTOR * first.value:
+    if last.value <= LOSS_RISE_FACTOR * first.value or last.value - first.value < LOSS_RISE_MIN:
         return []
     return [
-        f"its train loss ended at {last.value:.4g} (step {last.step}), over "
-        f"{LOSS_RISE_FACTOR:g}x its first logged, {first.value:.4g} (step {first.step})"
+        f"its {what} ended at {last.value:.4g} (step {last.step}), over "
+        f"{LOSS_RISE_FACTOR:g}x its {first_name}, {first.value:.4g} (step {first.step})"
     ]
+
+
+def accuracy_interval(accuracy: Figure) -> tuple[float, float]:
+    """The Wilson score interval, at `CONFIDENCE_Z` standard errors, of an accuracy measured
+    on `accuracy.examples` examples (the value alone when their number is unknown)."""
+    p, n = accuracy.value, accuracy.examples
+    if not n:
+        return p, p
+    z2 = CONFIDENCE_Z**2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = CONFIDENCE_Z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return centre - half, centre + half
 
 
 def _collapsed(split: str, last: Figure | None, best: Figure | None) -> list[str]:
@@ -132,18 +173,23 @@ def _collapsed(split: str, last: Figure | None, best: Figure | None) -> list[str
         return []
     if last.value >= COLLAPSE_FRACTION * best.value or best.value - last.value < COLLAPSE_MIN_DROP:
         return []
+    if accuracy_interval(last)[1] >= accuracy_interval(best)[0]:  # Within chance's noise.
+        return []
     return [
         f"its {split} accuracy fell to {last.value:.4f} (step {last.step}), under "
         f"{COLLAPSE_FRACTION:g}x its best, {best.value:.4f} (step {best.step})"
     ]
 
 
-def is_exploding(loss: float, first_loss: float | None) -> bool:
+def is_exploding(loss: float, first_loss: float | None, chance_loss: float = 0.0) -> bool:
     """Whether `loss` is not finite, or over `EXPLOSION_FACTOR` x `first_loss` (the magnitude
-    of the run's first finite loss; None while there is none)."""
+    of the run's first finite loss; None while there is none) and over `chance_loss` (a
+    warm-started run's first loss is tiny: a loss under chance's has not exploded)."""
     if not math.isfinite(loss):
         return True
-    return first_loss is not None and abs(loss) > EXPLOSION_FACTOR * first_loss
+    if first_loss is None or abs(loss) <= chance_loss:
+        return False
+    return abs(loss) > EXPLOSION_FACTOR * first_loss
 
 
 def holds_diverged_params(saved_step: int, first_exploding_step: int) -> bool:
@@ -154,27 +200,54 @@ def holds_diverged_params(saved_step: int, first_exploding_step: int) -> bool:
 class Monitor:
     """One run's losses and saved steps: whether it diverges, and which checkpoints it spoiled.
 
-    The checkpoint of `resumed_step` is a candidate to keep, never one to set aside.
+    The checkpoint of `resumed_step` is a candidate to keep, never one to set aside. The run's
+    `outcome` (as the checkpoint resumed from recorded it) holds its first loss, which a
+    resumed process compares with. `examples_per_step` (the global batch) and
+    `eval_examples` size the accuracies; `chance_loss`, ln(classes), the losses.
     """
 
-    def __init__(self, resumed_step: int, outcome: Outcome | None = None):
+    def __init__(
+        self,
+        resumed_step: int,
+        outcome: Outcome | None = None,
+        *,
+        examples_per_step: int | None = None,
+        eval_examples: int | None = None,
+        chance_loss: float | None = None,
+    ):
         self._resumed_step = resumed_step
-        self.outcome = outcome or Outcome()  # As the checkpoint resumed from recorded it.
-        self._first_loss: float | None = None
+        self.outcome = outcome or Outcome()
+        self._examples_per_step, self._eval_examples = examples_per_step, eval_examples
+        self._chance_loss = chance_loss
         self.first_exploding_step: int | None = None
         self.last_exploding: bool = False  # Whether the latest fetched loss explodes.
         self.saved_steps: list[int] = []  # This run's checkpoints, in the order saved.
+
+    def _first_loss(self) -> float | None:
+        """The magnitude of the run's first finite loss (before it was recorded, a checkpoint
+        held its first window's mean)."""
+        first = self.outcome.first_loss or self.outcome.first_train_loss
+        return None if first is None else abs(first.value)
 
     def observe(self, step_metrics: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
         """Takes in fetched `(step, metrics)` pairs; FloatingPointError at a non-finite loss."""
         for step, metrics in step_metrics:
             loss = float(metrics["loss"])
-            if self._first_loss is None and math.isfinite(loss):
-                self._first_loss = abs(loss)
-            self.last_exploding = is_exploding(loss, self._first_loss)
+            if self._first_loss() is None and math.isfinite(loss):
+                self.outcome.first_loss = Figure(step, loss)
+            self.last_exploding = is_exploding(loss, self._first_loss(), self._chance_loss or 0.0)
             if self.first_exploding_step is None and self.last_exploding:
                 self.first_exploding_step = step
         replicas.check_finite_losses(step_metrics)
+
+    def log_train(self, step: int, means: Mapping[str, float], steps: int) -> None:
+        """Takes in the means of a logged window of `steps` steps that ended at `step`."""
+        examples = self._examples_per_step and self._examples_per_step * steps
+        self.outcome.log_train(step, means, examples)
+
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Takes in the evaluation of `step`."""
+        self.outcome.log_eval(step, metrics, self._eval_examples)
 
     def check_recovered(self, last_step: int, final: Mapping[str, float]) -> None:
         """At the end of a run (saved and evaluated): says if the loss exploded; raises
@@ -201,18 +274,27 @@ class Monitor:
             "--allow_config_change)."
         )
 
-    def check_outcome(self, last_step: int, final: Mapping[str, float]) -> None:
-        """At the end of a run (saved and evaluated): `EndedWorseError` if it ended far worse
-        than it began or than its best."""
-        problems = self.outcome.problems(last_step, final)
+    def check_outcome(
+        self, last_step: int, final: Mapping[str, float], kept_steps: Sequence[int] = ()
+    ) -> None:
+        """At the end of a run (saved and evaluated, `kept_steps` on disk): `EndedWorseError`
+        if it ended far worse than it began or than its best."""
+        problems = self.outcome.problems(last_step, final, self._eval_examples, self._chance_loss)
         if not problems:
             return
+        earlier = [step for step in kept_steps if step < last_step]
+        if earlier:
+            again = (
+                f"in a new workdir or from an earlier checkpoint (steps {earlier} are kept: move "
+                "the later step folders of the checkpoints aside, and pass "
+                "--allow_config_change)"
+            )
+        else:
+            again = f"in a new workdir (no checkpoint before step {last_step} is kept)"
         raise EndedWorseError(
             f"The run ended far worse than it had been: {'; '.join(problems)} (final eval at "
             f"step {last_step}: {_metrics(final)}). Its checkpoints and metrics are kept; lower "
-            "the learning rate and train again, in a new workdir or from an earlier checkpoint "
-            "(move the later step folders of the checkpoints aside, and pass "
-            "--allow_config_change)."
+            f"the learning rate and train again, {again}."
         )
 
     def record_save(self, step: int) -> None:

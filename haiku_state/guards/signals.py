@@ -1,12 +1,26 @@
-"""Signals: SIGTERM or SIGINT at any moment ends a run in a saved step and one line."""
+"""Signals: SIGTERM, SIGINT or SIGHUP at any moment ends a run in a saved step and one line.
+
+Python runs a signal's handler in the main thread, between two bytecodes: a main thread stuck
+in native code (a wait on a device result that never comes) never takes it. With
+`take_within_secs` a watchdog thread learns of each signal as it arrives and, should the main
+thread not take it in that time, ends the process without saving, in one line.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import threading
+import time
 
 import jax
+from absl import logging
 
 from haiku_state.guards.processes import any_process, max_over_processes
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # Each saves and stops a run.
+TAKE_WITHIN_SECS = 10.0  # The command line's bound on a signal the main thread does not take.
 
 
 class Stopped(Exception):
@@ -19,18 +33,22 @@ class Stopped(Exception):
 
 
 class StopRequest:
-    """Turns SIGTERM/SIGINT into a decision the loop reads between steps.
+    """Turns SIGTERM/SIGINT/SIGHUP into a decision the loop reads between steps.
 
     Installed for the whole life of a run; further signals are only recorded. A signal may
     reach only some processes, but all must stop at the same step (the save is collective):
-    they agree every `agree_every` steps on whether any was signalled.
+    they agree every `agree_every` steps on whether any was signalled. `take_within_secs`:
+    a signal the main thread has not taken by then ends the process (see the module).
     """
 
-    def __init__(self, agree_every: int = 1):
+    def __init__(self, agree_every: int = 1, *, take_within_secs: float | None = None):
         self.signal_name: str | None = None
         self.signum = 0  # The number of `signal_name` when a signal made the request.
         self.agree_every = agree_every
         self._previous = {}
+        self._take_within_secs = take_within_secs
+        self._taken = 0  # Signals the main thread's handler has run for.
+        self._watch: tuple[socket.socket, socket.socket, int] | None = None
 
     def should_stop(self, step: int) -> bool:
         """Whether to save and stop before running `step` (the same on every process)."""
@@ -58,24 +76,62 @@ class StopRequest:
         return self.install()
 
     def install(self) -> StopRequest:
-        """Makes this the handler of SIGTERM and SIGINT, again if something replaced it (as
-        `jax.distributed.initialize`'s preemption notifier does)."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        """Makes this the handler of `SIGNALS`, again if something replaced it (as
+        `jax.distributed.initialize`'s preemption notifier does); starts the watchdog once."""
+        for signum in SIGNALS:
             previous = signal.signal(signum, self._handle)
             self._previous.setdefault(signum, previous)
+        if self._take_within_secs is not None and self._watch is None:
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self._watch = (reader, writer, previous_fd)
+            threading.Thread(target=self._watchdog, name="signal_watchdog", daemon=True).start()
         return self
 
     def ignore_until_exit(self) -> None:
         """Ignores further signals once a run is over: Python puts the default handlers back at
         shutdown (ignored ones stay ignored), which would kill a process that finished cleanly."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
 
     def _handle(self, signum, frame) -> None:
         del frame
+        self._taken += 1
         if self.signal_name is None:
             self.signal_name, self.signum = signal.Signals(signum).name, signum
+
+    def _watchdog(self) -> None:
+        """Reads the number of each signal as Python's C handler writes it (`set_wakeup_fd`);
+        ends the process if the main thread does not take one within `take_within_secs`."""
+        reader = self._watch[0]
+        received = 0
+        while numbers := reader.recv(64):
+            for signum in numbers:
+                if signum not in SIGNALS:
+                    continue
+                received += 1
+                deadline = time.monotonic() + self._take_within_secs
+                while self._taken < received and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if self._taken < received:
+                    self._exit_untaken(signal.Signals(signum))
+
+    def _exit_untaken(self, signum: signal.Signals) -> None:
+        logging.warning(
+            "%s received, and not taken in %g s: the main thread is stuck in native code (a "
+            "wait for a device that will never answer, or a compilation). Exiting without "
+            "saving; a rerun resumes from the latest complete checkpoint.",
+            signum.name,
+            self._take_within_secs,
+        )
+        os._exit(128 + signum)
 
     def __exit__(self, *exc_info) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self._watch is not None:
+            reader, writer, previous_fd = self._watch
+            signal.set_wakeup_fd(previous_fd)
+            writer.close()  # The watchdog's read ends.
+            reader.close()
