@@ -340,6 +340,33 @@ class _Programs(NamedTuple):
     init: Callable[..., TrainState] | None = None
 
 
+def _global_update(
+    step_fn: Callable[..., Any],
+    with_norms: bool,
+    stacked: bool,
+    mesh: jax.sharding.Mesh,
+    shardings: TrainState,
+) -> Callable[..., Any]:
+    """The jit program of `step_fn` (a `train_step`) over batches laid out per device,
+    `[devices, per_device_batch, ...]`, or stacked `[devices, steps, ...]` for `train_steps`."""
+
+    def global_step(train_state, batch, *, with_norms):
+        return step_fn(train_state, sharding.merge_device_axis(batch, mesh), with_norms=with_norms)
+
+    def update(train_state, batch):
+        if not stacked:
+            return global_step(train_state, batch, with_norms=with_norms)
+        steps_first = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batch)
+        return train_steps(train_state, steps_first, with_norms=with_norms, step_fn=global_step)
+
+    return jax.jit(
+        update,
+        in_shardings=(shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(shardings, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
 class Updater:
     """Initialises and updates a `TrainState` with a data-parallel step.
 
@@ -549,39 +576,21 @@ class Updater:
         key = (stacked, with_norms)
         if key in programs.updates:
             return programs.updates[key]
-        if self.backend != "jit":
-            step = self._step
-            if stacked:
-                step = functools.partial(train_steps, step_fn=step)
-            programs.updates[key] = replication.parallelize(
+        if self.backend == "jit":
+            program = _global_update(
+                self._step, with_norms, stacked, self._mesh, programs.shardings
+            )
+        else:
+            step = functools.partial(train_steps, step_fn=self._step) if stacked else self._step
+            program = replication.parallelize(
                 functools.partial(step, with_norms=with_norms),
                 out_axes=(0, None),
                 donate_argnums=(0,),
                 backend=self.backend,
                 axis_name=self.axis_name,
             )
-            return programs.updates[key]
-        mesh = self._mesh
-
-        def global_step(train_state, batch, *, with_norms):  # batch: [devices, per_device, ...]
-            return self._step(
-                train_state, sharding.merge_device_axis(batch, mesh), with_norms=with_norms
-            )
-
-        def update(train_state, batch):
-            if not stacked:
-                return global_step(train_state, batch, with_norms=with_norms)
-            steps_first = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batch)
-            return train_steps(train_state, steps_first, with_norms=with_norms, step_fn=global_step)
-
-        whole = sharding.replicated(mesh)
-        programs.updates[key] = jax.jit(
-            update,
-            in_shardings=(programs.shardings, sharding.batch_sharding(mesh)),
-            out_shardings=(programs.shardings, whole),
-            donate_argnums=0,
-        )
-        return programs.updates[key]
+        programs.updates[key] = program
+        return program
 
     def _run_update(self, train_state: TrainState, batch: Batch, stacked: bool, with_norms: bool):
         """Checks the arguments and runs an update program on them."""

@@ -28,7 +28,7 @@ def test_a_jit_fsdp_run_trains_saves_and_resumes_exactly(tmp_path, caplog):
     assert len(start_lines) == 1
     sizes = re.fullmatch(
         r"train state: ([\d.]+) kB per device of ([\d.]+) kB "
-        r"\(backend=jit, param_sharding=fsdp\)\.",
+        r"\(backend=jit, param_sharding=fsdp, 1 step\(s\) per call\)\.",
         start_lines[0],
     )
     assert sizes and float(sizes[1]) < float(sizes[2])

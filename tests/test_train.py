@@ -247,10 +247,10 @@ def test_cli_missing_experiment_file_says_so_and_lists_the_experiments(tmp_path)
         (["--num_processes=2"], "error: Multi-process flags given (--num_processes=2) but"),
         (
             ["--config.steps=10", "foo", "bar"],
-            "Unexpected arguments on the command line: 'foo' 'bar'; everything is given as a "
-            "flag, --name=value, and a value with spaces is quoted (--workdir='runs/my run').",
+            "error: Unexpected arguments on the command line: 'foo' 'bar'; everything is given "
+            "as a flag, --name=value, and a value with spaces is quoted (--workdir='runs/my run').",
         ),
-        (["--workdir=runs/my", "run"], "Unexpected argument on the command line: 'run'; "),
+        (["--workdir=runs/my", "run"], "error: Unexpected argument on the command line: 'run'; "),
     ],
 )
 def test_a_command_line_mistake_is_one_line_without_the_flag_listing(tmp_path, flags, line):
