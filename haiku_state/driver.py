@@ -9,8 +9,10 @@ a multi-process run makes the same calls, and only process 0 logs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -137,6 +139,8 @@ def _train(
             saver,
             profiler,
         ]
+        if start_step < experiment.total_steps:
+            _compile_logged_steps_ahead(experiment, config, train_state)
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
                 _step_fn(experiment, config.log_every),
@@ -361,6 +365,29 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
         process=data.ProcessSlice.current(),
         options=experiment.input_options,
     )
+
+
+def _compile_logged_steps_ahead(experiment: Experiment, config: Any, train_state: TrainState):
+    """Compiles the logged steps' program (with the norms) in a thread while the first steps
+    run on the other: the first log waits for no compile (ResNet-50's takes ~50 s on a TPU). A
+    failure here is only logged: that step compiles it itself, and says what is wrong."""
+    updater, per_call = experiment.updater, experiment.steps_per_call
+
+    def like(x: Any, steps: int | None = None) -> jax.ShapeDtypeStruct:
+        shape = x.shape if steps is None else (x.shape[0], steps, *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+
+    batch = placeholder_batch(experiment.dataset, config.batch_size)
+    batch = jax.tree.map(functools.partial(like, steps=per_call if per_call > 1 else None), batch)
+    state = jax.tree.map(like, train_state)
+
+    def compile_ahead() -> None:
+        try:
+            updater.compile_ahead(state, batch, with_norms=True, stacked=per_call > 1)
+        except Exception as error:  # The step that needs it compiles it again, and says why.
+            logging.info("The logged steps' program was not compiled ahead: %s", error)
+
+    threading.Thread(target=compile_ahead, name="compile_logged_steps", daemon=True).start()
 
 
 def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:

@@ -340,6 +340,10 @@ class _Programs(NamedTuple):
     init: Callable[..., TrainState] | None = None
 
 
+def _shapes_key(batch: Any, stacked: bool, with_norms: bool) -> tuple:
+    return stacked, with_norms, tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch))
+
+
 def _global_update(
     step_fn: Callable[..., Any],
     with_norms: bool,
@@ -400,6 +404,7 @@ class Updater:
         self.ema_decay = ema_decay or None
         self._forward = forward
         self._check_finite = check_finite
+        self._ahead: dict[tuple, Callable[..., Any]] = {}  # `compile_ahead`'s, by batch shapes.
         self._initial = functools.partial(
             initial_train_state, optimizer, loss_scale, keep_ema=self.ema_decay is not None
         )
@@ -489,6 +494,15 @@ class Updater:
                 [(first + i, {"loss": loss}) for i, loss in enumerate(losses)]
             )
         return new_train_state, metrics
+
+    def compile_ahead(
+        self, train_state: Any, batch: Any, *, with_norms: bool, stacked: bool = False
+    ) -> None:
+        """Compiles an update program for these shapes (arrays, or `jax.ShapeDtypeStruct`s with
+        shardings) now: run in a thread beside the first steps, the call that first needs it
+        (the first logged step) waits for no compile."""
+        lowered = self.lower_update(train_state, batch, with_norms=with_norms, stacked=stacked)
+        self._ahead[_shapes_key(batch, stacked, with_norms)] = lowered.compile()
 
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
         """The loss and metrics with `is_training=False`; the state is untouched."""
@@ -595,8 +609,9 @@ class Updater:
     def _run_update(self, train_state: TrainState, batch: Batch, stacked: bool, with_norms: bool):
         """Checks the arguments and runs an update program on them."""
         where = "update_steps" if stacked else "update"
+        ahead = self._ahead.get(_shapes_key(batch, stacked, with_norms))
         programs, batch = self._checked(train_state, batch, where, stacked)
-        program = self._update_program(programs, stacked, with_norms)
+        program = ahead or self._update_program(programs, stacked, with_norms)
         return self._explained(programs, train_state, where, program, batch)
 
     def _explained(self, programs: _Programs, train_state, where: str, program, batch):

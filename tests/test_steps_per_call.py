@@ -93,6 +93,24 @@ def test_update_steps_refuses_batches_without_a_steps_axis():
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(train_state))
 
 
+def test_a_program_compiled_ahead_is_the_one_the_call_runs():
+    from benchmarks.compiles import CompileEvents
+
+    updater = _updater("pmap")
+    batches = [hs.shard(host_batch(seed)) for seed in range(2)]
+    train_state = updater.init(0, batches[0])
+    stacked = replication.stack_steps(batches)
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        (train_state, stacked),
+    )
+    updater.compile_ahead(*shapes, with_norms=True, stacked=True)
+    with CompileEvents() as events:
+        train_state, metrics = updater.update_steps(train_state, stacked)
+    assert events.figures()["programs"] == 0
+    assert set(hs.updater.NORMS) <= set(metrics) and metrics["loss"].shape == (2,)
+
+
 # The loop's calls.
 
 
