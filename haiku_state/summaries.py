@@ -11,6 +11,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -43,10 +44,25 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
     return ", ".join(format_metric(name, float(value)) for name, value in metrics.items())
 
 
+def tensorboard_command() -> str:
+    """The command that starts TensorBoard here: `tensorboard` if the one on PATH is this
+    Python's, else the one beside this Python (a virtualenv's, e.g. `.venv/bin/tensorboard`,
+    relative to the working directory when under it), else `tensorboard`."""
+    beside = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+    if not os.path.isfile(beside):
+        return "tensorboard"
+    on_path = shutil.which("tensorboard")
+    if on_path is not None and os.path.samefile(on_path, beside):
+        return "tensorboard"
+    relative = os.path.relpath(beside)
+    return beside if relative.startswith(os.pardir) else relative
+
+
 def describe_outputs(workdir: str, *others: str) -> str:
-    """Where a run's records are, for its last line: the files this module writes, and `others`."""
+    """Where a run's records are, for its last line: the files this module writes, and `others`,
+    and the command that shows them in TensorBoard."""
     names = ", ".join((CURVES_FILE, METRICS_FILE, f"{TENSORBOARD_DIR}/", *others))
-    return f"In {workdir}: {names} (view with: tensorboard --logdir {workdir})."
+    return f"In {workdir}: {names} (view with: {tensorboard_command()} --logdir {workdir})."
 
 
 def format_progress(

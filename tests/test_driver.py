@@ -411,7 +411,7 @@ def test_the_readmes_own_photos_command_trains_on_a_folder_of_a_hundred_images(
     assert last_line == (
         f"Final eval at step 6: accuracy {final['accuracy']:.2%}, loss {final['loss']:.4f}. "
         f"In {workdir}: curves.png, metrics.jsonl, tensorboard/, checkpoints/ (view with: "
-        f"tensorboard --logdir {workdir})."
+        f"{summaries.tensorboard_command()} --logdir {workdir})."
     )
     # The same command again resumes (the fitted values are the recorded ones) and an
     # evaluation finds no difference to warn about.

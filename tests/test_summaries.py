@@ -90,11 +90,31 @@ def test_accuracy_reads_as_a_percentage_in_every_line_and_the_files_keep_the_fra
     assert summaries.read_metrics(str(tmp_path))[0]["accuracy"] == 0.9917
 
 
-def test_the_outputs_are_named_with_how_to_view_them():
+def test_the_outputs_are_named_with_how_to_view_them(tmp_path, monkeypatch):
+    # A Python without TensorBoard beside it: the viewer is whatever `tensorboard` is on PATH.
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
     assert summaries.describe_outputs("runs/mlp", "checkpoints/") == (
         "In runs/mlp: curves.png, metrics.jsonl, tensorboard/, checkpoints/ "
         "(view with: tensorboard --logdir runs/mlp)."
     )
+    # `make train`'s: the virtualenv's Python, whose TensorBoard is not on PATH; the command
+    # names it as it runs from the working directory (the checkout), else by its whole path.
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "tensorboard").write_text("#!/bin/sh\n")
+    (bin_dir / "tensorboard").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    monkeypatch.chdir(tmp_path)
+    assert summaries.describe_outputs("runs/mlp", "checkpoints/").endswith(
+        "(view with: .venv/bin/tensorboard --logdir runs/mlp)."
+    )
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # Not under it: named by its whole path.
+    assert summaries.tensorboard_command() == str(bin_dir / "tensorboard")
+    # With the virtualenv active, its TensorBoard is the one on PATH: named as it is.
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert summaries.tensorboard_command() == "tensorboard"
 
 
 def test_tensorboard_serves_train_and_eval_as_runs_of_the_same_tags(tmp_path):
