@@ -32,8 +32,9 @@ class BatchNorm(hk.Module):
     moving averages `[C]` that start at 0 and 1; in evaluation, those averages.
 
     Two state leaves per layer where `hk.BatchNorm` keeps six (a zero-debiased average, its
-    hidden value and a counter, for the mean and the variance) and the ops that update them: on
-    a TPU each is a kernel of its own, a third of a small ResNet's step (benchmarks/README.md).
+    hidden value and a counter, for the mean and the variance), and the small kernels that
+    update them: a TPU v5e ran the small ResNet's step in 1.10 ms of device time with
+    `hk.BatchNorm`, 1.05 ms with this one (Flax's, 1.01), and each leaf is dispatched too.
     """
 
     decay_rate: float = 0.9
