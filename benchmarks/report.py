@@ -221,9 +221,12 @@ def input_pipeline_lines(result: dict[str, Any] | None) -> list[str]:
         return []
     if "skipped" in result:
         return [f"input pipeline skipped: {result['skipped']}"]
+    rates = result["decoders_one_core_images_per_s"]
     decoders = ", ".join(
-        f"{name} {rate:,.0f}" for name, rate in result["decoders_one_core_images_per_s"].items()
+        f"{name} {rate:,.0f}" for name, rate in rates.items() if not name.endswith("_vs_baseline")
     )
+    if "cpu_vs_baseline" in rates:  # A ratio, not a rate.
+        decoders += f" (cpu / cpu_baseline {rates['cpu_vs_baseline']:.2f})"
     pipeline = result["pipeline"]
     rates = ", ".join(
         f"{workers} worker(s) {rate:,.0f}" for workers, rate in pipeline["images_per_s"].items()
