@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 from configs import StopAfterChecks, mlp_config, steps_on_disk
-from image_trees import CORRUPTIONS, image_bytes, write_imagefolder
+from image_trees import CORRUPTIONS, image_bytes, swap_keeping_times, write_imagefolder
 
 from haiku_state import checkpoint, data, driver, evaluation, prepare, summaries, train
 from haiku_state import config as config_lib
@@ -478,12 +478,7 @@ def test_data_verify_content_refuses_a_resume_on_two_images_swapped_with_their_t
     driver.train_and_evaluate(config, workdir)
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
     assert recorded["train_bytes"] and recorded["test_bytes"]
-    times = [os.stat(path).st_mtime_ns for path in (first, second)]
-    contents = [open(path, "rb").read() for path in (first, second)]
-    for path, content, mtime in zip((first, second), contents[::-1], times, strict=True):
-        with open(path, "wb") as f:
-            f.write(content)
-        os.utime(path, ns=(mtime, mtime))
+    swap_keeping_times(first, second)
     # The rerun of the finished run checks its data before it evaluates.
     with pytest.raises(ValueError, match="dataset.train_bytes: the bytes of the train images"):
         driver.train_and_evaluate(config, workdir)

@@ -12,7 +12,7 @@ import sys
 import ml_collections
 import numpy as np
 import pytest
-from image_trees import CLASSES, image_bytes, write_imagefolder
+from image_trees import CLASSES, image_bytes, swap_keeping_times, write_imagefolder
 
 from haiku_state import config as config_lib
 from haiku_state import data
@@ -362,12 +362,7 @@ def test_two_images_of_one_size_swapped_with_their_times_pass_unless_content_is_
     stat_record = data_identity.identity(loaded())
     content_record = data_identity.identity(loaded(), content=True)
     assert stat_record["train_bytes"] is None and content_record["train_bytes"]
-    times = [os.stat(path).st_mtime_ns for path in (first, second)]
-    contents = [open(path, "rb").read() for path in (first, second)]
-    for path, content, mtime in zip((first, second), contents[::-1], times, strict=True):
-        with open(path, "wb") as f:
-            f.write(content)
-        os.utime(path, ns=(mtime, mtime))
+    swap_keeping_times(first, second)
     # The known blind spot: sizes and times are those recorded.
     assert data_identity.identity_changes(stat_record, data_identity.identity(loaded())) == []
     swapped = data_identity.identity(loaded(), content=True)
