@@ -8,11 +8,11 @@ a multi-process run makes the same calls, and only process 0 logs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -140,7 +140,7 @@ def _train(
             profiler,
         ]
         if start_step < experiment.total_steps:
-            _compile_logged_steps_ahead(experiment, config, train_state)
+            _compile_steps_ahead(experiment, config, train_state)
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
                 _step_fn(experiment, config.log_every),
@@ -367,10 +367,11 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
     )
 
 
-def _compile_logged_steps_ahead(experiment: Experiment, config: Any, train_state: TrainState):
-    """Compiles the logged steps' program (with the norms) in a thread while the first steps
-    run on the other: the first log waits for no compile (ResNet-50's takes ~50 s on a TPU). A
-    failure here is only logged: that step compiles it itself, and says what is wrong."""
+def _compile_steps_ahead(experiment: Experiment, config: Any, train_state: TrainState) -> None:
+    """Compiles the step's two programs, without and with the norms (the logged steps'), side by
+    side before the first step: the first log waits for no compile (ResNet-50's takes ~50 s on
+    a TPU), and the calls run them by their quicker dispatch. A failure here only logs: the
+    step then compiles its program itself, and says what is wrong."""
     updater, per_call = experiment.updater, experiment.steps_per_call
 
     def like(x: Any, steps: int | None = None) -> jax.ShapeDtypeStruct:
@@ -381,13 +382,14 @@ def _compile_logged_steps_ahead(experiment: Experiment, config: Any, train_state
     batch = jax.tree.map(functools.partial(like, steps=per_call if per_call > 1 else None), batch)
     state = jax.tree.map(like, train_state)
 
-    def compile_ahead() -> None:
+    def compile_ahead(with_norms: bool) -> None:
         try:
-            updater.compile_ahead(state, batch, with_norms=True, stacked=per_call > 1)
+            updater.compile_ahead(state, batch, with_norms=with_norms, stacked=per_call > 1)
         except Exception as error:  # The step that needs it compiles it again, and says why.
-            logging.info("The logged steps' program was not compiled ahead: %s", error)
+            logging.info("A step program was not compiled ahead: %s", error)
 
-    threading.Thread(target=compile_ahead, name="compile_logged_steps", daemon=True).start()
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile") as pool:
+        list(pool.map(compile_ahead, (False, True)))
 
 
 def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
