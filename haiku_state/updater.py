@@ -385,8 +385,9 @@ class Updater:
     `loss_fn(outputs, batch)` gives a scalar loss and scalar metrics, of each device's shard
     (pmap, shard_map) or the global batch (jit); `augment_fn(key, batch)` runs in every step.
     `axis_name`: the per-device backends' device axis. `check_finite`: `update` raises
-    `FloatingPointError` on a non-finite loss (a host sync per step). `loss_scale`: a `jmp`
-    scale (float16), kept in `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`.
+    `FloatingPointError` on a non-finite loss naming its step, counted from 1 as the loop logs
+    steps (a host sync per call). `loss_scale`: a `jmp` scale (float16), kept in `opt_state`.
+    `param_sharding`: "fsdp" needs `backend="jit"`.
     `accumulation_steps`: each step's gradients are the mean over that many micro-batches of
     every device's shard. `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses.
     """

@@ -93,6 +93,21 @@ def test_update_steps_refuses_batches_without_a_steps_axis():
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(train_state))
 
 
+def test_check_finite_names_the_first_non_finite_step_of_a_call_as_one_a_call_does():
+    """Steps counted from 1 as the loop logs them: one step, then a call of steps 2-4."""
+    updater = hs.Updater(
+        bn_mlp(replication.DEFAULT_AXIS_NAME, batch_norm="lean"),
+        optax.sgd(0.1),
+        hs.losses.classification_loss(NUM_CLASSES),
+        check_finite=True,
+    )
+    good = hs.shard(host_batch(0))
+    nan = hs.shard({**host_batch(1), "image": np.full_like(host_batch(1)["image"], np.nan)})
+    train_state, _ = updater.update(updater.init(0, good), good)
+    with pytest.raises(FloatingPointError, match=r"Non-finite loss nan at step 3\."):
+        updater.update_steps(train_state, replication.stack_steps([good, nan, good]))
+
+
 def test_a_program_compiled_ahead_is_the_one_the_call_runs():
     from benchmarks.compiles import CompileEvents
 

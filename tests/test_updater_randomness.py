@@ -171,7 +171,8 @@ class LossChecksTest(chex.TestCase):
         )
         train_state, metrics = run_steps(updater, updater.init(0, self.good), [self.good])
         self.assertTrue(np.isfinite(metrics[0]["loss"]))
-        with self.assertRaisesRegex(FloatingPointError, r"Non-finite loss nan at step 1"):
+        # The second update is step 2, counted from 1 as the training loop logs steps.
+        with self.assertRaisesRegex(FloatingPointError, r"Non-finite loss nan at step 2\."):
             updater.update(train_state, self.nan)
 
     def test_nan_loss_without_check_finite_is_returned_not_raised(self):
