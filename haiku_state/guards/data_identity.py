@@ -155,12 +155,7 @@ def stat_digest(path: Callable[[int], str], count: int) -> str:
             stats[row] = stat.st_size, stat.st_mtime_ns
         return stats
 
-    blocks = [range(s, min(s + STAT_BLOCK, count)) for s in range(0, count, STAT_BLOCK)]
-    hasher = hashlib.blake2b(digest_size=16)
-    with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
-        for block in pool.map(sizes_and_times, blocks):
-            hasher.update(block)
-    return hasher.hexdigest()
+    return _digest_of_blocks(sizes_and_times, count, STAT_BLOCK)
 
 
 def bytes_digest(path: Callable[[int], str], count: int) -> str:
@@ -180,11 +175,19 @@ def bytes_digest(path: Callable[[int], str], count: int) -> str:
             hasher.update(content)
         return hasher.digest()
 
-    blocks = [range(s, min(s + BYTES_BLOCK, count)) for s in range(0, count, BYTES_BLOCK)]
+    return _digest_of_blocks(block_digest, count, BYTES_BLOCK)
+
+
+def _digest_of_blocks(
+    of_block: Callable[[range], bytes | np.ndarray], count: int, block_size: int
+) -> str:
+    """A digest of `of_block` over the indices `0..count-1` in blocks of `block_size`, the blocks
+    read by `STAT_THREADS` threads and hashed in order."""
+    blocks = [range(s, min(s + block_size, count)) for s in range(0, count, block_size)]
     hasher = hashlib.blake2b(digest_size=16)
     with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
-        for digest in pool.map(block_digest, blocks):
-            hasher.update(digest)
+        for block in pool.map(of_block, blocks):
+            hasher.update(block)
     return hasher.hexdigest()
 
 
