@@ -4,7 +4,7 @@ This is what a user would write without the library: `value_and_grad`, a
 `lax.pmean` of the gradients and of the floating BatchNorm state, the optax
 update, the train state donated (for float16, the loss scaling the Updater
 does). It does the same work as
-`Updater.update(..., with_norms=False)`, the step a training run takes between
+`Updater.update(..., with_global_norms=False)`, the step a training run takes between
 its logs (same network, loss, optimizer, augmentation, loss scale and key
 splitting), with none of its Python around the
 call, so `Updater / hand-written` throughput measures the cost of the library's

@@ -29,12 +29,12 @@ from benchmarks import flops as flops_lib
 from haiku_state import replication
 
 UPDATER_COST_SOURCE = (
-    "Updater.lower_update(train_state, batch, with_norms=False).compile()"
+    "Updater.lower('update', train_state, batch, with_global_norms=False).compile()"
     ".cost_analysis()['flops'], per device"
 )
 JAXPR_SOURCE = (
-    "jaxpr of Updater.update(train_state, batch, with_norms=False): conv_general_dilated and "
-    "dot_general, forward and backward, over all devices (benchmarks.flops)"
+    "jaxpr of Updater.update(train_state, batch, with_global_norms=False): conv_general_dilated "
+    "and dot_general, forward and backward, over all devices (benchmarks.flops)"
 )
 ANALYTIC_SOURCE = (
     "3 x the forward pass's multiply-adds x 2 (benchmarks.flops.resnet50_forward_macs)"

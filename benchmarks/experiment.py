@@ -139,15 +139,15 @@ _SAME_PROGRAM = {"updater_with_input": "updater"}
 def _lowered(updater: Updater, variant: timing.Variant) -> jax.stages.Lowered:
     """The variant's step lowered for its own train state and first batch."""
     if variant.name in ("updater", "updater_steps", "updater_with_norms"):
-        return updater.lower_update(
+        return updater.lower(
+            "update_steps" if variant.steps_per_call > 1 else "update",
             variant.carry,
             variant.batches[0],
-            with_norms=variant.name == "updater_with_norms",
-            stacked=variant.steps_per_call > 1,
+            with_global_norms=variant.name == "updater_with_norms",
         )
     if variant.name in (*variants.JIT_VARIANTS, "updater_shard_map"):
         other = variant.step.func.__self__  # functools.partial(updater.update, ...)
-        return other.lower_update(variant.carry, variant.batches[0], with_norms=False)
+        return other.lower("update", variant.carry, variant.batches[0], with_global_norms=False)
     return variant.step.lower(variant.carry, variant.batches[0])
 
 
@@ -245,7 +245,7 @@ def _step_figures(
     step_costs = _step_costs(updater, timed, compiled)
     updater_variant = next(variant for variant in timed if variant.name == "updater")
     counted = flops.count_flops(
-        functools.partial(updater.update, with_norms=False),
+        functools.partial(updater.update, with_global_norms=False),
         updater_variant.carry,
         updater_variant.batches[0],
     )

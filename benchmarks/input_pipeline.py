@@ -264,9 +264,9 @@ def bare_update_rate(config: Any, steps: int, pin_update_core: bool = False) -> 
     batch = placeholder_batch(experiment.dataset, config.batch_size)
     state = experiment.updater.init(config.seed, batch)
     for with_norms in (True, False, False):
-        state, metrics = experiment.updater.update(state, batch, with_norms=with_norms)
+        state, metrics = experiment.updater.update(state, batch, with_global_norms=with_norms)
     jax.block_until_ready(metrics)
-    update = functools.partial(experiment.updater.update, with_norms=False)
+    update = functools.partial(experiment.updater.update, with_global_norms=False)
     with update_core_apart(pin_update_core):
         start, previous = time.perf_counter(), None
         for _ in range(steps):

@@ -158,11 +158,11 @@ def build_variants(
     per_device = hand_written_per_device(experiment)
     # The step the training loop runs between its logs; the norms it adds on logged steps
     # are timed apart (`updater_with_norms`).
-    step = functools.partial(updater.update, with_norms=False)
+    step = functools.partial(updater.update, with_global_norms=False)
     variants = [timed("updater", step)]
     per_call = settings.steps_per_call or experiment.steps_per_call
     if per_call > 1:
-        several = functools.partial(updater.update_steps, with_norms=False)
+        several = functools.partial(updater.update_steps, with_global_norms=False)
         stacked = [stack_of(batches, first * per_call, per_call, axis_name) for first in
                    range(len(batches))]  # fmt: skip
         variants.append(
@@ -198,13 +198,14 @@ def build_variants(
         )
         variants.append(
             timed(
-                "updater_shard_map", functools.partial(shard_map_updater.update, with_norms=False)
+                "updater_shard_map",
+                functools.partial(shard_map_updater.update, with_global_norms=False),
             )
         )
     if settings.updater_jit:
         for variant_name, param_sharding in JIT_VARIANTS.items():
             jit_updater = jit_updater_of(config, experiment, param_sharding)
-            jit_step = functools.partial(jit_updater.update, with_norms=False)
+            jit_step = functools.partial(jit_updater.update, with_global_norms=False)
             jit_state = jit_updater.init(config.seed, batches[0])
             variants.append(Variant(variant_name, jit_step, jit_state, batches))
     if settings.flax and name in FLAX_PEERS:

@@ -6,6 +6,7 @@ only one pmap takes without a copy; `parallelize` maps over it with pmap or shar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -227,3 +228,74 @@ def parallelize(
 
     across_processes.lower = lambda *args: mapped.lower(*to_global(args))
     return across_processes
+
+
+class PerDeviceLayout:
+    """The layout of the `pmap` and `shard_map` backends: every train-state leaf on a leading
+    axis of local devices, each device's step on its own slice, averaged over `axis_name`.
+
+    Its programs fit train states of any shape (pmap's own cache keys them), so `signature` is
+    one value; `shardings` is None: a rejected leaf is named by `check_device_axis`.
+    """
+
+    param_sharding = "replicated"  # Every device holds a whole replica.
+    batch_shards = 1  # A device's step sees its own examples: one block.
+
+    def __init__(self, backend: str = "pmap", axis_name: str = DEFAULT_AXIS_NAME):
+        self.backend, self.axis_name = backend, axis_name
+        self.collective_axis = axis_name  # What the step averages over.
+
+    def random_bits(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def signature(self, train_state: Any) -> None:
+        return None
+
+    def shardings(self, train_state: Any) -> None:
+        return None
+
+    def initial(self, initial_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`initial_fn(params, state, key_data, num_devices, first_index)` for this process's
+        devices: their keys are those of their global indices."""
+        num_devices = jax.local_device_count()
+        first_index = jax.process_index() * num_devices
+        return functools.partial(initial_fn, num_devices=num_devices, first_index=first_index)
+
+    def place(self, initial_fn: Callable[..., Any], *args: Any) -> Any:
+        """The train state `initial_fn(*args)` makes, built on the devices in this layout."""
+        out_shardings = device_axis_sharding(self.axis_name)
+        return jax.jit(self.initial(initial_fn), out_shardings=out_shardings)(*args)
+
+    def abstract(self, initial_fn: Callable[..., Any], *args: Any) -> Any:
+        """What `place` would make, as `jax.ShapeDtypeStruct`s with their shardings."""
+        like = jax.eval_shape(self.initial(initial_fn), *args)
+        sharding = device_axis_sharding(self.axis_name)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), like
+        )
+
+    def program(
+        self, fn: Callable[..., Any], train_state: Any, *, updates: bool, steps_axis: bool
+    ) -> Callable[..., Any]:
+        """`fn(train_state, batch)` on every device's slice: `updates` (donated, returned on the
+        device axis, metrics once) or the metrics alone. Each device's batch keeps its axes."""
+        del train_state, steps_axis  # Any shape; a device's slice is `fn`'s batch as it is.
+        return parallelize(
+            fn,
+            backend=self.backend,
+            axis_name=self.axis_name,
+            out_axes=(0, None) if updates else None,
+            donate_argnums=(0,) if updates else (),
+        )
+
+    def view(self, batch: PyTree) -> PyTree:
+        return batch
+
+    def check(self, train_state: Any, where: str) -> None:
+        """shard_map would hand each device a slice of a leaf a multiple of the devices long:
+        refused here (pmap refuses it itself, and `check_device_axis` then names the leaf)."""
+        num_devices = jax.local_device_count()
+        if self.backend == "shard_map" and not all(
+            np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)
+        ):
+            check_device_axis(train_state, where)

@@ -11,9 +11,12 @@ pipeline's per-device layout; `global_batch_view` and `merge_device_axis` make i
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -129,11 +132,20 @@ def global_batch_view(batch: PyTree, device_mesh: Mesh) -> PyTree:
     )
 
 
-def merge_device_axis(batch: PyTree, device_mesh: Mesh) -> PyTree:
-    """Inside jit: `[devices, per_device_batch, ...]` -> `[global_batch, ...]`; moves no data."""
-    sharding = batch_sharding(device_mesh)
+def merge_device_axis(batch: PyTree, device_mesh: Mesh, steps_axis: bool = False) -> PyTree:
+    """Inside jit: `[devices, per_device_batch, ...]` -> `[global_batch, ...]`, or with
+    `steps_axis` `[devices, steps, per_device_batch, ...]` -> `[steps, global_batch, ...]`;
+    moves no data."""
+    (axis_name,) = device_mesh.axis_names
+    spec = PartitionSpec(None, axis_name) if steps_axis else PartitionSpec(axis_name)
+    sharding = NamedSharding(device_mesh, spec)
 
     def merge(x):
+        if steps_axis:
+            x = jnp.swapaxes(x, 0, 1)
+            return jax.lax.with_sharding_constraint(
+                x.reshape((x.shape[0], -1, *x.shape[3:])), sharding
+            )
         return jax.lax.with_sharding_constraint(x.reshape((-1, *x.shape[2:])), sharding)
 
     return jax.tree.map(merge, batch)
@@ -163,3 +175,96 @@ def format_bytes_per_device(per_device_bytes: int, total_bytes: int) -> str:
         return f"{num_bytes} B"
 
     return f"train state: {human(per_device_bytes)} per device of {human(total_bytes)}"
+
+
+class GlobalLayout:
+    """The layout of the `jit` backend: global arrays on `replication.global_mesh`, placed by
+    the `param_sharding` rule; one key, and the step over the global batch.
+
+    Its programs are built for one train-state shape (their shardings follow from it), so
+    `signature` tells them apart.
+    """
+
+    backend = "jit"
+    collective_axis = None  # The step sees the global batch: nothing to average over.
+
+    def __init__(
+        self, axis_name: str = replication.DEFAULT_AXIS_NAME, param_sharding: str = "replicated"
+    ):
+        check_param_sharding(param_sharding)
+        self.axis_name, self.param_sharding = axis_name, param_sharding
+        self.mesh = replication.global_mesh(axis_name)
+        self.batch_shards = self.mesh.size  # The global batch, a block per device.
+
+    def random_bits(self) -> contextlib.AbstractContextManager:
+        """The partitionable threefry: each device draws its shard's bits only, on any mesh."""
+        return jax.threefry_partitionable(True)
+
+    def signature(self, train_state: Any) -> tuple:
+        leaves, treedef = jax.tree.flatten(train_state)
+        return treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+
+    def shardings(self, train_state: Any) -> Any:
+        """The `NamedSharding` of every leaf of a train state shaped like `train_state`."""
+        return train_state_shardings(train_state, self.mesh, self.param_sharding)
+
+    def initial(self, initial_fn: Callable[..., Any]) -> Callable[..., Any]:
+        return initial_fn  # One global train state.
+
+    def abstract(self, initial_fn: Callable[..., Any], *args: Any) -> Any:
+        """What `place` would make, as `jax.ShapeDtypeStruct`s with their shardings."""
+        like = jax.eval_shape(initial_fn, *args)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            like,
+            self.shardings(like),
+        )
+
+    def place(
+        self, initial_fn: Callable[..., Any], params: PyTree, state: PyTree, *args: Any
+    ) -> Any:
+        """The train state `initial_fn(params, state, *args)` makes, built in its shards."""
+        shardings = self.shardings(jax.eval_shape(initial_fn, params, state, *args))
+        placed = put_global((params, state), (shardings.params, shardings.state))
+        whole = [replicated(self.mesh)] * len(args)
+        in_shardings = (shardings.params, shardings.state, *whole)
+        return jax.jit(initial_fn, in_shardings=in_shardings, out_shardings=shardings)(
+            *placed, *args
+        )
+
+    def program(
+        self, fn: Callable[..., Any], train_state: Any, *, updates: bool, steps_axis: bool
+    ) -> Callable[..., Any]:
+        """`fn(train_state, global_batch)` over batches laid out per device: `updates` (donated
+        and returned in place, metrics replicated) or the metrics alone."""
+        shardings, whole = self.shardings(train_state), replicated(self.mesh)
+
+        def on_global_batch(train_state, batch):
+            return fn(train_state, merge_device_axis(batch, self.mesh, steps_axis))
+
+        return jax.jit(
+            on_global_batch,
+            in_shardings=(shardings, batch_sharding(self.mesh)),
+            out_shardings=(shardings, whole) if updates else whole,
+            donate_argnums=(0,) if updates else (),
+        )
+
+    def view(self, batch: PyTree) -> PyTree:
+        return global_batch_view(batch, self.mesh)
+
+    def check(self, train_state: Any, where: str) -> None:
+        if not is_global(train_state):
+            raise ValueError(
+                f"{where}: train_state.rng has shape {np.shape(train_state.rng)}: the "
+                "per-device layout of backend='pmap'/'shard_map'; backend='jit' takes "
+                "global arrays with one key, as its Updater.init makes them."
+            )
+
+
+def layout(
+    backend: str, axis_name: str = replication.DEFAULT_AXIS_NAME, param_sharding: str = "replicated"
+) -> replication.PerDeviceLayout | GlobalLayout:
+    """The layout of a backend: "pmap" and "shard_map" per device, "jit" global."""
+    if backend == "jit":
+        return GlobalLayout(axis_name, param_sharding)
+    return replication.PerDeviceLayout(backend, axis_name)

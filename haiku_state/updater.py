@@ -1,17 +1,17 @@
 """The Updater: one data-parallel training step over Haiku params and state.
 
-`train_step` is the step, a pure function; the `Updater` compiles it, donating the train
-state, for one of two layouts. `pmap`, `shard_map`: a leading axis of local devices on every
-leaf, identical but for `rng` (a key per device); gradients and the Haiku state's floating
-leaves are `pmean`ed, so replicas stay identical. `jit`: global arrays on
-`replication.global_mesh` (`sharding` places them), one key, the step over the global batch.
-Optionally the step accumulates gradients over micro-batches (`lax.scan`, so the step count
-stays in optimizer steps) and keeps an exponential moving average of params and state.
+`train_step` is the step, a pure function; the `Updater` holds a layout that places the train
+state and compiles the step for it (`sharding.layout`). The per-device layout (`pmap`,
+`shard_map`): a leading axis of local devices on every leaf, identical but for `rng` (a key per
+device); gradients and the Haiku state's floating leaves are `pmean`ed, so replicas stay
+identical. The global layout (`jit`): global arrays on `replication.global_mesh`, one key, the
+step over the global batch. Optionally the step accumulates gradients over micro-batches
+(`lax.scan`, so the step count stays in optimizer steps) and keeps an exponential moving
+average of params and state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -181,7 +181,7 @@ def train_step(
     train_state: TrainState,
     batch: Batch,
     *,
-    with_norms: bool,
+    with_global_norms: bool,
     forward: hk.TransformedWithState,
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
@@ -219,9 +219,9 @@ def train_step(
     new_params = optax.apply_updates(params, updates)
     new_opt_state = new_optimizer_state
     new_ema = None if ema is None else ema_update(ema, new_params, new_state, ema_decay)
-    # Only the logged steps' programs read the norms: in every step they cost ResNet-50 1.3%
-    # of a TPU v5e's step, and a `lax.cond` that skips them 2.7% (it keeps `updates` whole).
-    norms = global_norms(grads, new_params, updates) if with_norms else {}
+    # Only the logged steps' programs compute the norms: the norms cost time in every step, and
+    # a `lax.cond` that skips them costs more (it keeps `updates` whole): benchmarks/README.md.
+    norms = global_norms(grads, new_params, updates) if with_global_norms else {}
     metrics = {"loss": loss, **metrics, **norms}
     if scaled:
         # Gradients are averaged already, so every device takes the same decision.
@@ -238,7 +238,7 @@ def train_step(
 
 
 def train_steps(
-    train_state: TrainState, batches: Batch, *, with_norms: bool, step_fn: Callable[..., Any]
+    train_state: TrainState, batches: Batch, *, with_global_norms: bool, step_fn: Callable[..., Any]
 ) -> tuple[TrainState, Metrics]:
     """`step_fn` (a `train_step`) over the leading axis of `batches`, in one `lax.scan`: several
     steps in one call. Each metric comes back per step (that axis first), the norms of the last
@@ -246,10 +246,10 @@ def train_steps(
     num_steps = jax.tree.leaves(batches)[0].shape[0]
 
     def scanned_step(carry: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        new_train_state, metrics = step_fn(carry, batch, with_norms=False)
+        new_train_state, metrics = step_fn(carry, batch, with_global_norms=False)
         return _varying_like(new_train_state, carry), metrics
 
-    if not with_norms:
+    if not with_global_norms:
         return jax.lax.scan(scanned_step, train_state, batches)
     per_step = []
     if num_steps > 1:
@@ -257,7 +257,7 @@ def train_steps(
         train_state, metrics = jax.lax.scan(scanned_step, train_state, head)
         per_step.append(metrics)
     last = jax.tree.map(lambda x: x[-1], batches)
-    train_state, metrics = step_fn(train_state, last, with_norms=True)
+    train_state, metrics = step_fn(train_state, last, with_global_norms=True)
     norms = {name: metrics.pop(name) for name in NORMS}
     per_step.append(jax.tree.map(lambda x: x[None], metrics))
     per_step = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_step)
@@ -329,17 +329,6 @@ def _typed_key(key: jax.Array) -> jax.Array:
     return key if replication.is_key(key) else jax.random.wrap_key_data(key)
 
 
-class _Programs(NamedTuple):
-    """A backend's compiled step functions (jit: for train states of one shape, and shardings).
-    `updates`: by `(stacked, with_norms)`, made when first asked for (`Updater._update_program`).
-    """
-
-    shardings: TrainState | None
-    updates: dict[tuple[bool, bool], Callable[..., tuple[TrainState, Metrics]]]
-    evaluate: Callable[..., Metrics]
-    init: Callable[..., TrainState] | None = None
-
-
 def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
     """FloatingPointError naming the first step of an update (one or several) whose loss is not
     finite: a host sync."""
@@ -348,35 +337,18 @@ def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
     replicas.check_finite_losses([(first + i, {"loss": x}) for i, x in enumerate(losses)])
 
 
-def _shapes_key(batch: Any, stacked: bool, with_norms: bool) -> tuple:
-    return stacked, with_norms, tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch))
+METHODS = ("update", "update_steps", "evaluate")  # The Updater's calls, a program each.
 
 
-def _global_update(
-    step_fn: Callable[..., Any],
-    with_norms: bool,
-    stacked: bool,
-    mesh: jax.sharding.Mesh,
-    shardings: TrainState,
+def _pure_function(
+    method: str, step_fn: Callable, eval_fn: Callable, with_global_norms: bool
 ) -> Callable[..., Any]:
-    """The jit program of `step_fn` (a `train_step`) over batches laid out per device,
-    `[devices, per_device_batch, ...]`, or stacked `[devices, steps, ...]` for `train_steps`."""
-
-    def global_step(train_state, batch, *, with_norms):
-        return step_fn(train_state, sharding.merge_device_axis(batch, mesh), with_norms=with_norms)
-
-    def update(train_state, batch):
-        if not stacked:
-            return global_step(train_state, batch, with_norms=with_norms)
-        steps_first = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), batch)
-        return train_steps(train_state, steps_first, with_norms=with_norms, step_fn=global_step)
-
-    return jax.jit(
-        update,
-        in_shardings=(shardings, sharding.batch_sharding(mesh)),
-        out_shardings=(shardings, sharding.replicated(mesh)),
-        donate_argnums=0,
-    )
+    """The pure function behind an Updater method: `train_step`, `train_steps` or `eval_step`."""
+    if method == "evaluate":
+        return eval_fn
+    if method == "update_steps":
+        step_fn = functools.partial(train_steps, step_fn=step_fn)
+    return functools.partial(step_fn, with_global_norms=with_global_norms)
 
 
 class Updater:
@@ -384,12 +356,13 @@ class Updater:
 
     `loss_fn(outputs, batch)` gives a scalar loss and scalar metrics, of each device's shard
     (pmap, shard_map) or the global batch (jit); `augment_fn(key, batch)` runs in every step.
-    `axis_name`: the per-device backends' device axis. `check_finite`: `update` raises
-    `FloatingPointError` on a non-finite loss naming its step, counted from 1 as the loop logs
-    steps (a host sync per call). `loss_scale`: a `jmp` scale (float16), kept in `opt_state`.
-    `param_sharding`: "fsdp" needs `backend="jit"`.
-    `accumulation_steps`: each step's gradients are the mean over that many micro-batches of
-    every device's shard. `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses.
+    `backend` picks the layout (`sharding.layout`), which places the state and builds each
+    program from the pure step; `axis_name` names its device axis. `check_finite`: an update
+    raises `FloatingPointError` on a non-finite loss naming its step, counted from 1 as the loop
+    logs steps (a host sync per call). `loss_scale`: a `jmp` scale (float16), kept in
+    `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`. `accumulation_steps`: each
+    step's gradients are the mean over that many micro-batches of every device's shard.
+    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses.
     """
 
     def __init__(
@@ -409,60 +382,38 @@ class Updater:
     ):
         updater_arguments.check_backend(backend, param_sharding)
         updater_arguments.check_step_options(accumulation_steps, ema_decay)
+        self.layout = sharding.layout(backend, axis_name, param_sharding)
         self.axis_name, self.backend, self.param_sharding = axis_name, backend, param_sharding
         self.ema_decay = ema_decay or None
-        self._forward = forward
-        self._check_finite = check_finite
-        self._ahead: dict[tuple, Callable[..., Any]] = {}  # `compile_ahead`'s, by batch shapes.
+        self._forward, self._check_finite = forward, check_finite
+        self._programs: dict[tuple, Callable[..., Any]] = {}  # By method, norms, state shape.
         self._initial = functools.partial(
             initial_train_state, optimizer, loss_scale, keep_ema=self.ema_decay is not None
         )
-        device_axis = None if backend == "jit" else axis_name
-        common = dict(forward=forward, loss_fn=loss_fn, axis_name=device_axis)
-        # Under jit the step's batch is the global one, laid out in a block per device.
-        batch_shards = replication.global_mesh(axis_name).size if backend == "jit" else 1
+        common = dict(forward=forward, loss_fn=loss_fn, axis_name=self.layout.collective_axis)
         self._step = functools.partial(
             train_step,
             optimizer=optimizer,
             augment_fn=augment_fn,
             loss_scale=loss_scale,
             accumulation_steps=accumulation_steps,
-            batch_shards=batch_shards,
+            batch_shards=self.layout.batch_shards,
             ema_decay=self.ema_decay,
             **common,
         )
         self._eval_step = functools.partial(eval_step, **common)
-        if backend == "jit":
-            self._mesh = replication.global_mesh(axis_name)
-            self._global_programs: dict[tuple, _Programs] = {}  # By shape of train state.
-            return
-        self._parallel = _Programs(
-            shardings=None,
-            updates={},
-            evaluate=replication.parallelize(
-                self._eval_step, out_axes=None, backend=backend, axis_name=axis_name
-            ),
-        )
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
         """The first `TrainState`, params and state drawn on the host from `seed` (int or key);
         of the sharded `batch` only shapes matter, unless a parameter is computed from it."""
-        with self._random_bits():  # The keys are split under it too.
+        with self.layout.random_bits():  # The keys are split under it too.
             sequence = hk.PRNGSequence(seed)
             init_key, run_key = (_typed_key(next(sequence)) for _ in range(2))
         initial = initialization.initial_params_and_state
         params, state = self._params_and_state(initial, init_key, batch, "init")
-        run_key_data = np.asarray(jax.device_get(jax.random.key_data(run_key)))
-        key_impl = str(jax.random.key_impl(run_key))
-        if self.backend == "jit":
-            like, shardings = self._abstract(params, state, run_key_data, key_impl)
-            placed = sharding.put_global((params, state), (shardings.params, shardings.state))
-            return self._global_programs_for(like).init(*placed, run_key_data, key_impl)
-        num_devices = jax.local_device_count()
-        per_device = dict(num_devices=num_devices, first_index=jax.process_index() * num_devices)
-        place = functools.partial(self._initial, key_impl=key_impl, **per_device)
-        out_shardings = replication.device_axis_sharding(self.axis_name)
-        return jax.jit(place, out_shardings=out_shardings)(params, state, run_key_data)
+        key_data = np.asarray(jax.device_get(jax.random.key_data(run_key)))
+        place = functools.partial(self._initial, key_impl=str(jax.random.key_impl(run_key)))
+        return self.layout.place(place, params, state, key_data)
 
     def abstract_init(self, batch: Batch) -> TrainState:
         """What `init` would give, as sharded `jax.ShapeDtypeStruct`s: what a restore reads into."""
@@ -470,162 +421,80 @@ class Updater:
         initial = initialization.initial_shapes
         params, state = self._params_and_state(initial, key, batch, "abstract_init")
         key_data = jax.eval_shape(jax.random.key_data, key)
-        like, shardings = self._abstract(params, state, key_data, str(jax.random.key_impl(key)))
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, shardings
-        )
+        place = functools.partial(self._initial, key_impl=str(jax.random.key_impl(key)))
+        return self.layout.abstract(place, params, state, key_data)
 
     def update(
-        self, train_state: TrainState, batch: Batch, *, with_norms: bool = True
+        self, train_state: TrainState, batch: Batch, *, with_global_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
         """One step on a sharded batch, `train_state` donated; the global batch's `loss`, loss_fn
-        metrics and, `with_norms`, `l2_grads`, `l2_params` (updated) and `l2_updates`. With and
-        without the norms are two programs, each compiled when first asked for."""
-        return self._run_update(train_state, batch, False, with_norms)
+        metrics and, `with_global_norms`, `l2_grads`, `l2_params` (updated) and `l2_updates`.
+        With and without the norms are two programs."""
+        return self._call("update", train_state, batch, with_global_norms)
 
     def update_steps(
-        self, train_state: TrainState, batches: Batch, *, with_norms: bool = True
+        self, train_state: TrainState, batches: Batch, *, with_global_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
         """`n` steps in one call (a `lax.scan`), on batches stacked after the device axis
         (`[devices, n, per_device_batch, ...]`, as `replication.stack_steps` makes them): the
         same keys and updates as `n` calls of `update`, one dispatch. Each metric comes back per
-        step, `[n]`; `with_norms`, the norms of the last step (scalars)."""
-        return self._run_update(train_state, batches, True, with_norms)
-
-    def compile_ahead(
-        self, train_state: Any, batch: Any, *, with_norms: bool, stacked: bool = False
-    ) -> None:
-        """Compiles an update program for these shapes (arrays, or `jax.ShapeDtypeStruct`s with
-        shardings) now, e.g. beside others; the calls of these shapes then run it (AOT dispatch:
-        as quick as the traced call or up to 0.1 ms quicker, an MLP on a CPU)."""
-        lowered = self.lower_update(train_state, batch, with_norms=with_norms, stacked=stacked)
-        self._ahead[_shapes_key(batch, stacked, with_norms)] = lowered.compile()
+        step, `[n]`; `with_global_norms`, the norms of the last step (scalars)."""
+        return self._call("update_steps", train_state, batches, with_global_norms)
 
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
         """The loss and metrics with `is_training=False`; the state is untouched."""
-        programs, batch = self._checked(train_state, batch, "evaluate")
-        return self._explained(programs, train_state, "evaluate", programs.evaluate, batch)
+        return self._call("evaluate", train_state, batch, False)
 
-    def lower_update(
-        self,
-        train_state: TrainState,
-        batch: Batch,
-        *,
-        with_norms: bool = True,
-        stacked: bool = False,
+    def lower(
+        self, method: str, train_state: Any, batch: Any, *, with_global_norms: bool = True
     ) -> jax.stages.Lowered:
-        """The step (`stacked`: `update_steps`' steps) lowered for XLA's cost and memory
-        analysis; nothing runs or is donated."""
-        where = "lower_update"
-        programs, batch = self._checked(train_state, batch, where, stacked)
-        refused = updater_arguments.unbound_axis_refused(where, self.axis_name)
-        with self._random_bits(), refused:
-            return self._update_program(programs, stacked, with_norms).lower(train_state, batch)
+        """The program of `method` (one of `METHODS`) lowered for these arguments (arrays, or
+        `jax.ShapeDtypeStruct`s with shardings), for XLA's cost and memory analysis, or to
+        `compile_ahead`; nothing runs or is donated."""
+        program, batch = self._program(method, train_state, batch, with_global_norms)
+        with (
+            self.layout.random_bits(),
+            updater_arguments.unbound_axis_refused(method, self.axis_name),
+        ):
+            return program.lower(train_state, batch)
+
+    def compile_ahead(
+        self, method: str, train_state: Any, batch: Any, *, with_global_norms: bool = True
+    ) -> None:
+        """Compiles the program of `method` for these shapes now, e.g. beside another: the
+        calls of these shapes then run it without compiling."""
+        self.lower(method, train_state, batch, with_global_norms=with_global_norms).compile()
 
     def _params_and_state(self, initial: Callable, key: jax.Array, batch: Batch, where: str):
         """`initial(forward, key, first device's shard)`: the network's params and state."""
         replication.check_batch(batch, where)
-        axis_name = None if self.backend == "jit" else self.axis_name
         with updater_arguments.unbound_axis_refused(where, self.axis_name):
-            return initial(self._forward, key, replication.unreplicate(batch), axis_name=axis_name)
+            shard = replication.unreplicate(batch)
+            return initial(self._forward, key, shard, axis_name=self.layout.collective_axis)
 
-    def _abstract(self, params, state, key_data, key_impl: str) -> tuple[TrainState, Any]:
-        """The shapes of the `TrainState` `init` makes of these, and its leaves' shardings."""
-        per_device = {} if self.backend == "jit" else dict(num_devices=jax.local_device_count())
-        initial = functools.partial(self._initial, key_impl=key_impl, **per_device)
-        like = jax.eval_shape(initial, params, state, key_data)
-        if self.backend == "jit":
-            return like, self._global_programs_for(like).shardings
-        return like, jax.tree.map(lambda _: replication.device_axis_sharding(self.axis_name), like)
-
-    def _random_bits(self) -> contextlib.AbstractContextManager:
-        """Under jit, the partitionable threefry: each device draws only its shard's bits, the
-        same on any mesh (the command line turns it off on CPU for the per-device backends)."""
-        if self.backend != "jit":
-            return contextlib.nullcontext()
-        return jax.threefry_partitionable(True)
-
-    def _global_programs_for(self, train_state: Any) -> _Programs:
-        """The jit programs for train states shaped like `train_state` (arrays or shapes)."""
-        leaves, treedef = jax.tree.flatten(train_state)
-        signature = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
-        if signature in self._global_programs:
-            return self._global_programs[signature]
-        mesh = self._mesh
-        shardings = sharding.train_state_shardings(train_state, mesh, self.param_sharding)
-        batch, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-        programs = self._global_programs[signature] = _Programs(
-            shardings=shardings,
-            updates={},
-            evaluate=jax.jit(
-                lambda ts, b: self._eval_step(ts, sharding.merge_device_axis(b, mesh)),
-                in_shardings=(shardings, batch),
-                out_shardings=whole,
-            ),
-            init=jax.jit(
-                self._initial,
-                in_shardings=(shardings.params, shardings.state, whole),
-                out_shardings=shardings,
-                static_argnums=3,  # key_impl
-            ),
-        )
-        return programs
-
-    def _checked(self, train_state: TrainState, batch: Batch, where: str, stacked: bool = False):
-        """Checks the arguments; the programs that take them, and the batch as they take it."""
-        updater_arguments.check_arguments(train_state, batch, where, self.backend, TrainState)
-        updater_arguments.check_ema(train_state, self.ema_decay, where)
-        if stacked:
-            replication.check_stacked_batches(batch, where)
-        if self.backend != "jit":
-            return self._parallel, batch
-        return self._global_programs_for(train_state), sharding.global_batch_view(batch, self._mesh)
-
-    def _update_program(self, programs: _Programs, stacked: bool, with_norms: bool) -> Callable:
-        """The update program of one step, or of steps stacked on an axis (`train_steps`), with or
-        without the norms: made and kept in `programs` when first asked for."""
-        key = (stacked, with_norms)
-        if key in programs.updates:
-            return programs.updates[key]
-        if self.backend == "jit":
-            program = _global_update(
-                self._step, with_norms, stacked, self._mesh, programs.shardings
-            )
-        else:
-            step = functools.partial(train_steps, step_fn=self._step) if stacked else self._step
-            program = replication.parallelize(
-                functools.partial(step, with_norms=with_norms),
-                out_axes=(0, None),
-                donate_argnums=(0,),
-                backend=self.backend,
-                axis_name=self.axis_name,
-            )
-        programs.updates[key] = program
-        return program
-
-    def _run_update(self, train_state: TrainState, batch: Batch, stacked: bool, with_norms: bool):
-        """Checks the arguments and runs an update program on them (`check_finite`: its losses)."""
-        where = "update_steps" if stacked else "update"
-        key = _shapes_key(batch, stacked, with_norms)
-        programs, batch = self._checked(train_state, batch, where, stacked)
-        outputs = None
-        if key in self._ahead:  # Compiled ahead: its C++ dispatch is the quickest.
-            try:
-                with self._random_bits():
-                    outputs = self._ahead[key](train_state, batch)
-            except (TypeError, ValueError):  # Laid out otherwise (refused before it ran).
-                del self._ahead[key]
-        if outputs is None:
-            program = self._update_program(programs, stacked, with_norms)
-            outputs = self._explained(programs, train_state, where, program, batch)
-        if self._check_finite:
+    def _call(self, method: str, train_state: TrainState, batch: Batch, with_global_norms: bool):
+        """Runs the program of `method`, a rejected argument explained (`check_finite`: the
+        update's losses checked)."""
+        program, batch = self._program(method, train_state, batch, with_global_norms)
+        explained = updater_arguments.rejection_explained(train_state, method, self.layout)
+        with self.layout.random_bits(), explained:
+            outputs = program(train_state, batch)
+        if self._check_finite and method != "evaluate":
             _check_finite_losses(*outputs)
         return outputs
 
-    def _explained(self, programs: _Programs, train_state, where: str, program, batch):
-        """`program(train_state, batch)`, a rejection of the train state explained by its leaf."""
-        explained = updater_arguments.rejection_explained(
-            train_state, where, self.axis_name, programs.shardings, self.param_sharding
-        )
-        with self._random_bits(), explained:
-            return program(train_state, batch)
+    def _program(self, method: str, train_state: Any, batch: Any, with_global_norms: bool):
+        """Checks the arguments; the program of `method` that takes them (built when first
+        asked for), and the batch as it takes it."""
+        updater_arguments.check_method(method, METHODS)
+        updater_arguments.check_arguments(train_state, batch, method, TrainState, self.layout)
+        updater_arguments.check_ema(train_state, self.ema_decay, method)
+        if method == "update_steps":
+            replication.check_stacked_batches(batch, method)
+        key = (method, with_global_norms, self.layout.signature(train_state))
+        if key not in self._programs:
+            fn = _pure_function(method, self._step, self._eval_step, with_global_norms)
+            self._programs[key] = self.layout.program(
+                fn, train_state, updates=method != "evaluate", steps_axis=method == "update_steps"
+            )
+        return self._programs[key], self.layout.view(batch)

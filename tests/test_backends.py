@@ -116,7 +116,7 @@ def test_keys_of_another_device_count_are_refused_by_name_and_nothing_is_donated
 
 
 @pytest.mark.parametrize("backend", replication.PER_DEVICE_BACKENDS)
-def test_lower_update_gives_the_per_device_cost_without_consuming_the_state(runs, backend):
+def test_lower_gives_the_per_device_cost_without_consuming_the_state(runs, backend):
     train_state = runs[backend][0]
     step_updater = hs.Updater(
         models.make_network("mlp", 10, cross_replica_axis="i", hidden_sizes=(16,)),
@@ -127,7 +127,7 @@ def test_lower_update_gives_the_per_device_cost_without_consuming_the_state(runs
     batch = hs.shard(
         {"image": np.zeros((32, 8, 8, 1), np.float32), "label": np.zeros(32, np.int32)}
     )
-    compiled = step_updater.lower_update(train_state, batch).compile()
+    compiled = step_updater.lower("update", train_state, batch).compile()
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, (list, tuple)) else costs
     # At least the forward and backward matmuls of one device's 8 examples.
@@ -146,9 +146,9 @@ def test_the_norms_are_a_second_program_compiled_once_and_reported_only_when_ask
     )
     train_state = step_updater.init(0, batch)
     with CompileEvents() as events:
-        train_state, without = step_updater.update(train_state, batch, with_norms=False)
-        train_state, with_norms = step_updater.update(train_state, batch, with_norms=True)
-        train_state, _ = step_updater.update(train_state, batch, with_norms=False)
+        train_state, without = step_updater.update(train_state, batch, with_global_norms=False)
+        train_state, with_norms = step_updater.update(train_state, batch, with_global_norms=True)
+        train_state, _ = step_updater.update(train_state, batch, with_global_norms=False)
     # Two programs: a lax.cond over the norms in one would keep `updates` whole in every step.
     assert events.figures()["programs"] == 2
     assert set(without) == {"loss", "accuracy"}

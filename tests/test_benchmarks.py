@@ -83,7 +83,7 @@ def test_benchmark_experiment_reports_positive_finite_throughputs_and_ratios(mlp
     assert flops["per_step"] == 3 * forward - 2 * TINY.batch_size * 64 * 256
     assert flops["per_device_per_step"] == flops["per_step"] / 4
     assert flops["source"] == costs.JAXPR_SOURCE and flops["analytic_per_example"] is None
-    # XLA's figure beside it (per device: the partitioned program), from Updater.lower_update.
+    # XLA's figure beside it (per device: the partitioned program), from Updater.lower.
     assert flops["xla_per_step"] == pytest.approx(4 * flops["xla_per_device_per_step"])
     assert flops["xla_source"] == costs.UPDATER_COST_SOURCE
     assert flops["updater_matches_hand_written"] is True

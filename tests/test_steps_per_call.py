@@ -43,11 +43,11 @@ def one_and_several(request):
     one = updater.init(0, batches[0])
     one_metrics = []
     for index, batch in enumerate(batches):
-        one, metrics = updater.update(one, batch, with_norms=index == NUM_STEPS - 1)
+        one, metrics = updater.update(one, batch, with_global_norms=index == NUM_STEPS - 1)
         one_metrics.append(jax.device_get(metrics))
     several = updater.init(0, batches[0])
     several, first = updater.update_steps(
-        several, replication.stack_steps(batches[:2]), with_norms=False
+        several, replication.stack_steps(batches[:2]), with_global_norms=False
     )
     several, second = updater.update_steps(several, replication.stack_steps(batches[2:]))
     return to_host(one), one_metrics, to_host(several), jax.device_get((first, second))
@@ -119,7 +119,7 @@ def test_a_program_compiled_ahead_is_the_one_the_call_runs():
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         (train_state, stacked),
     )
-    updater.compile_ahead(*shapes, with_norms=True, stacked=True)
+    updater.compile_ahead("update_steps", *shapes, with_global_norms=True)
     with CompileEvents() as events:
         train_state, metrics = updater.update_steps(train_state, stacked)
     assert events.figures()["programs"] == 0

@@ -208,7 +208,7 @@ def test_metrics_come_back_as_replicated_scalars(runs):
     step_updater = runs["fsdp"]["updater"]
     batch = _batches()[0]
     train_state = step_updater.init(0, batch)
-    _, metrics = step_updater.update(train_state, batch, with_norms=False)
+    _, metrics = step_updater.update(train_state, batch, with_global_norms=False)
     assert set(metrics) == {"loss", "accuracy"}
     for value in metrics.values():
         assert value.shape == () and value.sharding.is_fully_replicated
@@ -316,7 +316,7 @@ def test_compiled_step_takes_fewer_argument_bytes_per_device_with_fsdp(runs):
     batch = _batches()[0]
 
     def argument_bytes(run):
-        lowered = run["updater"].lower_update(run["final"], batch)
+        lowered = run["updater"].lower("update", run["final"], batch)
         return lowered.compile().memory_analysis().argument_size_in_bytes
 
     replicated, fsdp = argument_bytes(runs["replicated"]), argument_bytes(runs["fsdp"])
@@ -435,7 +435,7 @@ def test_the_batch_becomes_global_without_moving_data():
     )
     batch = _batches()[0]
     train_state = step_updater.init(0, batch)
-    hlo = step_updater.lower_update(train_state, batch).compile().as_text()
+    hlo = step_updater.lower("update", train_state, batch).compile().as_text()
     for collective in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
         assert collective not in hlo
     assert "all-reduce" in hlo  # The check can fail: the HLO text names collectives.

@@ -25,6 +25,12 @@ def check_backend(backend: str, param_sharding: str = "replicated") -> None:
         )
 
 
+def check_method(method: str, methods: tuple[str, ...]) -> None:
+    """Raises ValueError unless `method` names one of the Updater's programs."""
+    if method not in methods:
+        raise ValueError(f"Unknown Updater method {method!r}; expected one of {methods}.")
+
+
 def check_step_options(accumulation_steps: int, ema_decay: float | None) -> None:
     """Raises ValueError unless `accumulation_steps` is a positive integer and `ema_decay` is
     None, 0 (off) or in (0, 1)."""
@@ -52,15 +58,15 @@ def check_ema(train_state: Any, ema_decay: float | None, where: str) -> None:
     )
 
 
-def check_arguments(train_state: Any, batch: Any, where: str, backend: str, kind: type) -> None:
-    """Refuses what is not a `kind` (TrainState) in the backend's layout, or a batch not per device.
-    shard_map would hand each device a slice of a leaf a multiple of the device count long."""
+def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout: Any) -> None:
+    """Refuses what is not a `kind` (TrainState) in `layout`, a batch not per device, or a train
+    state donated before."""
     if not isinstance(train_state, kind):
         raise TypeError(f"{where}: expected a {kind.__name__}, got {type(train_state).__name__}.")
     replication.check_batch(batch, where)
     # A train state passed to update before: its buffers are gone (jax 0.10 aborts on it).
-    # Donation deletes every leaf of a state at once: the first leaf of each field tells (a
-    # check of every leaf cost a small ResNet's step 60 us a call), and the scan names it.
+    # Donation deletes every leaf of a state at once: the first leaf of each field tells,
+    # and the scan names it.
     firsts = [leaves[0] for field in train_state if (leaves := jax.tree.leaves(field))]
     if any(is_deleted(leaf) for leaf in firsts):
         for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
@@ -70,19 +76,7 @@ def check_arguments(train_state: Any, batch: Any, where: str, backend: str, kind
                     "TrainState was donated to an earlier update; use the TrainState that "
                     "update returned."
                 )
-    if backend == "jit":
-        if not sharding.is_global(train_state):
-            raise ValueError(
-                f"{where}: train_state.rng has shape {np.shape(train_state.rng)}: the "
-                "per-device layout of backend='pmap'/'shard_map'; backend='jit' takes "
-                "global arrays with one key, as its Updater.init makes them."
-            )
-        return
-    num_devices = jax.local_device_count()
-    if backend == "shard_map" and not all(
-        np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)
-    ):
-        replication.check_device_axis(train_state, where)
+    layout.check(train_state, where)
 
 
 def is_deleted(leaf: Any) -> bool:
@@ -122,15 +116,14 @@ def unbound_axis_refused(where: str, axis_name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def rejection_explained(
-    train_state: Any, where: str, axis_name: str, shardings: Any, param_sharding: str
-) -> Iterator[None]:
+def rejection_explained(train_state: Any, where: str, layout: Any) -> Iterator[None]:
     """If a step program rejects its arguments (before running or donating), names the leaf at
-    fault: against `shardings` (jit), or None for the per-device layout."""
-    with unbound_axis_refused(where, axis_name):
+    fault: against the layout's shardings (jit), or its device axis (pmap, shard_map)."""
+    with unbound_axis_refused(where, layout.axis_name):
         try:
             yield
         except (ValueError, TypeError) as error:
+            shardings = layout.shardings(train_state)
             if shardings is None:
                 replication.check_device_axis(train_state, where)
                 raise
@@ -140,7 +133,7 @@ def rejection_explained(
                 if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
                     raise ValueError(
                         f"{where}: train_state{jax.tree_util.keystr(path)} has sharding {have}; "
-                        f"param_sharding={param_sharding!r} lays it out as {want.spec} on "
-                        f"the mesh of all {jax.device_count()} devices."
+                        f"param_sharding={layout.param_sharding!r} lays it out as {want.spec} "
+                        f"on the mesh of all {jax.device_count()} devices."
                     ) from error
             raise
