@@ -303,3 +303,30 @@ def curves_figure(records: list[dict[str, Any]], title: str) -> Any:
     figure.suptitle(title)
     figure.tight_layout()
     return figure
+
+
+def trees_table(params: Any, state: Any, *, device_axis: bool) -> str:
+    """The Haiku params and state, a line per module: each leaf's dtype and shape, the module's
+    size, and the totals (as Haiku's example logs `hk.experimental.tabulate` at start). Shapes
+    suffice; `device_axis`: the leaves' leading axis of devices is left out."""
+
+    def describe(tree: Any) -> tuple[dict[str, list[str]], dict[str, int]]:
+        leaves, sizes = {}, {}
+        for module, values in tree.items():
+            for name, leaf in values.items():
+                shape = tuple(leaf.shape[1:] if device_axis else leaf.shape)
+                dims = ",".join(map(str, shape))
+                leaves.setdefault(module, []).append(f"{name} {leaf.dtype.name}[{dims}]")
+                sizes[module] = sizes.get(module, 0) + math.prod(shape)
+        return leaves, sizes
+
+    (param_leaves, param_sizes), (state_leaves, state_sizes) = describe(params), describe(state)
+    lines = []
+    for module in sorted({*param_leaves, *state_leaves}):
+        parts = [f"params {', '.join(param_leaves[module])}"] if module in param_leaves else []
+        parts += [f"state {', '.join(state_leaves[module])}"] if module in state_leaves else []
+        size = f" ({param_sizes[module]:,} params)" if module in param_sizes else ""
+        lines.append(f"  {module}: {'; '.join(parts)}{size}")
+    total_params, total_state = sum(param_sizes.values()), sum(state_sizes.values())
+    lines.append(f"  total: {total_params:,} params, {total_state:,} state values")
+    return "\n".join(["Params and state, by module:", *lines])

@@ -170,3 +170,23 @@ def test_the_curves_have_a_title_accuracy_in_percent_and_the_learning_rate():
         assert [line.get_label() for line in loss.lines] == ["train", "eval"]
     finally:
         plt.close(figure)
+
+
+def test_trees_table_lists_every_module_of_params_and_state_with_shapes_and_totals():
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+
+    def net(x, is_training):
+        return hk.Linear(3)(hk.BatchNorm(True, True, 0.9)(x, is_training))
+
+    params, state = jax.eval_shape(
+        lambda: hk.transform_with_state(net).init(jax.random.key(0), jnp.ones((2, 5)), True)
+    )
+    on_devices = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((4, *x.shape), x.dtype), (params, state)
+    )
+    table = summaries.trees_table(*on_devices, device_axis=True)
+    assert "linear: params b float32[3], w float32[5,3] (18 params)" in table
+    assert "batch_norm/~/mean_ema: state average float32[1,5], counter int32[]" in table
+    assert table.splitlines()[-1] == "  total: 28 params, 22 state values"
