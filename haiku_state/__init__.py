@@ -7,12 +7,14 @@ from haiku_state.guards import orphans
 orphans.guard_spawned_child()
 
 from haiku_state.checkpoint import Checkpointer  # noqa: E402
+from haiku_state.errors import Refused  # noqa: E402
 from haiku_state.guards.replicas import assert_keys_distinct, assert_replicas_identical  # noqa: E402
 from haiku_state.replication import replicate, shard, unreplicate  # noqa: E402
 from haiku_state.updater import TrainState, Updater  # noqa: E402
 
 __all__ = [
     "Checkpointer",
+    "Refused",
     "TrainState",
     "Updater",
     "assert_keys_distinct",

@@ -20,7 +20,16 @@ from typing import Any
 
 import ml_collections
 
-from haiku_state import compilation_cache, data, losses, models, optim, replication, sharding
+from haiku_state import (
+    compilation_cache,
+    data,
+    errors,
+    losses,
+    models,
+    optim,
+    replication,
+    sharding,
+)
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 
@@ -282,7 +291,7 @@ def default_config(model: str | None = None) -> ml_collections.ConfigDict:
     """Every key at its default, with `model.name = model` and its options (None: neither).
     A None default is a placeholder of the key's type (`--config.num_epochs=90` parses)."""
     if model is not None and model not in models.MODELS:
-        raise ValueError(f"Unknown model {model!r}; expected one of {models.MODELS}.")
+        raise errors.InvalidValue(f"Unknown model {model!r}; expected one of {models.MODELS}.")
     config = ml_collections.ConfigDict()
     for key in keys_of(model):
         *parents, leaf = key.name.split(".")
@@ -382,12 +391,12 @@ def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple
     )
     if batch_size > num_train_examples:
         if not largest_batch:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"The {num_train_examples} training examples are fewer than {units}, each of "
                 "which takes at least one example of every batch."
             )
         if not at_default(config, "batch_size"):
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"config.batch_size={batch_size} is larger than the {num_train_examples} "
                 f"training examples: an epoch holds no step; use at most {largest_batch}."
             )
@@ -400,7 +409,7 @@ def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple
     warmup, total_steps = config.optimizer.warmup_steps, training_steps(fitted, num_train_examples)
     if config.optimizer.schedule == "warmup_cosine" and warmup >= total_steps:
         if not at_default(config, "optimizer.warmup_steps"):
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"config.optimizer.warmup_steps={warmup} must be in [0, steps={total_steps})."
             )
         fitted.optimizer.warmup_steps = int(total_steps * FITTED_WARMUP_FRACTION)
@@ -416,7 +425,7 @@ def training_steps(config: Any, num_train_examples: int) -> int:
     """The run's length: `config.steps`, or `num_epochs` epochs (each drops its remainder)."""
     steps_per_epoch = num_train_examples // config.batch_size
     if steps_per_epoch < 1:  # `fit_to_data` refuses it first; a caller without it, here.
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.batch_size={config.batch_size} is larger than the {num_train_examples} "
             "training examples: an epoch holds no step."
         )

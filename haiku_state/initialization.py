@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
+from haiku_state import errors
 
-class HostMemoryError(MemoryError):
+
+class HostMemoryError(errors.Refused, MemoryError):
     """The program that draws the initial params and state needs more host memory than this
     process may allocate."""
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from haiku_state import errors
 from haiku_state.updater import LossFn
 
 # The metrics an evaluation reports, and which end of each is best (`config.keep_best_by`).
@@ -22,7 +23,7 @@ def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossF
     means. With `replaced` (images `data.skip_corrupt` stood in for): `corrupt_fraction`.
     """
     if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
+        raise errors.InvalidValue(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
 
     def loss_fn(
         logits: jax.Array, batch: Mapping[str, jax.Array]

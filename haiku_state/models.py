@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from haiku_state import errors
+
 MODELS = ("mlp", "resnet", "resnet50")
 PRECISIONS = ("float32", "bfloat16", "float16")
 # "lean": `BatchNorm` below; "haiku": `hk.BatchNorm`, what runs trained before it recorded.
@@ -283,19 +285,21 @@ def make_network(
     `precision` (float16 needs loss scaling) computes in it, params, logits and BatchNorm's
     statistics float32. `image_mean`/`image_std`: the dataset's, or None for raw images."""
     if name not in MODELS:
-        raise ValueError(f"Unknown model {name!r}; expected one of {MODELS}.")
+        raise errors.InvalidValue(f"Unknown model {name!r}; expected one of {MODELS}.")
     if precision not in PRECISIONS:
-        raise ValueError(f"Unknown precision {precision!r}; expected one of {PRECISIONS}.")
+        raise errors.InvalidValue(f"Unknown precision {precision!r}; expected one of {PRECISIONS}.")
     if (image_mean is None) != (image_std is None):
-        raise ValueError("make_network: give both image_mean and image_std, or neither.")
+        raise errors.InvalidValue("make_network: give both image_mean and image_std, or neither.")
     unknown = sorted(set(model_kwargs) - _OPTIONS[name])
     if unknown:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"Model {name!r} does not take {unknown}; its options are {sorted(_OPTIONS[name])}."
         )
     batch_norm = model_kwargs.get("batch_norm", "lean")
     if batch_norm not in BATCH_NORMS:
-        raise ValueError(f"Unknown batch_norm {batch_norm!r}; expected one of {BATCH_NORMS}.")
+        raise errors.InvalidValue(
+            f"Unknown batch_norm {batch_norm!r}; expected one of {BATCH_NORMS}."
+        )
     network_class, options = _NETWORKS[name], {"cross_replica_axis": cross_replica_axis}
     if name == "resnet50" and batch_norm == "haiku":  # hk.nets.ResNet50: one dict of options.
         options = {"decay_rate": model_kwargs.get("bn_decay_rate", 0.9), **options}

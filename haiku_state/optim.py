@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import optax
 
+from haiku_state import errors
+
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "warmup_cosine")
 
@@ -28,7 +30,7 @@ def learning_rate_schedule(config: Mapping[str, Any], total_steps: int) -> optax
     if schedule == "warmup_cosine":
         warmup_steps = config["warmup_steps"]
         if not 0 <= warmup_steps < total_steps:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"optimizer.warmup_steps={warmup_steps} must be in [0, steps={total_steps})."
             )
         return optax.warmup_cosine_decay_schedule(
@@ -38,7 +40,9 @@ def learning_rate_schedule(config: Mapping[str, Any], total_steps: int) -> optax
             decay_steps=total_steps,
             end_value=0.0,
         )
-    raise ValueError(f"Unknown optimizer.schedule {schedule!r}; expected one of {SCHEDULES}.")
+    raise errors.InvalidValue(
+        f"Unknown optimizer.schedule {schedule!r}; expected one of {SCHEDULES}."
+    )
 
 
 def make_optimizer(
@@ -62,7 +66,7 @@ def _optimizer(
 ) -> optax.GradientTransformation:
     name = config["name"]
     if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer.name {name!r}; expected one of {OPTIMIZERS}.")
+        raise errors.InvalidValue(f"Unknown optimizer.name {name!r}; expected one of {OPTIMIZERS}.")
     learning_rate = learning_rate_schedule(config, total_steps)
     weight_decay = config["weight_decay"]
     if name == "adamw":

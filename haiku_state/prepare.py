@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 from absl import app, flags, logging
 from PIL import Image
 
+from haiku_state import errors
 from haiku_state.data import arrayrecord, imagefolder, in_memory, preprocess
 from haiku_state.data.splits import DataError, Split
 
@@ -86,7 +87,9 @@ def open_source(spec: str) -> Source:
     elif kind == "digits":
         dataset, classes = in_memory.load_digits(), [str(d) for d in range(10)]
     else:
-        raise ValueError(f"--from={spec!r}: expected imagefolder:DIR, cifar10:DIR or digits.")
+        raise errors.InvalidValue(
+            f"--from={spec!r}: expected imagefolder:DIR, cifar10:DIR or digits."
+        )
     splits = {"train": _png_split(dataset.train, "train"), "val": _png_split(dataset.test, "val")}
     return Source(splits, classes, dataset.mean, dataset.std)
 
@@ -217,13 +220,13 @@ def convert(
     """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped;
     returns the `dataset.json` written."""
     if examples_per_shard < 1:
-        raise ValueError(f"--examples_per_shard={examples_per_shard} must be positive.")
+        raise errors.InvalidValue(f"--examples_per_shard={examples_per_shard} must be positive.")
     if short_side is not None and short_side < 1:
-        raise ValueError(f"--short_side={short_side} must be positive (or left out).")
+        raise errors.InvalidValue(f"--short_side={short_side} must be positive (or left out).")
     if threads < 1:
-        raise ValueError(f"--threads={threads} must be positive: the files read at once.")
+        raise errors.InvalidValue(f"--threads={threads} must be positive: the files read at once.")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"--to={out_dir} is a file; expected a folder (made if missing).")
+        raise errors.InvalidValue(f"--to={out_dir} is a file; expected a folder (made if missing).")
     source = open_source(spec)
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         mean, std = statistics(source, short_side, pool)

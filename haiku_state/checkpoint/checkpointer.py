@@ -19,7 +19,7 @@ import jax
 from absl import logging
 from etils import epath
 
-from haiku_state import replication, sharding
+from haiku_state import errors, replication, sharding
 from haiku_state.checkpoint import retention, step_format
 from haiku_state.guards import damaged_steps, quiet_logs
 from haiku_state.updater import TrainState
@@ -139,7 +139,7 @@ class Checkpointer:
             self._steps.set_aside_incomplete()
             return None if found is None else found[1]
         if step not in (steps := self.all_steps()):
-            raise FileNotFoundError(
+            raise errors.MissingFile(
                 f"No complete checkpoint for step {step} in {self.directory} "
                 f"(complete steps: {steps})."
             )
@@ -147,7 +147,7 @@ class Checkpointer:
             return self._restore_step(like, step)
         except step_format.DamagedCheckpointError as e:
             self._steps.set_aside_damaged(step, e)
-            raise ValueError(f"Checkpoint step {step} is damaged: {e}") from None
+            raise errors.InvalidValue(f"Checkpoint step {step} is damaged: {e}") from None
 
     def protect(self, step: int) -> None:
         """Keeps `step` from retention's deletion for the life of this Checkpointer."""
@@ -208,7 +208,9 @@ class Checkpointer:
         try:
             return reader(self._manager, step)
         except step_format.DamagedCheckpointError as e:
-            raise ValueError(f"Checkpoint {self._steps.step_dir(step)} is damaged: {e}") from None
+            raise errors.InvalidValue(
+                f"Checkpoint {self._steps.step_dir(step)} is damaged: {e}"
+            ) from None
 
 
 def _check_layout(train_state: TrainState, where: str) -> None:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from haiku_state import replication, sharding
+from haiku_state import errors, replication, sharding
 from haiku_state.checkpoint.checkpointer import Checkpointer
 from haiku_state.guards.checkpoint_integrity import leaf_name
 from haiku_state.updater import TrainState
@@ -77,7 +77,7 @@ def _check_skip_matches(pattern: re.Pattern, train_state: TrainState, saved: Any
                 f"{tree}/{leaf_name(p)}" for p, _ in jax.tree_util.tree_leaves_with_path(source)
             ]
     if not any(pattern.search(name) for name in names):
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.init_skip={pattern.pattern!r} matches none of the leaves of the model or of "
             f"config.init_from={path}, so it would skip nothing; the leaves are "
             f"{_listed(sorted(set(names)), 6)}. Correct the regex, or leave init_skip empty."
@@ -91,7 +91,7 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
     with Checkpointer(directory, read_only=True) as checkpointer:
         step = checkpointer.latest_step() if step is None else step
         if step is None or step not in checkpointer.all_steps():
-            raise FileNotFoundError(f"config.init_from={path}: no complete checkpoint there.")
+            raise errors.MissingFile(f"config.init_from={path}: no complete checkpoint there.")
         saved = checkpointer.read_trees(step)
     pattern = re.compile(skip) if skip else None
     problems: list[str] = []
@@ -106,7 +106,7 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
     if pattern is not None:
         _check_skip_matches(pattern, train_state, saved, path)
     if problems:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.init_from={path} (step {step}) does not fit the model: "
             f"{_listed(problems, 8, '; ', '; and')}. Set config.init_skip to a regex of the "
             "leaves to initialise afresh."

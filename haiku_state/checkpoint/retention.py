@@ -14,6 +14,7 @@ from typing import Any
 
 from absl import logging
 
+from haiku_state import errors
 from haiku_state.checkpoint import step_format
 
 Metrics = Mapping[str, float]
@@ -35,9 +36,11 @@ class Retention:
         keep_best_mode: str = "max",
     ):
         if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be None or at least 1, got {max_to_keep}.")
+            raise errors.InvalidValue(f"max_to_keep must be None or at least 1, got {max_to_keep}.")
         if keep_best_mode not in ("max", "min"):
-            raise ValueError(f"keep_best_mode must be 'max' or 'min', got {keep_best_mode!r}.")
+            raise errors.InvalidValue(
+                f"keep_best_mode must be 'max' or 'min', got {keep_best_mode!r}."
+            )
         self.max_to_keep = max_to_keep
         self.keep_every_steps = keep_every_steps
         self.keep_best_by = keep_best_by

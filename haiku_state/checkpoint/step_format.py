@@ -36,7 +36,7 @@ from absl import logging
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from haiku_state import replication, sharding
+from haiku_state import errors, replication, sharding
 from haiku_state.guards import checkpoint_integrity, quiet_logs
 from haiku_state.updater import Ema, TrainState, per_device_keys, step_of
 
@@ -53,7 +53,7 @@ _VERSIONED_PACKAGES = "jax jaxlib dm-haiku optax chex orbax-checkpoint numpy hai
 _MAX_REASON_CHARS = 400
 
 
-class UnsupportedFormatError(ValueError):
+class UnsupportedFormatError(errors.InvalidValue):
     """A step of a format version this code does not read: refused, never called damaged."""
 
 
@@ -227,7 +227,7 @@ def restore_step(
     if problem is None and header.key_impl != model_key_impl:
         problem = f"rng: checkpoint keys are {header.key_impl} vs model {model_key_impl}"
     if problem is not None:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
             f"{problem}. Nothing was restored and no file was changed."
         )

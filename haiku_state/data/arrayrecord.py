@@ -35,11 +35,11 @@ def encode_example(image: bytes, label: int, name: str) -> bytes:
 def decode_example(record: bytes) -> tuple[bytes, int, str]:
     """`(image, label, name)` of a record."""
     if len(record) < _HEADER.size:
-        raise ValueError(f"a record of {len(record)} bytes holds no example")
+        raise DataError(f"a record of {len(record)} bytes holds no example")
     label, name_length = _HEADER.unpack_from(record)
     name_end = _HEADER.size + name_length
     if len(record) < name_end:
-        raise ValueError(f"a record of {len(record)} bytes is cut short")
+        raise DataError(f"a record of {len(record)} bytes is cut short")
     return record[name_end:], label, record[_HEADER.size : name_end].decode(errors="replace")
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from haiku_state import errors
 from haiku_state.data.splits import Batch
 
 
@@ -14,7 +15,7 @@ def random_shift(key: jax.Array, images: jax.Array, max_shift: int) -> jax.Array
     """Shifts each image of `[b, H, W, C]` by its own random offset of up to `max_shift` pixels
     per axis, edge-padded: no value appears that the image did not hold (as a zero would)."""
     if max_shift < 0:
-        raise ValueError(f"random_shift: max_shift must be >= 0, got {max_shift}.")
+        raise errors.InvalidValue(f"random_shift: max_shift must be >= 0, got {max_shift}.")
     if max_shift == 0:
         return images
     batch, height, width, channels = images.shape
@@ -39,7 +40,7 @@ def make_augment_fn(
 ) -> Callable[[jax.Array, Batch], Batch] | None:
     """`augment(key, batch)`, which shifts and (with `flip`) flips `batch["image"]`, or None."""
     if max_shift < 0:
-        raise ValueError(f"make_augment_fn: max_shift must be >= 0, got {max_shift}.")
+        raise errors.InvalidValue(f"make_augment_fn: max_shift must be >= 0, got {max_shift}.")
     if not max_shift and not flip:
         return None
 

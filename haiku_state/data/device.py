@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from haiku_state import replication
+from haiku_state import errors, replication
 from haiku_state.data import order as order_lib
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
 from haiku_state.data.splits import Batch, Split
@@ -29,7 +29,7 @@ def prefetch_to_device(batches: Iterator[Batch], *, size: int = 2) -> Iterator[B
     Re-raises the source's exceptions; closing it stops the thread, which closes `batches`.
     """
     if size < 1:
-        raise ValueError(f"prefetch_to_device: size must be positive, got {size}.")
+        raise errors.InvalidValue(f"prefetch_to_device: size must be positive, got {size}.")
     return _prefetch_to_device(iter(batches), size)
 
 
@@ -98,7 +98,7 @@ def device_train_batches(
     order = order_lib.batch_order(num_examples, batch_size, seed, start_step, process, where)
     num_devices, local_size = jax.local_device_count(), order.local_size
     if local_size % num_devices:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{where}: batch_size={batch_size} gives this process {local_size} examples, "
             f"not divisible by the {num_devices} local devices."
         )
@@ -106,7 +106,9 @@ def device_train_batches(
         batch_bytes = (split.images[0].nbytes + split.labels[0].nbytes) * local_size // num_devices
         steps_per_gather = int(np.clip(GATHER_BYTES // batch_bytes, 1, MAX_STEPS_PER_GATHER))
     if steps_per_gather < 1:
-        raise ValueError(f"{where}: steps_per_gather must be positive, got {steps_per_gather}.")
+        raise errors.InvalidValue(
+            f"{where}: steps_per_gather must be positive, got {steps_per_gather}."
+        )
     indices = order_lib.indices_from(order, start_step)
     return _device_train_batches(split, indices, steps_per_gather)
 

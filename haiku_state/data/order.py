@@ -17,13 +17,15 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from haiku_state import errors
+
 # Tells the preprocessing's random streams apart from the epoch permutations' `[seed, epoch]`.
 _EXAMPLE_STREAM = 0x7072_6570  # "prep"
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
     if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}.")
+        raise errors.InvalidValue(f"batch_size must be positive, got {batch_size}.")
     return num_examples // batch_size
 
 
@@ -36,7 +38,7 @@ class ProcessSlice:
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"ProcessSlice: process_index={self.index} must be in "
                 f"[0, process_count={self.count})."
             )
@@ -48,7 +50,7 @@ class ProcessSlice:
     def size(self, batch_size: int, where: str = "ProcessSlice") -> int:
         """The examples of this process in a global batch."""
         if batch_size % self.count:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"{where}: batch_size={batch_size} is not divisible by the {self.count} "
                 "processes; every process loads an equal slice of each global batch."
             )
@@ -86,12 +88,12 @@ def batch_order(
 ) -> Order:
     """Validates the arguments of a training pipeline (now, not at the first batch)."""
     if not 1 <= batch_size <= num_examples:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{where}: batch_size={batch_size} must be between 1 and the "
             f"{num_examples} examples of the split."
         )
     if start_step < 0:
-        raise ValueError(f"{where}: start_step must be >= 0, got {start_step}.")
+        raise errors.InvalidValue(f"{where}: start_step must be >= 0, got {start_step}.")
     offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
     return Order(num_examples, batch_size, offset, local_size, seed)
 
@@ -127,7 +129,7 @@ def eval_order(
     where: str = "eval_order",
 ) -> Order:
     if batch_size < 1:
-        raise ValueError(f"{where}: batch_size must be positive, got {batch_size}.")
+        raise errors.InvalidValue(f"{where}: batch_size must be positive, got {batch_size}.")
     offset, local_size = process.offset(batch_size, where), process.size(batch_size, where)
     return Order(num_examples, batch_size, offset, local_size)
 

@@ -23,6 +23,7 @@ import numpy as np
 from absl import flags
 from grain.multiprocessing import SharedMemoryArray
 
+from haiku_state import errors
 from haiku_state.data import gpu_decode, preprocess
 from haiku_state.data import order as order_lib
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
@@ -222,11 +223,11 @@ def exit_with_parent(worker_index: int, worker_count: int) -> None:
 def _checked(decoder: str | Decoder, workers: int | None, where: str) -> tuple[Decoder, int]:
     """The `Decoder` (or its name), and the worker count (None: `default_workers()`)."""
     if not isinstance(decoder, Decoder) and decoder not in DECODERS:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{where}: unknown decoder {decoder!r}; expected one of {tuple(DECODERS)}."
         )
     if workers is not None and workers < 0:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{where}: workers must be >= 0 (0: decode in this process), got {workers}."
         )
     decoder = decoder if isinstance(decoder, Decoder) else DECODERS[decoder]

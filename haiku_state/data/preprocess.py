@@ -20,6 +20,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from haiku_state import errors
+
 Box = tuple[float, float, float, float]  # left, top, right, bottom, in pixels of the image.
 CropFn = Callable[[int, int], Box]  # (width, height) -> the box to resize to the output.
 
@@ -136,7 +138,7 @@ def pixel_statistics(images: Iterable[bytes]) -> tuple[tuple[float, ...], tuple[
         total_of_squares += np.square(pixels).sum(axis=0)
         count += len(pixels)
     if not count:
-        raise ValueError("not one of the images sampled for the pixel statistics decodes")
+        raise errors.InvalidValue("not one of the images sampled for the pixel statistics decodes")
     mean = total / count
     std = np.sqrt(np.maximum(total_of_squares / count - np.square(mean), 0.0))
     std = np.maximum(std, 1.0)  # A constant channel (a blank test tree) would divide by 0.

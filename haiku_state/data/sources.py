@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from haiku_state import errors
 from haiku_state.data import arrayrecord, imagefolder, in_memory, preprocess
 from haiku_state.data.splits import DataError, Dataset
 
@@ -35,7 +36,7 @@ class Source(NamedTuple):
 
 def _cifar10(args: SourceArgs) -> Dataset:
     if not args.data_dir:
-        raise ValueError(
+        raise errors.InvalidValue(
             "load_dataset('cifar10') needs data_dir: the path of the "
             "'cifar-10-batches-py' folder (nothing is ever downloaded)."
         )
@@ -78,10 +79,10 @@ def load_dataset(
     `image_size` is required for the encoded sources; the others keep their own size. The
     `image_shape` ... `seed` arguments are `synthetic`'s."""
     if name not in SOURCES:
-        raise ValueError(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
+        raise errors.InvalidValue(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
     source = SOURCES[name]
     if source.encoded and (image_size is None or image_size < 1):
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{name} needs data.image_size, the side of the square crops (e.g. 224); "
             f"got {image_size}."
         )
@@ -90,7 +91,7 @@ def load_dataset(
     dataset = source.load(args)
     height, width, _ = dataset.image_shape
     if not source.encoded and image_size is not None and (height, width) != (image_size,) * 2:
-        raise ValueError(  # A source in memory is never resized.
+        raise errors.InvalidValue(  # A source in memory is never resized.
             f"data.image_size={image_size}, but {dataset.name} images are {height}x{width} and "
             f"are not resized; image_size applies to {' and '.join(ENCODED_DATASETS)} (leave it "
             "unset for this source)."
@@ -109,7 +110,9 @@ def image_shape_of(
         return tuple(image_shape)
     shapes = {"digits": in_memory.DIGITS_IMAGE_SHAPE, "cifar10": in_memory.CIFAR10_IMAGE_SHAPE}
     if name not in shapes:
-        raise ValueError(f"The shape of the images of data.name={name!r} is not known here.")
+        raise errors.InvalidValue(
+            f"The shape of the images of data.name={name!r} is not known here."
+        )
     return shapes[name]
 
 

@@ -7,15 +7,17 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from haiku_state import errors
+
 # `{"image": [B, ...], "label": [B], ...}`, numpy on the host or laid out per device.
 Batch = dict[str, Any]
 
 
-class DataError(ValueError):
+class DataError(errors.InvalidValue):
     """Input that cannot be trained on; the message names the file or folder at fault."""
 
 
-class MissingDataError(DataError, FileNotFoundError):
+class MissingDataError(DataError, errors.MissingFile):
     """A data folder or file that is not there."""
 
 

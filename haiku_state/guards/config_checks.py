@@ -17,7 +17,7 @@ from typing import Any
 from absl import logging
 
 from haiku_state import config as config_lib
-from haiku_state import data, losses
+from haiku_state import data, errors, losses
 from haiku_state.config import Key, value_of
 
 
@@ -31,10 +31,10 @@ def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> No
         run = (config, num_devices, num_processes)
         problems = _problems(functools.partial(rule, *run) for rule in _RULES)
     if len(problems) == 1:
-        raise ValueError(problems[0])
+        raise errors.InvalidValue(problems[0])
     if problems:
         listed = " ".join(f"({number}) {problem}" for number, problem in enumerate(problems, 1))
-        raise ValueError(f"The config has {len(problems)} problems: {listed}")
+        raise errors.InvalidValue(f"The config has {len(problems)} problems: {listed}")
     cores = len(os.sched_getaffinity(0))
     if config.data.workers is not None and config.data.workers > cores:
         logging.warning(
@@ -75,7 +75,7 @@ def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
     """The schema's keys of the config of these flat `values`: every one there, none other."""
     missing = [key.name for key in config_lib.keys_of(None) if key.name not in values]
     if missing:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"Config lacks the keys {missing}; start from experiments/_base.py "
             "(haiku_state.config.default_config()), which has every key."
         )
@@ -84,7 +84,7 @@ def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
     keys = config_lib.keys_of(model)
     missing = [key.name for key in keys if key.name not in values]
     if missing:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"Config lacks the keys {missing}, options of the model {model!r}; start from "
             f"experiments/_base.py's get_config({model!r})."
         )
@@ -92,9 +92,11 @@ def _check_keys(values: Mapping[str, Any]) -> tuple[Key, ...]:
     options = [name.removeprefix("model.") for name in unknown if name.startswith("model.")]
     if options:
         own = sorted(key.name.removeprefix("model.") for key in keys if key.for_models)
-        raise ValueError(f"Model {model!r} does not take {options}; its options are {own}.")
+        raise errors.InvalidValue(
+            f"Model {model!r} does not take {options}; its options are {own}."
+        )
     if unknown:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"Config has the keys {unknown}, which haiku_state.config.SCHEMA does not know"
             f"{_did_you_mean(unknown[0], [key.name for key in keys])}; a new key needs an "
             "entry there."
@@ -138,33 +140,35 @@ def check_value(key: Key, value: Any) -> None:
     if value is None and key.allow_none:
         return
     if key.choices is not None and value not in key.choices:
-        raise ValueError(f"Unknown config.{key.name} {value!r}; expected one of {key.choices}.")
+        raise errors.InvalidValue(
+            f"Unknown config.{key.name} {value!r}; expected one of {key.choices}."
+        )
     wrong = f"config.{key.name}={value!r} must be {key.requirement()} ({key.help})."
     if key.type in (int, float):  # A bool is no number here; an int is a float.
         kind = numbers.Integral if key.type is int else numbers.Real
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise ValueError(wrong)
+            raise errors.InvalidValue(wrong)
     elif not isinstance(value, (tuple, list) if key.type is tuple else key.type):
-        raise ValueError(wrong)
+        raise errors.InvalidValue(wrong)
     values = value if isinstance(value, (tuple, list)) else (value,)
     if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-        raise ValueError(f"config.{key.name}={value!r} must be finite ({key.help}).")
+        raise errors.InvalidValue(f"config.{key.name}={value!r} must be finite ({key.help}).")
     if key.bounds is not None and value not in key.bounds:
-        raise ValueError(wrong)
+        raise errors.InvalidValue(wrong)
 
 
 def _check_batch_sizes(config: Any, num_devices: int, num_processes: int) -> None:
     devices = "local devices" if num_processes == 1 else f"devices of the {num_processes} processes"
     for key in ("batch_size", "eval_batch_size"):
         if config[key] % num_devices:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"config.{key}={config[key]} is not divisible by the {num_devices} {devices}; "
                 f"use a multiple of {num_devices}."
             )
     accumulation = config.optimizer.accumulation_steps
     if config.batch_size % (num_devices * accumulation):
         unit = num_devices * accumulation
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.batch_size={config.batch_size} does not split into "
             f"config.optimizer.accumulation_steps={accumulation} equal micro-batches over the "
             f"{num_devices} {devices}: use a multiple of {unit} ({num_devices} x {accumulation})."
@@ -176,7 +180,7 @@ def _check_warmup(config: Any, *_: int) -> None:
     if config_lib.at_default(config, "optimizer.warmup_steps"):
         return
     if config.num_epochs is None and not config.optimizer.warmup_steps < config.steps:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be "
             f"in [0, steps={config.steps})."
         )
@@ -185,7 +189,7 @@ def _check_warmup(config: Any, *_: int) -> None:
 def _check_profile_steps(config: Any, *_: int) -> None:
     profile = tuple(config.profile_steps)
     if profile and not (len(profile) == 2 and 0 <= profile[0] < profile[1]):
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.profile_steps={profile} must be () or (start, stop) with 0 <= start < stop."
         )
 
@@ -200,7 +204,7 @@ def _check_steps_per_call(config: Any, *_: int) -> None:
         cadences["profile_steps[0]"] = config.profile_steps[0]
     off = [f"{key}={value}" for key, value in cadences.items() if value % per_call]
     if off:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.steps_per_call={per_call} runs {per_call} steps in each call, and acts "
             f"(logs, checks, evaluates, saves) only where a call ends, but {', '.join(off)} "
             f"{'is' if len(off) == 1 else 'are'} not a multiple of {per_call}: use multiples "
@@ -216,15 +220,17 @@ def _check_init_skip(config: Any, *_: int) -> None:
     try:
         re.compile(config.init_skip)
     except re.error as e:
-        raise ValueError(f"config.init_skip={config.init_skip!r} is not a regex: {e}.") from None
+        raise errors.InvalidValue(
+            f"config.init_skip={config.init_skip!r} is not a regex: {e}."
+        ) from None
     if config.init_skip and not config.init_from:
-        raise ValueError("config.init_skip is set but config.init_from is empty.")
+        raise errors.InvalidValue("config.init_skip is set but config.init_from is empty.")
 
 
 def _check_compilation_cache_dir(config: Any, *_: int) -> None:
     cache_dir = os.path.expanduser(config.compilation_cache_dir)
     if cache_dir and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.compilation_cache_dir={config.compilation_cache_dir!r} must be a "
             "directory (made if missing), or '' for no compilation cache."
         )
@@ -232,7 +238,7 @@ def _check_compilation_cache_dir(config: Any, *_: int) -> None:
 
 def _check_decoder(config: Any, *_: int) -> None:
     if config.data.decoder == "gpu" and (reason := data.gpu_decoder_unavailable()):
-        raise ValueError(
+        raise errors.InvalidValue(
             "config.data.decoder='gpu' decodes on an NVIDIA GPU with nvImageCodec; "
             f"{reason}. Use config.data.decoder='cpu'."
         )
@@ -240,7 +246,7 @@ def _check_decoder(config: Any, *_: int) -> None:
 
 def _check_param_sharding(config: Any, *_: int) -> None:
     if config.param_sharding != "replicated" and config.backend != "jit":
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.param_sharding={config.param_sharding!r} needs config.backend='jit'; "
             f"config.backend={config.backend!r} holds a whole replica on every device."
         )
@@ -251,17 +257,17 @@ def _check_retention(config: Any, *_: int) -> None:
     ranked by its evaluation, so every save on the `checkpoint_every` cadence needs one."""
     best_by, mode = config.keep_best_by, config.keep_best_mode
     if mode and not best_by:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.keep_best_mode={mode!r} is set but config.keep_best_by is empty: "
             f"set keep_best_by to one of {tuple(losses.EVAL_METRICS)}, or leave the mode."
         )
     if best_by and mode and mode != losses.EVAL_METRICS[best_by]:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.keep_best_by={best_by!r} with keep_best_mode={mode!r} would keep the "
             f"worst step; set keep_best_mode={losses.EVAL_METRICS[best_by]!r} or leave it empty."
         )
     if best_by and config.checkpoint_every % config.eval_every:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.keep_best_by={best_by!r} ranks the saved steps by their evaluation, "
             f"but config.checkpoint_every={config.checkpoint_every} is not a multiple of "
             f"config.eval_every={config.eval_every}: most saves would have no {best_by} "
@@ -269,7 +275,7 @@ def _check_retention(config: Any, *_: int) -> None:
         )
     every, cadence = config.keep_every_steps, config.checkpoint_every
     if every and every % cadence:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.keep_every_steps={every} keeps the saved steps divisible by it, but "
             f"config.checkpoint_every={cadence} saves only the multiples of {cadence}: use a "
             f"multiple of {cadence}."
@@ -288,7 +294,7 @@ def _check_host_memory(config: Any, _: int, num_processes: int) -> None:
     needed = examples * size * size * 3  # uint8 RGB crops.
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > memory:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"config.data.image_size={size}: the {examples} crops of {size}x{size} the input "
             f"pipelines hold in flight take {needed / 2**30:.3g} GiB, more than this host's "
             f"{memory / 2**30:.3g} GiB of memory; use a smaller image_size (224 for ImageNet), "

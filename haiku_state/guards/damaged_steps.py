@@ -16,6 +16,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from haiku_state import errors
+
 
 class StepDirectories:
     """The steps of one checkpoint directory on disk. `read_only` renames nothing;
@@ -66,7 +68,7 @@ class StepDirectories:
         try:
             self._set_aside_saying(step, "damaged", reason, then)
         except OSError as e:
-            raise OSError(
+            raise errors.CannotWrite(
                 f"Checkpoint {self.step_dir(step)} is damaged ({reason}) and cannot be moved "
                 f"aside: {e}. Make the folder writable, or move the step away yourself."
             ) from None
@@ -90,7 +92,7 @@ class StepDirectories:
             "deletes them); to resume, put a good copy of a step back."
         )
         if damaged:
-            raise RuntimeError(
+            raise errors.CannotContinue(
                 f"Every complete checkpoint in {self.directory} is damaged (steps "
                 f"{sorted(step for step, _ in damaged)}); refusing to start from scratch next "
                 f"to them, and nothing was moved. {to_start_anew} | "
@@ -103,7 +105,7 @@ class StepDirectories:
             and path.name.split(".", 1)[-1].startswith("damaged-")
         )
         if set_aside:
-            raise RuntimeError(
+            raise errors.CannotContinue(
                 f"{self.directory} holds no complete checkpoint, only damaged steps set aside: "
                 f"{', '.join(set_aside)}; refusing to start from scratch next to them. "
                 + to_start_anew
@@ -115,7 +117,7 @@ class StepDirectories:
         full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
         if full or any(sign in str(error) for sign in ("No space left", "RESOURCE_EXHAUSTED")):
             latest = (self.complete_steps() or [None])[-1]
-            raise OSError(
+            raise errors.CannotWrite(
                 errno.ENOSPC,
                 f"No space left to write checkpoint step {step} in {self.directory}: "
                 f"free space there (or keep fewer steps: max_to_keep) and run again to resume "

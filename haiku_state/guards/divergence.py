@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from absl import logging
 
+from haiku_state import errors
 from haiku_state.guards import replicas
 
 if TYPE_CHECKING:  # The guard is given the run's Checkpointer; it imports no spine module.
@@ -44,11 +45,11 @@ CONFIDENCE_Z = 3.0
 OUTCOME_KEY = "outcome"  # Of the outcome so far in a checkpoint's metadata.
 
 
-class LossExplodedError(RuntimeError):
+class LossExplodedError(errors.CannotContinue):
     """The run ended with its loss exploded (finite, but over `EXPLOSION_FACTOR` x the first)."""
 
 
-class EndedWorseError(RuntimeError):
+class EndedWorseError(errors.CannotContinue):
     """The run ended far worse than it began or than its best (`Outcome.problems`)."""
 
 
@@ -346,7 +347,7 @@ def setting_aside_diverged(
             message += f" The checkpoints saved from then on were moved aside: {moved}."
         resume = checkpointer.latest_step()
         message += f" A rerun resumes from {'scratch' if resume is None else f'step {resume}'}."
-        raise FloatingPointError(message) from None
+        raise errors.NonFinite(message) from None
 
 
 def outcome_at(checkpointer: checkpoint.Checkpointer, step: int) -> Outcome:

@@ -19,6 +19,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from haiku_state import errors
+
 # When JAX's coordinator gives a silent process up and aborts every process: the last
 # resort, well after LOST_AFTER_S (at 15 s a survivor on a loaded 2-core machine was once
 # aborted before its beats named the loss).
@@ -81,7 +83,7 @@ def _check_cluster_flags(
         return False
     if not auto_detect and len(given) < len(explicit):
         missing = [f"--{name}" for name in explicit if name not in given]
-        raise ValueError(
+        raise errors.InvalidValue(
             f"Multi-process flags given ({', '.join(f'--{n}={v}' for n, v in given.items())}) "
             f"but {', '.join(missing)} missing: pass all three, or --multihost to detect "
             "the rest from the cluster (SLURM, TPU pods)."
@@ -89,12 +91,12 @@ def _check_cluster_flags(
     if coordinator_address is not None:
         host, _, port = coordinator_address.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
                 "10.0.0.1:1234 (the address of process 0)."
             )
     if num_processes is not None and process_id is not None and process_id >= num_processes:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
         )
     return True
