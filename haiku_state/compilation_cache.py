@@ -1,26 +1,39 @@
 """JAX's persistent compilation cache: a repeated or resumed run loads its programs, not compiles.
 
 Process 0 writes entries, every process reads them. A directory this process cannot use
-turns the cache off with one warning that says why; the run goes on, compiling. An entry that
-cannot be read (a truncated or overwritten file) is a miss said in one line, not JAX's
-warning per entry on every rerun: process 0 removes it, and the program it compiles instead
-is written in its place (JAX never replaces an entry that exists).
+turns the cache off with one warning that says why; the run goes on, compiling.
+
+An entry that does not hold what JAX wrote under its name (truncated, overwritten, or swapped
+with another valid entry) is removed before JAX reads it, said in one line, and the program
+compiled instead is written in its place (JAX never replaces an entry that exists). What JAX
+wrote is known from `MANIFEST` in the directory: the size, times, inode and SHA-256 of each
+entry as it was seen good, recorded by process 0 as it leaves a directory (or exits) for the
+entries written meanwhile. At `enable`, an entry whose stat still matches its record is taken
+as it is (a stat per entry); one whose stat changed is hashed, and removed unless it hashes as
+recorded; one with no record (a cache written before this check, or by a run that was killed)
+is kept and recorded if it decompresses into a program of the name its file carries, else
+removed. JAX itself is not changed: a damage that comes after `enable`, or an unrecorded entry
+swapped with another of the same program name, is JAX's own warning, or error, when read.
 """
 
 from __future__ import annotations
 
-import functools
+import atexit
+import hashlib
+import json
 import os
 import tempfile
+import zlib
 
 import jax
 from absl import logging
-from jax._src import compilation_cache as jax_internal_cache
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 CACHE_ENV = "HAIKU_STATE_CACHE"  # The same root as the ImageFolder index cache.
 ENTRY_SUFFIX = "-cache"  # Of an entry's file after its key (JAX's `lru_cache`).
-_damaged_said: set[str] = set()  # The cache directories whose damage was said.
+MANIFEST = "haiku_state-entries.json"  # {entry: [size, mtime_ns, ctime_ns, inode, sha256]}.
+_TIME_BYTES = 4  # JAX's entry: the compile time, then the serialized program, compressed.
+_active: dict = {"directory": None, "writer": False}  # The directory in use; process 0's?
 
 
 def default_directory() -> str:
@@ -47,14 +60,39 @@ def enable(directory: str) -> None:
         path = None
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    read = jax_internal_cache.get_executable_and_time
-    if not hasattr(read, "replacing_damaged"):
-        jax_internal_cache.get_executable_and_time = _replacing_damaged(read)
-    if jax.config.jax_compilation_cache_dir == path:
+    if _active["directory"] == path and jax.config.jax_compilation_cache_dir == path:
         return
+    record_written()  # The directory left behind: what this process wrote there.
+    writer = bool(path) and jax.process_index() == 0
+    if path:
+        _remove_damaged(path, writer)
+    _active.update(directory=path, writer=writer)
     jax.config.update("jax_compilation_cache_dir", path)
     jax_cache.reset_cache()  # JAX opens its cache once; the next compile opens this one.
     logging.info("Compilation cache: %s (config.compilation_cache_dir).", path or "off")
+
+
+def record_written() -> None:
+    """Records in `MANIFEST` the entries of the directory in use that have no record yet (those
+    written since `enable`) and fit their names. Process 0, at exit and as `enable` moves on."""
+    directory = _active["directory"]
+    if not directory or not _active["writer"]:
+        return
+    try:
+        records = _read_manifest(directory)
+        new = {}
+        for entry in _entries(directory):
+            if entry.name not in records:
+                data, stat = _read(entry.path)
+                if _fits(entry.name, data):
+                    new[entry.name] = _record(stat, data)
+        if new:
+            _write_manifest(directory, {**_read_manifest(directory), **new})
+    except OSError as e:  # A directory removed meanwhile, a full disk: unrecorded, not lost.
+        logging.debug("Compilation cache: %s not recorded (%s).", directory, e)
+
+
+atexit.register(record_written)
 
 
 def _why_unusable(path: str) -> str | None:
@@ -71,43 +109,127 @@ def _why_unusable(path: str) -> str | None:
     return None
 
 
-def _replacing_damaged(read):
-    """JAX's read of a cache entry, for which an entry it cannot read is a miss: said once per
-    directory, and removed by process 0 so the program compiled instead is written there."""
-
-    @functools.wraps(read)
-    def read_or_miss(cache_key: str, *args, **kwargs):
+def _remove_damaged(directory: str, writer: bool) -> None:
+    """Removes the entries of `directory` that do not hold what JAX wrote (see the module's
+    docstring), said in one line; process 0 records the others."""
+    records = _read_manifest(directory)
+    kept, damaged = {}, []
+    for entry in _entries(directory):
+        record = records.get(entry.name)
         try:
-            return read(cache_key, *args, **kwargs)
-        except jax_internal_cache.CacheVerificationError:
-            raise  # Not damage: JAX raises it on purpose.
-        except Exception as e:  # JAX warns and goes on for any of them: damage, a miss.
-            _set_aside_damaged(cache_key, e)
-            return None, None
-
-    read_or_miss.replacing_damaged = True
-    return read_or_miss
-
-
-def _set_aside_damaged(cache_key: str, error: Exception) -> None:
-    directory = jax.config.jax_compilation_cache_dir
-    path = os.path.join(directory, f"{cache_key}{ENTRY_SUFFIX}")
-    replaced = "its program is compiled and written anew"
-    if jax.process_index() == 0:
+            stat = entry.stat()
+            if record and record[:4] == _signature(stat):
+                kept[entry.name] = record
+                continue
+            data, stat = _read(entry.path)
+        except OSError:  # Removed meanwhile, or unreadable: JAX cannot read it either.
+            damaged.append(entry.name)
+            continue
+        good = record[4] == hashlib.sha256(data).hexdigest() if record else _fits(entry.name, data)
+        if good:
+            kept[entry.name] = _record(stat, data)
+        else:
+            damaged.append(entry.name)
+    failed = []
+    for name in damaged:
         try:
-            os.remove(path)
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
         except OSError as e:
-            replaced = f"it cannot be removed ({e.strerror or e}), so its program is compiled"
-    if directory in _damaged_said:
-        logging.debug("Compilation cache entry %s cannot be read: %s", path, error)
-        return
-    _damaged_said.add(directory)
-    logging.warning(
-        "Compilation cache: the entry %s cannot be read (%s: %s); %s, as is any other damaged "
-        "entry of %s (not said again).",
-        path,
-        type(error).__name__,
-        str(error)[:200],
-        replaced,
-        directory,
-    )
+            failed.append(f"{name} ({e.strerror or e})")
+    if damaged:
+        logging.warning(
+            "Compilation cache: %d entr%s of %s (%s%s) did not hold what JAX wrote there "
+            "(truncated, overwritten or swapped); %s.",
+            len(damaged),
+            "y" if len(damaged) == 1 else "ies",
+            directory,
+            damaged[0],
+            ", ..." if len(damaged) > 1 else "",
+            f"cannot remove {', '.join(failed)}, so their programs are compiled"
+            if failed
+            else "removed, so their programs are compiled and written anew",
+        )
+    if kept != records and writer:
+        try:
+            _write_manifest(directory, kept)
+        except OSError as e:
+            logging.debug("Compilation cache: %s not recorded (%s).", directory, e)
+
+
+def _entries(directory: str) -> list[os.DirEntry]:
+    with os.scandir(directory) as entries:
+        found = [e for e in entries if e.name.endswith(ENTRY_SUFFIX) and e.is_file()]
+    return sorted(found, key=lambda e: e.name)
+
+
+def _read(path: str) -> tuple[bytes, os.stat_result]:
+    with open(path, "rb") as f:
+        return f.read(), os.fstat(f.fileno())
+
+
+def _signature(stat: os.stat_result) -> list[int]:
+    """Changes with any write, rename or copy onto the file (the ctime cannot be set back)."""
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
+def _record(stat: os.stat_result, data: bytes) -> list:
+    return [*_signature(stat), hashlib.sha256(data).hexdigest()]
+
+
+def _fits(name: str, data: bytes) -> bool:
+    """Whether `data` is a whole entry, in one of the compressions JAX writes (zstd if installed,
+    else zlib: both check the stream's end, so a truncated entry does not pass), of a program
+    that carries the name its file starts with (JAX's key: the module's name, "-", a digest)."""
+    program_name = name.removesuffix(ENTRY_SUFFIX).rpartition("-")[0].encode()
+    for decompress in _DECOMPRESSORS:
+        try:
+            program = decompress(data)
+        except Exception:  # zlib.error, ZstdError: not this compression, or damaged.
+            continue
+        return len(program) > _TIME_BYTES and program_name in program
+    return False
+
+
+def _decompressors() -> list:
+    found = [zlib.decompress]
+    try:
+        from compression import zstd  # Python 3.14.
+
+        found.append(zstd.decompress)
+    except ImportError:
+        pass
+    try:
+        import zstandard
+
+        found.append(zstandard.ZstdDecompressor().decompress)
+    except ImportError:
+        pass
+    return found
+
+
+_DECOMPRESSORS = _decompressors()
+
+
+def _read_manifest(directory: str) -> dict[str, list]:
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            records = json.load(f)
+        if isinstance(records, dict):
+            return {k: v for k, v in records.items() if isinstance(v, list) and len(v) == 5}
+    except (OSError, ValueError):
+        pass  # None yet, or damaged itself: every entry is checked as unrecorded.
+    return {}
+
+
+def _write_manifest(directory: str, records: dict[str, list]) -> None:
+    """Whole or not at all (another run may read it meanwhile)."""
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".haiku_state-entries")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(records, f, separators=(",", ":"))
+        os.replace(temporary, os.path.join(directory, MANIFEST))
+    except BaseException:
+        os.remove(temporary)
+        raise

@@ -31,6 +31,24 @@ print(json.dumps({name: events.count("/jax/compilation_cache/" + name)
                   for name in ("cache_hits", "cache_misses")}))
 """
 
+# Compiles two programs, jit_first and jit_second, and prints the cache's hits and misses.
+_COMPILE_TWO = """
+import json, sys
+import jax, jax.numpy as jnp
+from haiku_state import compilation_cache
+events = []
+jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+compilation_cache.enable(sys.argv[1])
+def first(x):
+    return jnp.sin(x) * 3 + 1
+def second(x):
+    return jnp.cos(x) * 2 - 1
+for program in (first, second):
+    jax.block_until_ready(jax.jit(program)(jnp.arange(7.0)))
+print(json.dumps({name: events.count("/jax/compilation_cache/" + name)
+                  for name in ("cache_hits", "cache_misses")}))
+"""
+
 
 @pytest.fixture
 def cache_off_afterwards():
@@ -40,7 +58,10 @@ def cache_off_afterwards():
 
 
 def _entries(directory) -> list[str]:
-    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    """The cache's entries (beside them: the record of what they held, `MANIFEST`)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory) if name.endswith("-cache"))
 
 
 def _compile_new_program(scale: float) -> None:
@@ -134,28 +155,97 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
     assert compile_in_a_process() == {"cache_hits": first["cache_misses"], "cache_misses": 0}
 
 
-def test_a_damaged_entry_is_one_line_and_replaced_by_the_program_compiled_instead(tmp_path):
-    def compile_in_a_process():
-        command = [sys.executable, "-c", _COMPILE_ONCE, str(tmp_path / "cache")]
-        env = {**os.environ, "PYTHONPATH": REPO}
-        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.splitlines()[-1]), out.stderr
+def _compile_in_a_process(script: str, directory) -> tuple[dict[str, int], str]:
+    command = [sys.executable, "-c", script, str(directory)]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1]), out.stderr
 
-    first, _ = compile_in_a_process()
-    entries = [tmp_path / "cache" / name for name in _entries(tmp_path / "cache")]
+
+def _one_damage_line(said: str, count: int) -> str:
+    assert "Error reading persistent compilation cache entry" not in said  # JAX's, per entry.
+    lines = [line for line in said.splitlines() if "Compilation cache: " in line and "entr" in line]
+    assert len(lines) == 1, said
+    entries = "entry" if count == 1 else "entries"
+    assert f"Compilation cache: {count} {entries} of " in lines[0]
+    assert lines[0].endswith(
+        "did not hold what JAX wrote there (truncated, overwritten or swapped); removed, so "
+        "their programs are compiled and written anew."
+    )
+    return lines[0]
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "unrecorded"])
+def test_a_damaged_entry_is_one_line_and_replaced_by_the_program_compiled_instead(
+    tmp_path, recorded
+):
+    cache = tmp_path / "cache"
+    first, _ = _compile_in_a_process(_COMPILE_ONCE, cache)
+    if not recorded:  # Written by a run that was killed, or before the entries were recorded.
+        (cache / compilation_cache.MANIFEST).unlink()
+    entries = [cache / name for name in _entries(cache)]
+    assert len(entries) == first["cache_misses"]
     for entry in entries:  # Truncated, as a full disk or a killed copy leaves them.
         entry.write_bytes(entry.read_bytes()[:100])
-    damaged, said = compile_in_a_process()
+    damaged, said = _compile_in_a_process(_COMPILE_ONCE, cache)
     assert damaged == {"cache_hits": 0, "cache_misses": first["cache_misses"]}
-    assert "Error reading persistent compilation cache entry" not in said
-    lines = [line for line in said.splitlines() if "Compilation cache: the entry" in line]
-    assert len(lines) == 1, said
-    assert "cannot be read (error: Error -5 while decompressing data" in lines[0]
-    assert "its program is compiled and written anew, as is any other damaged entry" in lines[0]
+    _one_damage_line(said, len(entries))
     assert all(entry.stat().st_size > 100 for entry in entries)  # Written anew.
-    again, said = compile_in_a_process()
+    again, said = _compile_in_a_process(_COMPILE_ONCE, cache)
     assert again == {"cache_hits": first["cache_misses"], "cache_misses": 0}
-    assert "Compilation cache: the entry" not in said
+    assert "did not hold" not in said
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "unrecorded"])
+def test_two_valid_entries_swapped_are_damaged_entries_replaced_not_a_crash(tmp_path, recorded):
+    cache = tmp_path / "cache"
+    first, _ = _compile_in_a_process(_COMPILE_TWO, cache)
+    others = first["cache_misses"] - 2  # What jnp.arange compiles besides.
+    if not recorded:
+        (cache / compilation_cache.MANIFEST).unlink()
+    [one] = cache.glob("jit_first-*-cache")
+    [other] = cache.glob("jit_second-*-cache")
+    contents = one.read_bytes(), other.read_bytes()
+    one.rename(cache / "swap")
+    other.rename(one)
+    (cache / "swap").rename(other)
+    swapped, said = _compile_in_a_process(_COMPILE_TWO, cache)
+    assert swapped == {"cache_hits": others, "cache_misses": 2}
+    line = _one_damage_line(said, 2)
+    assert f"Compilation cache: 2 entries of {cache} (jit_first-" in line
+    assert (one.read_bytes(), other.read_bytes()) != contents[::-1]  # Written anew.
+    again, said = _compile_in_a_process(_COMPILE_TWO, cache)
+    assert again == {"cache_hits": first["cache_misses"], "cache_misses": 0}
+    assert "did not hold" not in said
+
+
+def test_an_entry_written_again_with_its_own_bytes_is_kept(tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = _compile_in_a_process(_COMPILE_TWO, cache)
+    for name in _entries(cache):  # A copy back and forth: new times, the same bytes.
+        (cache / name).write_bytes((cache / name).read_bytes())
+    again, said = _compile_in_a_process(_COMPILE_TWO, cache)
+    assert again == {"cache_hits": first["cache_misses"], "cache_misses": 0}
+    assert "did not hold" not in said
+
+
+def test_enable_leaves_jaxs_own_modules_as_they_are(tmp_path, cache_off_afterwards):
+    from jax._src import compilation_cache as jax_internal_cache
+    from jax._src import compiler as jax_compiler
+
+    before = {module.__name__: dict(vars(module)) for module in (jax_internal_cache, jax_compiler)}
+    compilation_cache.enable(str(tmp_path / "cache"))
+    _compile_new_program(6.0)
+    compilation_cache.enable("")
+    for module in (jax_internal_cache, jax_compiler):
+        changed = [
+            name
+            for name, value in vars(module).items()
+            if callable(value) and before[module.__name__].get(name) is not value
+        ]
+        assert changed == [], module.__name__
+    read = jax_internal_cache.get_executable_and_time
+    assert read.__module__ == "jax._src.compilation_cache" and not hasattr(read, "__wrapped__")
 
 
 def test_training_and_evaluation_compile_into_the_configs_cache(tmp_path, cache_off_afterwards):
