@@ -87,9 +87,8 @@ def build_experiment(config: Any) -> Experiment:
 
 # What `steps_per_call(config)` chooses for config.steps_per_call=0 (measured in
 # benchmarks/README.md): several steps a call where a step is short enough for the call's
-# dispatch to show (a small ResNet on a TPU v5e: 1.32 -> 1.03 ms a step at 4 a call, 1.02 at
-# 16); one where it is not (ResNet-50), and on a CPU, whose XLA runs a loop's convolutions
-# several times slower than the same step called alone.
+# dispatch to show (the small ResNet on a TPU); one where it is not (ResNet-50), and on a CPU,
+# whose XLA runs a loop's convolutions slower than the same step called alone.
 AUTO_MAX_STEPS_PER_CALL = 8
 SHORT_STEP_INPUT_VALUES = 2**20  # Per device and step: 128 digits are 8,192, one ImageNet 150,528.
 

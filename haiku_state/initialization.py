@@ -1,7 +1,7 @@
 """A Haiku network's initial params and state, drawn on the host without compiling the network.
 
-Compiled, `forward.init` draws each parameter in a kernel of its own, about a second each on a
-TPU (ResNet-50: ~53 s, and ~15 s for the forward pass). Here one small program on the host's CPU
+Compiled, `forward.init` draws each parameter in a kernel of its own, slow to compile on a TPU
+(for ResNet-50, longer than its forward pass). Here one small program on the host's CPU
 cuts each parameter with a standard random initialiser (`TruncatedNormal`, `RandomNormal`,
 `RandomUniform`) from one flat draw per distribution, takes every other entry from
 `forward.init` with the forward pass dead code (its own initialiser, `VarianceScaling` too,

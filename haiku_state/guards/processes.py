@@ -22,8 +22,8 @@ from jax.experimental import multihost_utils
 from haiku_state import errors
 
 # When JAX's coordinator gives a silent process up and aborts every process: the last
-# resort, well after LOST_AFTER_S (at 15 s a survivor on a loaded 2-core machine was once
-# aborted before its beats named the loss).
+# resort, well after LOST_AFTER_S (at a shorter timeout a survivor on a loaded machine was
+# once aborted before its beats named the loss).
 HEARTBEAT_TIMEOUT_S = 30
 # Each process beats every BEAT_S and stops when another's beat is LOST_AFTER_S old.
 BEAT_S = 1.0
