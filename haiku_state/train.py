@@ -7,15 +7,15 @@ r"""The command line: `python -m haiku_state.train`. Flags, the runtime, one-lin
 Nothing in the library imports this module, and its flags are defined only when
 `main` runs. Exit status: 0 when the run (or evaluation) finished; 128 + the
 signal's number (143 for SIGTERM) when a signal stopped it after saving; 1 with
-a one-line error otherwise (an error the package did not raise on purpose appends
-its traceback to WORKDIR/errors.log, and the line names it). Multi-process runs:
-`--coordinator_address=HOST:PORT --num_processes=N --process_id=K` on every process,
-or `--multihost` where JAX detects the cluster (SLURM, TPU pods).
+a one-line error otherwise (an error that is not one of the package's refusals,
+`errors.Refused`, appends its traceback to WORKDIR/errors.log, and the line names
+it). Multi-process runs: `--coordinator_address=HOST:PORT --num_processes=N
+--process_id=K` on every process, or `--multihost` where JAX detects the cluster
+(SLURM, TPU pods).
 """
 
 from __future__ import annotations
 
-import dis
 import faulthandler
 import functools
 import os
@@ -30,7 +30,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from haiku_state import evaluation
+from haiku_state import errors, evaluation
 from haiku_state.driver import train_and_evaluate
 from haiku_state.guards import command_line as command_line_checks
 from haiku_state.guards import processes, quiet_logs, signals
@@ -113,9 +113,11 @@ def _define_flags() -> _Flags:
 
 
 # One-line errors: bad input, bad files, a run that cannot go on. Anything else is a bug
-# and keeps its traceback. Of these, the ones a library raised (JAX's runtime errors, device
-# out of memory, a library's ValueError) also keep theirs, in the workdir's ERRORS_FILE.
+# and keeps its traceback. Of these, the ones the package did not raise on purpose (JAX's
+# runtime errors, device out of memory, a library's ValueError: not an `errors.Refused`)
+# also keep theirs, in the workdir's ERRORS_FILE.
 _USER_ERRORS = (
+    errors.Refused,
     ValueError,
     FileNotFoundError,
     FloatingPointError,
@@ -125,7 +127,6 @@ _USER_ERRORS = (
 )
 ERRORS_FILE = "errors.log"
 EXIT_WITHIN_SECS = 10.0  # After a one-line error, the most the process may take to end.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _step_flag(value: str | None) -> int | str | None:
@@ -177,26 +178,12 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
         # Device work the error left stuck (a collective a failed device never joins) must
         # not hold the exit: past the bound, the threads' stacks and exit status 1.
         faulthandler.dump_traceback_later(EXIT_WITHIN_SECS, exit=True)
-        if raised_on_purpose(e):
+        if isinstance(e, errors.Refused):
             sys.exit(f"error: {e}")  # The one line, on stderr beside the log.
         where = _write_traceback(e, command_line.workdir.value)
         sys.exit(f"error: {e} (traceback in {where})")
     finally:
         stop.ignore_until_exit()
-
-
-def raised_on_purpose(error: BaseException) -> bool:
-    """Whether `error` comes from a `raise` statement of this package: a refusal with its
-    message, not a library's error that passed through (JAX cuts its own frames from a
-    traceback, so the innermost frame left may be the package's call into it)."""
-    innermost = error.__traceback__
-    while innermost is not None and innermost.tb_next is not None:
-        innermost = innermost.tb_next
-    if innermost is None:
-        return False
-    code = innermost.tb_frame.f_code
-    in_package = os.path.abspath(code.co_filename).startswith(_PACKAGE_DIR)
-    return in_package and code.co_code[innermost.tb_lasti] == dis.opmap["RAISE_VARARGS"]
 
 
 def _write_traceback(error: BaseException, workdir: str | None) -> str:

@@ -171,24 +171,49 @@ def test_a_failing_run_prints_its_error_once(tmp_path):
     ]
 
 
-def test_only_the_packages_own_raise_counts_as_raised_on_purpose():
-    import jax.numpy as jnp
+def test_a_refusal_is_refused_and_the_builtin_it_stands_for_and_a_librarys_error_is_not(
+    tmp_path,
+):
     import numpy as np
 
     from haiku_state import config as config_lib
-    from haiku_state import replication, train
+    from haiku_state import errors
+    from haiku_state.data import order, sources
     from haiku_state.guards import config_checks
 
     config = config_lib.load_config_file("experiments/mlp.py")
     config.batch_size = 3
-    with pytest.raises(ValueError) as refusal:
+    with pytest.raises(ValueError) as refusal:  # What a caller catching the builtin catches.
         config_checks.validate_config(config, 2, 1)
-    assert train.raised_on_purpose(refusal.value)
-    # A library's error through the package's frames (JAX cuts its own from the traceback).
-    for leaf in (np.zeros(()), jnp.zeros(())):
-        with pytest.raises(IndexError) as passed_through:
-            replication.unreplicate(leaf)
-        assert not train.raised_on_purpose(passed_through.value)
+    with pytest.raises(FileNotFoundError) as missing:
+        sources.load_dataset("imagefolder", data_dir=str(tmp_path / "nowhere"), image_size=32)
+    assert isinstance(refusal.value, errors.Refused) and isinstance(missing.value, errors.Refused)
+    # A library's error is none, even raised on the package's own line (numpy's, by `<`).
+    with pytest.raises(ValueError, match="truth value of an array") as passed_through:
+        order.steps_per_epoch(10, np.zeros(2))
+    assert not isinstance(passed_through.value, errors.Refused)
+
+
+def test_a_refusal_a_library_raises_for_the_package_is_one_line_and_writes_nothing(tmp_path):
+    # A refusal comes back from a decoding worker process without its traceback, and the
+    # library that carried it raises it: its type, not where it was raised, makes it one.
+    code = (
+        "import concurrent.futures, sys\n"
+        "from haiku_state import errors, train\n"
+        "def refused(*args, **kwargs):\n"
+        "    future = concurrent.futures.Future()\n"
+        "    future.set_exception(errors.InvalidValue('the worker refused the data'))\n"
+        "    future.result()\n"
+        "train.train_and_evaluate = refused\n"
+        "train.main(['haiku_state.train', *sys.argv[1:]])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--config=experiments/mlp.py", f"--workdir={tmp_path}"],
+        cwd=REPO, env=_environment(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == "error: the worker refused the data"
+    assert "Traceback" not in result.stderr and os.listdir(tmp_path) == []
 
 
 def test_a_librarys_error_is_one_line_naming_errors_log_which_holds_its_traceback(tmp_path):
