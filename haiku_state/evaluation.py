@@ -19,9 +19,9 @@ import jax
 from absl import logging
 
 from haiku_state import checkpoint, compilation_cache, data, summaries
-from haiku_state.config import FOLLOW_THE_DATA, at_default, default_config, keep_best_mode
+from haiku_state import config as config_lib
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
-from haiku_state.guards import config_checks, signals
+from haiku_state.guards import config_checks, quiet_logs, signals
 from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, Updater, step_of
 
@@ -123,19 +123,18 @@ def _recorded(workdir: str) -> bool:
 
 
 def run_config(config: Any, workdir: str) -> Any:
-    """`config` with the keys of the run's recorded config (`config.json`, else the latest
+    """`config` with the keys of the run's record (`workdir.run_record`, with the latest
     checkpoint's metadata), but `EVALUATOR_KEYS` (`data.dir` too where `config` has none);
     warns naming those that differ, or that `config` is another model's, set aside."""
-    record, problem = workdir_lib.read_record(workdir)
-    source = os.path.join(workdir, workdir_lib.CONFIG_FILE)
-    if record is None:
-        if problem:
-            logging.warning("%s %s; reading the run's config from its checkpoint.", source, problem)
-        record, source = _checkpoint_config(workdir), "the latest checkpoint's metadata"
-    if record is None:
+    with quiet_logs.read_only_note_kept_quiet():  # The evaluation's own reader says it.
+        reader = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    with reader:
+        latest = reader.newest_readable(reader.metadata)
+    record = workdir_lib.run_record(workdir, latest and latest[1])
+    if record.config is None:
         logging.warning("%s holds no record of its config; evaluating with the one given.", workdir)
         return config
-    keep, recorded_dir = list(EVALUATOR_KEYS), record["config"].get("data", {}).get("dir")
+    keep, recorded_dir = list(EVALUATOR_KEYS), record.config.get("data", {}).get("dir")
     if not config.data.dir and recorded_dir:
         logging.info(
             "data.dir: the run's, %s (the command line gives none; --config.data.dir=<a "
@@ -143,7 +142,7 @@ def run_config(config: Any, workdir: str) -> Any:
             recorded_dir,
         )
         keep.remove("data.dir")
-    recorded_model = record["config"].get("model", {}).get("name", config.model.name)
+    recorded_model = record.config.get("model", {}).get("name", config.model.name)
     if recorded_model != config.model.name:  # Another experiment's config: none of it holds.
         logging.warning(
             "The config given is for the model %r, but the run in %s trained %r: the command "
@@ -153,46 +152,25 @@ def run_config(config: Any, workdir: str) -> Any:
             workdir,
             recorded_model,
             ", ".join(EVALUATOR_KEYS),
-            source,
+            record.source,
         )
-        config = _with_evaluator_keys(default_config(recorded_model), config)
-        return workdir_lib.with_recorded(config, record["config"], keep)[0]
+        evaluator = {key: config_lib.value_of(config, key) for key in EVALUATOR_KEYS}
+        config = config_lib.default_config(recorded_model)
+        config = workdir_lib.with_recorded(config, evaluator, ())[0]
+        return workdir_lib.with_recorded(config, record.config, keep)[0]
     # A default the run fitted to its data is recorded fitted: that is no difference.
-    fitted = [name for name in FOLLOW_THE_DATA if at_default(config, name)]
+    fitted = [name for name in config_lib.FOLLOW_THE_DATA if config_lib.at_default(config, name)]
     config, changed = workdir_lib.with_recorded(
-        config, record["config"], keep, unreported=[*fitted, *EVALUATOR_KEYS]
+        config, record.config, keep, unreported=[*fitted, *EVALUATOR_KEYS]
     )
     if changed:
         logging.warning(
             "The config given differs from the run's (as %s records it): %s; evaluating the run "
             "with its own values.",
-            source,
+            record.source,
             "; ".join(changed),
         )
-    return workdir_lib.with_legacy_values(config, record["config"], source)
-
-
-def _with_evaluator_keys(config: Any, given: Any) -> Any:
-    """`config` with `given`'s values of `EVALUATOR_KEYS`."""
-    for key in EVALUATOR_KEYS:
-        *parents, leaf = key.split(".")
-        node, source = config, given
-        for parent in parents:
-            node, source = node[parent], source[parent]
-        node[leaf] = source[leaf]
-    return config
-
-
-def _checkpoint_config(workdir: str) -> dict[str, Any] | None:
-    """`{"config": ...}` from the metadata of the newest complete checkpoint that has one."""
-
-    def config_of(step: int) -> dict[str, Any] | None:
-        config = reader.metadata(step).get("config")
-        return config if isinstance(config, dict) else None
-
-    with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as reader:
-        found = reader.newest_readable(config_of)
-    return None if found is None else {"config": found[1]}
+    return workdir_lib.with_legacy_values(config, record.config, record.source)
 
 
 def evaluate_checkpoint(
@@ -307,7 +285,10 @@ def _reading(
 ) -> Iterator[tuple[checkpoint.Checkpointer, Callable[[TrainState], dict[str, float] | None]]]:
     """A read-only Checkpointer (that knows which step is best), and `evaluate`: a train
     state's metrics on the test split, recorded (None if `stop` interrupted them)."""
-    best = {"keep_best_by": config.keep_best_by, "keep_best_mode": keep_best_mode(config)}
+    best = {
+        "keep_best_by": config.keep_best_by,
+        "keep_best_mode": config_lib.keep_best_mode(config),
+    }
     enabled = jax.process_index() == 0
     with (
         checkpoint.Checkpointer(

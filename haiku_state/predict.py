@@ -4,9 +4,9 @@ r"""Using a trained run: `load_run(workdir)`, and `python -m haiku_state.predict
     python -m haiku_state.predict --workdir=runs/photos --export=runs/photos/model.npz
 
 `load_run` reads one checkpoint step of a run as training leaves it, whatever backend and
-device count trained it: the run's record (the step's metadata, else `config.json`) names the
-network and the data, and the step gives the params and state (the moving averages, when the
-run kept them, as evaluation uses them), unreplicated, on one device. `predict` gives class
+device count trained it: the run's record (`config.json`, else the step's metadata) names
+the network and the data, and the step gives the params and state (the moving averages, when
+the run kept them, as evaluation uses them), unreplicated, on one device. `predict` gives class
 probabilities; `read_image` makes an image file what the run's data holds (the evaluation's
 crop); `export` writes params, state and what a plain Haiku script needs to a `.npz`.
 Exit status of the command: 0, or 1 with an `error:` line for each image or input at fault.
@@ -166,9 +166,14 @@ def load_run(workdir: str, step: int | None = None) -> TrainedModel:
                 f"No complete checkpoint of step {step} in {directory} (complete steps: {steps})."
             )
         trees = checkpointer.read_trees(step)
-        record = _run_record(workdir, checkpointer.metadata(step))
-    config = _config_of(record["config"])
-    data_record = record.get("data") or {}
+        record = workdir_lib.run_record(workdir, checkpointer.metadata(step))
+    if record.config is None:
+        why = f"{workdir_lib.CONFIG_FILE} {record.problem}" if record.problem else "no config.json"
+        raise ValueError(
+            f"{workdir} holds no record of the run's config ({why}, and the checkpoint's "
+            "metadata has none): nothing names the network to load the params into."
+        )
+    config, data_record = _config_of(record), record.data
     if "num_classes" not in data_record:
         raise ValueError(
             f"The record of the run in {workdir} holds no data record (num_classes, classes, "
@@ -190,29 +195,14 @@ def load_run(workdir: str, step: int | None = None) -> TrainedModel:
     return model
 
 
-def _run_record(workdir: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
-    """`{"config", "data"}` of the run that wrote a step: the step's metadata, else (a step
-    saved without them) the workdir's `config.json`."""
-    if metadata and isinstance(metadata.get("config"), dict):
-        return {"config": metadata["config"], "data": metadata.get("data")}
-    record, problem = workdir_lib.read_record(workdir)
-    if record is None:
-        why = f"{workdir_lib.CONFIG_FILE} {problem}" if problem else "no config.json"
-        raise ValueError(
-            f"{workdir} holds no record of the run's config ({why}, and the checkpoint's "
-            "metadata has none): nothing names the network to load the params into."
-        )
-    return record
-
-
-def _config_of(recorded: dict[str, Any]) -> Any:
+def _config_of(record: workdir_lib.RunRecord) -> Any:
     """The schema's config of the recorded model with the recorded values (a key a run older
     than it did not record: what that run ran with, `Key.legacy_default`, else its default)."""
-    model = (recorded.get("model") or {}).get("name")
+    model = (record.config.get("model") or {}).get("name")
     if model is None:
         raise ValueError("The run's recorded config names no network (model.name).")
-    config, _ = workdir_lib.with_recorded(config_lib.default_config(model), recorded, keep=())
-    return workdir_lib.with_legacy_values(config, recorded, "The run's record")
+    config, _ = workdir_lib.with_recorded(config_lib.default_config(model), record.config, ())
+    return workdir_lib.with_legacy_values(config, record.config, record.source)
 
 
 def _check_fits(model: TrainedModel, what: str) -> None:

@@ -13,9 +13,10 @@ import os
 import shutil
 
 import pytest
-from checkpoint_helpers import read_step_item, set_format_version, write_step_item
+from checkpoint_helpers import as_version_1, read_step_item, set_format_version, write_step_item
 from configs import REPO, StopAfterChecks, mlp_config
 
+import haiku_state as hs
 from haiku_state import checkpoint, driver, evaluation
 from haiku_state import config as config_lib
 from haiku_state.experiment import build_experiment, placeholder_batch
@@ -165,3 +166,36 @@ def test_eval_follow_fails_when_the_last_step_is_damaged_and_skips_an_earlier_on
     )
     assert "values do not match the fingerprint saved with it" in message
     assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "20", "30"]  # Nothing moved.
+
+
+def _as_format_1(record: dict) -> dict:
+    """A run's record as format 1 wrote it: keep_best_mode at its old default, max, without a
+    keep_best_by, and the data's sizes alone (its checkpoints' metadata held no data)."""
+    record["config"].update(keep_best_by="", keep_best_mode="max")
+    sizes = ("train_examples", "test_examples", "num_classes", "short_side")
+    record["data"] = {key: record["data"][key] for key in sizes}
+    return record
+
+
+def test_a_run_of_format_1_is_evaluated_and_loaded(trained, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained[0], workdir)
+    (workdir / "config.json").write_text(
+        json.dumps(_as_format_1(json.loads((workdir / "config.json").read_text())))
+    )
+    for step in (10, 20, 30):
+        as_version_1(workdir / "checkpoints" / str(step))
+        path = workdir / "checkpoints" / str(step) / "metadata" / "metadata"
+        metadata = _as_format_1(json.loads(path.read_text()))
+        del metadata["data"]
+        path.write_text(json.dumps(metadata))
+    given = mlp_config()
+    assert evaluation.evaluate_checkpoint(given, str(workdir)) == pytest.approx(trained[1])
+    stop = StopAfterChecks(2000)
+    results = evaluation.follow_checkpoints(given, str(workdir), stop=stop, poll_secs=0.001)
+    assert sorted(results) == [10, 20, 30]
+    model = hs.load_run(str(workdir))  # Its data record is config.json's.
+    assert (model.step, model.num_classes) == (30, 10)
+    (workdir / "config.json").unlink()  # Then nothing records its data.
+    with pytest.raises(ValueError, match=r"holds no data record \(num_classes"):
+        hs.load_run(str(workdir))

@@ -102,11 +102,9 @@ def test_load_run_refuses_what_it_cannot_load_in_one_line(run, tmp_path):
     # A record that names another network: refused naming the first leaf that misfits.
     other = tmp_path / "other"
     shutil.copytree(workdir, other)
-    for step in (15, 30):
-        path = other / "checkpoints" / str(step) / "metadata" / "metadata"
-        metadata = json.loads(path.read_text())
-        metadata["config"]["model"]["hidden_sizes"] = [16]
-        path.write_text(json.dumps(metadata))
+    record = json.loads((other / "config.json").read_text())
+    record["config"]["model"]["hidden_sizes"] = [16]
+    (other / "config.json").write_text(json.dumps(record))
     misfit = r"names \(mlp\): params\['mlp/batch_norm'\]\['offset'\]: checkpoint \(32,\) vs"
     with pytest.raises(ValueError, match=misfit):
         hs.load_run(str(other))

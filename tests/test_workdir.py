@@ -459,3 +459,51 @@ def test_keys_unknown_on_both_sides_are_not_named_as_unchecked():
         "mean",
         "train_content",
     ]
+
+
+def test_a_resume_without_content_verification_keeps_the_recorded_bytes_digests(tmp_path, caplog):
+    workdir, config = str(tmp_path), _config()
+    identity = {"train_digest": "a", "test_digest": "b", "train_bytes": "c", "test_bytes": "d"}
+    workdir_lib.record_config(workdir, config, allow_change=False, data=identity)  # content
+    unread = {**identity, "train_bytes": None, "test_bytes": None}  # data.verify=stat
+    with caplog.at_level(logging.WARNING):
+        workdir_lib.record_config(workdir, config, allow_change=False, data=unread)
+    assert "records no" not in caplog.text  # It does record them.
+    assert json.loads((tmp_path / "config.json").read_text())["data"] == identity
+    # A later data.verify=content resume on swapped images is still refused.
+    with pytest.raises(workdir_lib.WorkdirError, match=r"dataset.train_bytes: the bytes"):
+        workdir_lib.record_config(
+            workdir, config, allow_change=False, data={**identity, "train_bytes": "x"}
+        )
+
+
+def test_a_digits_run_has_no_data_dir_whether_it_is_none_or_empty(tmp_path, caplog):
+    workdir, config = str(tmp_path), config_lib.default_config("mlp")  # data.dir="".
+    identity = {"train_digest": "a", "test_digest": "b"}
+    workdir_lib.record_config(workdir, config, allow_change=False, data=identity)
+    assert "dir" not in json.loads((tmp_path / "config.json").read_text())["config"]["data"]
+    with caplog.at_level(logging.INFO):
+        workdir_lib.record_config(workdir, config, allow_change=False, data=identity)
+    assert "The data moved" not in caplog.text
+
+
+def test_the_run_record_is_config_json_and_the_checkpoint_metadata_for_what_it_lacks(tmp_path):
+    workdir, path = str(tmp_path), tmp_path / "config.json"
+    metadata = {"config": {"seed": 1, "keep_best_mode": "max"}, "data": {"num_classes": 10}}
+    record = workdir_lib.run_record(workdir, metadata)  # No config.json.
+    assert (record.config, record.data, record.source) == (
+        {"seed": 1, "keep_best_mode": ""},  # The old default, that kept no best step.
+        {"num_classes": 10},
+        "the checkpoint's metadata",
+    )
+    path.write_text(
+        json.dumps({"config": {"seed": 2, "keep_best_by": "loss", "keep_best_mode": "min"}})
+    )
+    record = workdir_lib.run_record(workdir, metadata)  # An older config.json: no data.
+    assert (record.config["seed"], record.data, record.source) == (
+        2,
+        {"num_classes": 10},
+        str(path),
+    )
+    assert record.config["keep_best_mode"] == "min"
+    assert workdir_lib.run_record(workdir).data == {}

@@ -212,24 +212,53 @@ class ConfigRecord:
         os.replace(temporary, self.path)
 
 
-def read_record(workdir: str) -> tuple[dict[str, Any] | None, str]:
-    """`config.json` of `workdir` and "", or None and why not ("" if there is none)."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
-        return None, ""
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """What a run recorded of itself (`run_record`): its `config` (None: nothing records it),
+    its `data` (`data_identity.identity`; {} if unknown) and the `changes` allowed on its
+    resumes; `source` names where the config was read, `problem` why `config.json` was not."""
+
+    config: dict[str, Any] | None
+    data: dict[str, Any]
+    changes: list[Any]
+    source: str
+    problem: str = ""
+
+
+def run_record(workdir: str, metadata: Mapping[str, Any] | None = None) -> RunRecord:
+    """The record of the run in `workdir`, for its resume, evaluation and `load_run`:
+    `config.json`, and what it lacks (the file missing or unreadable, or of a version that
+    recorded no data) from `metadata`, a checkpoint step's run metadata. The file comes first:
+    each resume rewrites it, so it holds the changes allowed since the last save and what every
+    earlier run recorded of the data; a step's metadata is what one save knew. A
+    `keep_best_mode` recorded without `keep_best_by` (it once defaulted to max) is read as none."""
+    path, file, problem = os.path.join(workdir, CONFIG_FILE), None, ""
     try:
         with open(path) as f:
-            record = json.load(f)
+            file = json.load(f)
+    except FileNotFoundError:
+        pass
     except (OSError, ValueError) as e:
-        return None, f"cannot be read ({e})"
-    if not (
-        isinstance(record, dict)
-        and isinstance(record.get("config"), dict)
-        and isinstance(record.get("data", {}), dict)
-        and isinstance(record.get("changes", []), list)
-    ):
-        return None, 'is not a record of a run (expected {"config": {...}, "data": {...}})'
-    return record, ""
+        problem = f"cannot be read ({e})"
+    is_record = (
+        isinstance(file, dict)
+        and isinstance(file.get("config"), dict)
+        and isinstance(file.get("data", {}), dict)
+        and isinstance(file.get("changes", []), list)
+    )
+    if file is not None and not is_record:
+        problem = 'is not a record of a run (expected {"config": {...}, "data": {...}})'
+    file = file if is_record else {}
+    saved = metadata if metadata and isinstance(metadata.get("config"), Mapping) else {}
+    config = dict(file.get("config") or saved.get("config") or {}) or None
+    source = path if file else "the checkpoint's metadata"
+    if not file and saved:
+        why = problem or "is missing"
+        logging.warning("%s %s; reading the run's record from %s instead.", path, why, source)
+    if config and not config.get("keep_best_by") and config.get("keep_best_mode"):
+        config["keep_best_mode"] = ""
+    data = dict(file.get("data") or saved.get("data") or {})
+    return RunRecord(config, data, list(file.get("changes", [])), source, problem)
 
 
 def check_config(
@@ -241,47 +270,36 @@ def check_config(
     has_checkpoint: bool = True,
     checkpoint_metadata: Mapping[str, Any] | None = None,
 ) -> ConfigRecord:
-    """Checks `config` and `data` (`data_identity.identity`) against `config.json`, else the
-    latest checkpoint's metadata; writes nothing. A workdir without a checkpoint binds nothing.
-    Returns the record to `write()` once the run resumed; WorkdirError for a change of the
+    """Checks `config` and `data` (`data_identity.identity`) against the run's record
+    (`run_record`, with the latest checkpoint's metadata); writes nothing. A workdir without a
+    checkpoint binds nothing. Returns the record to `write()` once the run resumed (keeping the
+    digests earlier runs recorded that this one did not take); WorkdirError for a change of the
     trajectory unless `allow_change`."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    record = {"config": recorded_config(config), "data": dict(data or {}), "changes": []}
-    previous, problem = read_record(workdir)
-    if not has_checkpoint:
-        if previous is not None:
+    path, data = os.path.join(workdir, CONFIG_FILE), dict(data or {})
+    record = {"config": recorded_config(config), "data": data, "changes": []}
+    previous = run_record(workdir, checkpoint_metadata if has_checkpoint else None)
+    if not has_checkpoint or previous.config is None:
+        if has_checkpoint:
+            logging.warning("%s: no record of the config to check against.", workdir)
+        elif previous.config is not None:
             logging.info(
                 "%s records a run that saved no checkpoint; it is replaced by this run's config.",
                 path,
             )
-        return ConfigRecord(path, record, set_aside=problem)
-    source = path
-    if previous is None:
-        source = "the latest checkpoint's metadata"
-        if checkpoint_metadata and isinstance(checkpoint_metadata.get("config"), Mapping):
-            previous = {
-                "config": checkpoint_metadata["config"],
-                "data": checkpoint_metadata.get("data") or {},
-            }
-        if problem:
-            logging.warning("%s %s; checking the config against %s instead.", path, problem, source)
-        elif previous is not None:
-            logging.warning("%s is missing; checking the config against %s.", path, source)
-    if previous is None:
-        logging.warning("%s: no record of the config to check against.", workdir)
-        return ConfigRecord(path, record, set_aside=problem)
-    changes = _changes_since(previous, config, dict(data or {}), source)
+        return ConfigRecord(path, record, set_aside=previous.problem)
+    changes, known = _changes_since(previous, config, data)
     if changes and not allow_change:
         raise WorkdirError(
             f"The config or data differs from what {workdir} was trained with (as "
-            f"{'its config.json' if source == path else source} records it): "
+            f"{'its config.json' if previous.source == path else previous.source} records it): "
             f"{_listing(changes)}. Use another --workdir, or --allow_config_change to "
             "continue that run anyway."
         )
-    record["changes"] = list(previous.get("changes", []))
+    record["data"] = {**data, **known}
+    record["changes"] = previous.changes
     if changes:
         record["changes"].append({"at": _stamp(iso=True), "changes": changes})
-    return ConfigRecord(path, record, tuple(changes), problem)
+    return ConfigRecord(path, record, tuple(changes), previous.problem)
 
 
 def _listing(changes: list[str], budget: int = 160) -> str:
@@ -296,15 +314,18 @@ def _listing(changes: list[str], budget: int = 160) -> str:
 
 
 def _changes_since(
-    previous: Mapping[str, Any], config: Any, data: dict[str, Any], source: str
-) -> list[str]:
-    """What changes the run between the record `previous` and `config` with `data`. The same
-    data (by `data_identity`, both splits' digests known) at another `data.dir` resumes."""
-    recorded_data = previous.get("data") or {}
+    previous: RunRecord, config: Any, data: dict[str, Any]
+) -> tuple[list[str], dict[str, Any]]:
+    """What changes the run between the record `previous` and `config` with `data`, and, on
+    the same data, the digests the record knows and `data` does not (`data.verify=content`'s
+    of an earlier run). The same data (by `data_identity`, both splits' digests known) at
+    another `data.dir` resumes."""
+    recorded_data = previous.data
     # The batch order depends on the data as read: compared like trajectory keys.
     data_changes = data_identity.identity_changes(recorded_data, data)
-    old_dir = config_lib.flatten(previous["config"]).get("data.dir")
-    new_dir = config_lib.flatten(_as_json(config)).get("data.dir")
+    # No data.dir (a run on the digits records none) is the empty one.
+    old_dir = config_lib.flatten(previous.config).get("data.dir") or ""
+    new_dir = config_lib.flatten(_as_json(config)).get("data.dir") or ""
     moved = (
         old_dir != new_dir
         and not data_changes
@@ -319,20 +340,23 @@ def _changes_since(
             "classes, files and content); resuming on it.",
             old_dir,
             new_dir,
-            source,
+            previous.source,
         )
-    changes = trajectory_changes(previous["config"], config, ("data.dir",) if moved else ())
+    changes = trajectory_changes(previous.config, config, ("data.dir",) if moved else ())
     changes += data_changes
-    # On other data, a digest only one side knows is no sign of an older record.
-    unchecked = [] if data_changes else data_identity.unchecked_keys(recorded_data, data)
-    if unchecked:
+    if data_changes:  # On other data, a digest only one side knows is no sign of an older record.
+        return changes, {}
+    unchecked = data_identity.unchecked_keys(recorded_data, data)
+    unrecorded = [key for key in unchecked if recorded_data.get(key) is None]
+    if unrecorded:
         logging.warning(
             "%s records no %s of the data (written by an older version, or not known then): "
             "not checked on this resume; the record written now holds what is known.",
-            source,
-            ", ".join(f"dataset.{key}" for key in unchecked),
+            previous.source,
+            ", ".join(f"dataset.{key}" for key in unrecorded),
         )
-    return changes
+    known = {key: recorded_data[key] for key in unchecked if data.get(key) is None}
+    return changes, known
 
 
 def record_config(
@@ -355,12 +379,7 @@ def with_recorded(
     changed = _changes(new, old, frozenset(keep) | frozenset(unreported))
     for key in sorted(set(old) & set(new) - set(keep)):
         if old[key] != new[key]:
-            *parents, leaf = key.split(".")
-            node = config
-            for parent in parents:
-                node = node[parent]
-            value = old[key]
-            node[leaf] = tuple(value) if isinstance(node[leaf], tuple) else value
+            _set(config, key, old[key])
     return config, changed
 
 
@@ -372,11 +391,7 @@ def with_legacy_values(config: Any, recorded: Mapping[str, Any], source: str) ->
         return config
     config = config.copy_and_resolve_references()
     for key, value in legacy.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
+        _set(config, key, value)
     logging.info(
         "%s predates %s: the run goes on as it was trained, with %s.",
         source,
@@ -386,13 +401,20 @@ def with_legacy_values(config: Any, recorded: Mapping[str, Any], source: str) ->
     return config
 
 
+def _set(config: Any, key: str, value: Any) -> None:
+    """Sets the dotted `key` of `config` to `value` (a tuple where it holds one)."""
+    parent, _, leaf = key.rpartition(".")
+    node = config_lib.value_of(config, parent) if parent else config
+    node[leaf] = tuple(value) if isinstance(node[leaf], tuple) else value
+
+
 def recorded_config_of(workdir: str, config: Any) -> Any:
     """`config` with the legacy values (`with_legacy_values`) of the run `config.json` records,
     if there is one: what a resume builds its network of."""
-    record, _ = read_record(workdir)
-    if record is None:
+    record = run_record(workdir)
+    if record.config is None:
         return config
-    return with_legacy_values(config, record["config"], os.path.join(workdir, CONFIG_FILE))
+    return with_legacy_values(config, record.config, record.source)
 
 
 def _stamp(iso: bool = False) -> str:
