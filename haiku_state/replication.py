@@ -214,11 +214,14 @@ def parallelize(
         jax.shard_map(per_block, mesh=mesh, in_specs=device_axis, out_specs=out_specs),
         donate_argnums=donate_argnums,
     )
-    if jax.process_count() == 1:
-        return mapped
+    return mapped if jax.process_count() == 1 else _across_processes(mapped, mesh, out_specs)
 
-    # Each process holds its own devices' slices: viewed as global arrays, and the results
-    # as local ones again. No data moves.
+
+def _across_processes(mapped: Callable[..., Any], mesh: Mesh, out_specs: Any) -> Callable[..., Any]:
+    """`mapped` (a jit of shard_map over `mesh`) on each process's own devices' slices: viewed
+    as global arrays, and the results as local ones again. No data moves."""
+    device_axis = PartitionSpec(*mesh.axis_names)
+
     def to_global(args):
         return multihost_utils.host_local_array_to_global_array(args, mesh, device_axis)
 

@@ -177,6 +177,21 @@ def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = F
     return jax.tree.map(mean_if_floating, tree)
 
 
+def _scaled_loss_gradient(
+    forward: hk.TransformedWithState, loss_fn: LossFn, scale: jmp.LossScale
+) -> Callable[..., Any]:
+    """`(params, state, key, batch) -> (grads, (loss, new_state, metrics))` of the loss times
+    `scale`: the gradient `accumulated_gradients` takes."""
+
+    def scaled_loss(params, state, key, batch):
+        outputs, new_state = forward.apply(params, state, key, batch, is_training=True)
+        loss, metrics = loss_fn(outputs, batch)
+        updater_arguments.check_loss(loss, metrics)
+        return scale.scale(loss), (loss, new_state, metrics)
+
+    return jax.grad(scaled_loss, has_aux=True)
+
+
 def train_step(
     train_state: TrainState,
     batch: Batch,
@@ -202,14 +217,7 @@ def train_step(
     scaled = loss_scale is not None
     scale = unpack_loss_scale(opt_state, loss_scale) if scaled else jmp.NoOpLossScale()
     optimizer_state = opt_state.optimizer if scaled else opt_state
-
-    def scaled_loss(params, state, key, batch):
-        outputs, new_state = forward.apply(params, state, key, batch, is_training=True)
-        loss, metrics = loss_fn(outputs, batch)
-        updater_arguments.check_loss(loss, metrics)
-        return scale.scale(loss), (loss, new_state, metrics)
-
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
+    grad_fn = _scaled_loss_gradient(forward, loss_fn, scale)
     grads, (loss, new_state, metrics) = accumulated_gradients(
         grad_fn, params, state, apply_key, batch, steps=accumulation_steps, shards=batch_shards
     )
@@ -217,15 +225,14 @@ def train_step(
     new_state = _mean_over_devices(new_state, axis_name, floating_only=True)
     updates, new_optimizer_state = optimizer.update(grads, optimizer_state, params)
     new_params = optax.apply_updates(params, updates)
-    new_opt_state = new_optimizer_state
     new_ema = None if ema is None else ema_update(ema, new_params, new_state, ema_decay)
     # Only the logged steps' programs compute the norms: the norms cost time in every step, and
     # a `lax.cond` that skips them costs more (it keeps `updates` whole): benchmarks/README.md.
     norms = global_norms(grads, new_params, updates) if with_global_norms else {}
     metrics = {"loss": loss, **metrics, **norms}
-    if scaled:
-        # Gradients are averaged already, so every device takes the same decision.
-        grads_finite = jmp.all_finite(grads)
+    new_opt_state = new_optimizer_state
+    if scaled:  # A step with non-finite gradients is skipped, and the scale adjusted.
+        grads_finite = jmp.all_finite(grads)  # Averaged: every device decides alike.
         new_params, new_state, new_optimizer_state, new_ema = jmp.select_tree(
             grads_finite,
             (new_params, new_state, new_optimizer_state, new_ema),
