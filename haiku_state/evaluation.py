@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from haiku_state import checkpoint, compilation_cache, data, summaries
+from haiku_state import checkpoint, compilation_cache, data, errors, summaries
 from haiku_state import config as config_lib
 from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
 from haiku_state.guards import config_checks, quiet_logs, signals
@@ -103,7 +103,7 @@ def _prepare(
             raise wait.stopped(f"stopped while waiting for a run in {workdir}; nothing evaluated.")
         time.sleep(FOLLOW_POLL_SECS)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
+        raise errors.MissingFile(f"No checkpoints in {workdir} ({directory} does not exist).")
     config = run_config(config, workdir)
     config_checks.validate_config(config, jax.device_count(), jax.process_count())
     compilation_cache.enable(config.compilation_cache_dir)
@@ -182,7 +182,7 @@ def evaluate_checkpoint(
     with _reading(config, workdir, experiment, stop) as (checkpointer, evaluate):
         if step == "best":
             if not config.keep_best_by:
-                raise ValueError(
+                raise errors.InvalidValue(
                     f"--step=best: no keep_best_by was configured for the run in {workdir}, so "
                     "no step is ranked. Pass --step=<a step> (complete steps: "
                     f"{checkpointer.all_steps()}), or train with --config.keep_best_by=<an eval "
@@ -190,7 +190,7 @@ def evaluate_checkpoint(
                 )
             step = checkpointer.best_step()
             if step is None:
-                raise FileNotFoundError(
+                raise errors.MissingFile(
                     f"No checkpoint in {directory} has the eval metric "
                     f"config.keep_best_by={config.keep_best_by!r}."
                 )
@@ -213,7 +213,9 @@ def _restore(
     run refuses it, naming the steps there are: an evaluation does not stand in another."""
     steps = checkpointer.all_steps()
     if not steps:
-        raise FileNotFoundError(f"No complete checkpoint in {checkpointer.directory}; train first.")
+        raise errors.MissingFile(
+            f"No complete checkpoint in {checkpointer.directory}; train first."
+        )
     try:
         return checkpointer.restore(like, steps[-1] if step is None else step)
     except ValueError as e:
@@ -268,7 +270,7 @@ def follow_checkpoints(
         )
     last = max(results)
     if last in skipped:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"eval_follow could not evaluate the run's last step {last} (evaluated steps "
             f"{evaluated or 'none'}): {skipped[last]}"
         )

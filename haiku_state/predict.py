@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from haiku_state import checkpoint, data
+from haiku_state import checkpoint, data, errors
 from haiku_state import config as config_lib
 from haiku_state.data.imagefolder import IMAGE_EXTENSIONS
 from haiku_state.experiment import network_of
@@ -74,7 +74,7 @@ class TrainedModel:
         pixels as the run's data holds them (uint8; float32 standardised for synthetic)."""
         images = np.asarray(images)
         if images.shape[1:] != self.image_shape:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"predict takes images [N, {', '.join(map(str, self.image_shape))}] (the run's "
                 f"{self.config.data.name} images); got shape {images.shape}."
             )
@@ -112,7 +112,9 @@ class TrainedModel:
         never left half-written): numpy alone reads it, without pickle."""
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"Cannot export to {path}: the folder {folder} does not exist.")
+            raise errors.MissingFile(
+                f"Cannot export to {path}: the folder {folder} does not exist."
+            )
         if os.path.isdir(path):
             raise IsADirectoryError(f"Cannot export to {path}: it is a folder; name a .npz file.")
         arrays = {"metadata": np.array(json.dumps(self.metadata()))}
@@ -153,29 +155,29 @@ def load_run(workdir: str, step: int | None = None) -> TrainedModel:
     here, or does not fit the network its record names."""
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"No checkpoints in {workdir} ({directory} does not exist).")
+        raise errors.MissingFile(f"No checkpoints in {workdir} ({directory} does not exist).")
     with quiet_logs.read_only_note_kept_quiet():
         checkpointer = checkpoint.Checkpointer(directory, read_only=True)
     with checkpointer:
         steps = checkpointer.all_steps()
         if not steps:
-            raise FileNotFoundError(f"No complete checkpoint in {directory}; train first.")
+            raise errors.MissingFile(f"No complete checkpoint in {directory}; train first.")
         step = steps[-1] if step is None else step
         if step not in steps:
-            raise FileNotFoundError(
+            raise errors.MissingFile(
                 f"No complete checkpoint of step {step} in {directory} (complete steps: {steps})."
             )
         trees = checkpointer.read_trees(step)
         record = workdir_lib.run_record(workdir, checkpointer.metadata(step))
     if record.config is None:
         why = f"{workdir_lib.CONFIG_FILE} {record.problem}" if record.problem else "no config.json"
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{workdir} holds no record of the run's config ({why}, and the checkpoint's "
             "metadata has none): nothing names the network to load the params into."
         )
     config, data_record = _config_of(record), record.data
     if "num_classes" not in data_record:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"The record of the run in {workdir} holds no data record (num_classes, classes, "
             "mean, std): written by a run that did not record its data."
         )
@@ -200,7 +202,7 @@ def _config_of(record: workdir_lib.RunRecord) -> Any:
     than it did not record: what that run ran with, `Key.legacy_default`, else its default)."""
     model = (record.config.get("model") or {}).get("name")
     if model is None:
-        raise ValueError("The run's recorded config names no network (model.name).")
+        raise errors.InvalidValue("The run's recorded config names no network (model.name).")
     config, _ = workdir_lib.with_recorded(config_lib.default_config(model), record.config, ())
     return workdir_lib.with_legacy_values(config, record.config, record.source)
 
@@ -214,7 +216,7 @@ def _check_fits(model: TrainedModel, what: str) -> None:
         {"params": params, "state": state}, {"params": model.params, "state": model.state}
     )
     if problem is not None:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{what} does not fit the network its config names ({model.config.model.name}): "
             f"{problem}."
         )
@@ -239,7 +241,7 @@ def image_files(paths: Sequence[str]) -> Iterator[str]:
                     if not name.startswith(".") and extension in IMAGE_EXTENSIONS:
                         yield os.path.join(root, name)
         else:
-            raise FileNotFoundError(f"{path}: no such file or folder.")
+            raise errors.MissingFile(f"{path}: no such file or folder.")
 
 
 def predictions(model: TrainedModel, paths: Sequence[str], top: int) -> Iterator[str]:

@@ -17,6 +17,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from haiku_state import errors
+
 PyTree = Any
 DEFAULT_AXIS_NAME = "i"
 BACKENDS = ("pmap", "shard_map", "jit")
@@ -45,7 +47,7 @@ def check_device_axis(tree: PyTree, where: str, name: str = "train_state") -> No
     num_devices = jax.local_device_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if np.shape(leaf)[:1] != (num_devices,):
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"{where}: {name}{jax.tree_util.keystr(path)} has shape {np.shape(leaf)}; "
                 f"every leaf needs a leading axis of local_devices={num_devices}: use a "
                 "replicated TrainState (from Updater.init, Updater.update or "
@@ -59,20 +61,20 @@ def check_batch(batch: PyTree, where: str) -> None:
     num_devices = jax.local_device_count()
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
-        raise ValueError(f"{where}: the batch has no arrays.")
+        raise errors.InvalidValue(f"{where}: the batch has no arrays.")
     per_device_sizes = {}
     for path, leaf in leaves:
         name = jax.tree_util.keystr(path)
         shape = np.shape(leaf)
         if len(shape) < 2 or shape[0] != num_devices:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"{where}: batch leaf {name} has shape {shape}; expected "
                 f"[local_devices={num_devices}, per_device_batch, ...]. Use hs.shard() "
                 "to split a host batch over the devices."
             )
         per_device_sizes[name] = shape[1]
     if len(set(per_device_sizes.values())) > 1:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{where}: batch leaves disagree on the per-device batch size: {per_device_sizes}."
         )
 
@@ -89,7 +91,7 @@ def check_stacked_batches(batches: PyTree, where: str) -> None:
         or len(set(steps.values())) > 1
     ):
         shapes = jax.tree.map(np.shape, batches)
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{where}: expected batches stacked as [local_devices, steps, per_device_batch, ...] "
             f"with one step count (replication.stack_steps of sharded batches), got {shapes}."
         )
@@ -116,9 +118,11 @@ def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
         shape = np.shape(leaf)
         name = jax.tree_util.keystr(path) or "batch"
         if not shape:
-            raise ValueError(f"shard: leaf {name} is a scalar; expected a leading batch axis.")
+            raise errors.InvalidValue(
+                f"shard: leaf {name} is a scalar; expected a leading batch axis."
+            )
         if shape[0] % num_devices:
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"shard: batch size B={shape[0]} of leaf {name} is not divisible by the "
                 f"{num_devices} local devices; use a global batch size that is a multiple "
                 f"of {num_devices}."
@@ -188,7 +192,7 @@ def parallelize(
     "shard_map" (`jit(shard_map)` over `global_mesh`). `out_axes`: a tree prefix of the outputs,
     0 to keep the device axis or None for a value alike on every device, returned once."""
     if backend not in PER_DEVICE_BACKENDS:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"Unknown per-device backend {backend!r}; expected one of {PER_DEVICE_BACKENDS}."
         )
     if backend == "pmap":

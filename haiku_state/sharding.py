@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from haiku_state import replication
+from haiku_state import errors, replication
 
 PyTree = Any
 PARAM_SHARDINGS = ("replicated", "fsdp")
@@ -81,7 +81,9 @@ def param_specs(
 def check_param_sharding(rule: str) -> None:
     """Raises ValueError unless `rule` is one of `PARAM_SHARDINGS`."""
     if rule not in PARAM_SHARDINGS:
-        raise ValueError(f"Unknown param_sharding {rule!r}; expected one of {PARAM_SHARDINGS}.")
+        raise errors.InvalidValue(
+            f"Unknown param_sharding {rule!r}; expected one of {PARAM_SHARDINGS}."
+        )
 
 
 def train_state_shardings(
@@ -254,7 +256,7 @@ class GlobalLayout:
 
     def check(self, train_state: Any, where: str) -> None:
         if not is_global(train_state):
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"{where}: train_state.rng has shape {np.shape(train_state.rng)}: the "
                 "per-device layout of backend='pmap'/'shard_map'; backend='jit' takes "
                 "global arrays with one key, as its Updater.init makes them."

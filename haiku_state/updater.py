@@ -24,7 +24,7 @@ import jmp
 import numpy as np
 import optax
 
-from haiku_state import initialization, replication, sharding
+from haiku_state import errors, initialization, replication, sharding
 from haiku_state.guards import replicas, updater_arguments
 
 Batch = Mapping[str, Any]
@@ -125,7 +125,7 @@ def micro_batches(x: jax.Array, steps: int, shards: int) -> jax.Array:
     micro-batch holds the same examples on every backend."""
     per_shard = x.shape[0] // shards
     if per_shard % steps:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"accumulation_steps={steps} does not divide each device's {per_shard} examples of "
             f"the batch: use a batch of a multiple of {steps} x the devices."
         )

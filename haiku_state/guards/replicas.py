@@ -19,7 +19,7 @@ import jmp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from haiku_state import replication, sharding
+from haiku_state import errors, replication, sharding
 
 PyTree = Any
 
@@ -32,7 +32,7 @@ def check_finite_losses(step_metrics: Iterable[tuple[int, Mapping[str, Any]]]) -
     for step, metrics in step_metrics:
         loss = float(metrics["loss"])
         if not math.isfinite(loss):
-            raise FloatingPointError(f"Non-finite loss {loss} at step {step}.")
+            raise errors.NonFinite(f"Non-finite loss {loss} at step {step}.")
 
 
 def _leaf_bits(x: jax.Array) -> jax.Array:
@@ -90,7 +90,7 @@ def assert_replicas_identical(tree: PyTree) -> None:
     if not leaves:
         return  # An empty tree (a stateless model's state) has nothing to differ.
     if not np.ndim(leaves[0]):
-        raise ValueError("assert_replicas_identical: leaves have no leading device axis.")
+        raise errors.InvalidValue("assert_replicas_identical: leaves have no leading device axis.")
     chex.assert_tree_shape_prefix(tree, (np.shape(leaves[0])[0],))
     mismatch_fn = _global_replica_mismatch if jax.process_count() > 1 else _replica_mismatch
     _raise_first_mismatch(_named_leaves(tree), mismatch_fn(leaves), lambda leaf: leaf)
@@ -129,7 +129,7 @@ def assert_keys_distinct(keys: jax.Array) -> None:
     """Asserts that every device of every process holds a different PRNG key (typed or raw)."""
     if replication.key_axes(keys) < 1:
         shape = np.shape(jax.random.key_data(keys) if replication.is_key(keys) else keys)
-        raise ValueError(
+        raise errors.InvalidValue(
             f"assert_keys_distinct: expected keys with a leading device axis, got shape {shape}."
         )
     data = replication.global_key_data(keys)
@@ -273,4 +273,4 @@ def check_savable(train_state: Any, step: int) -> None:
     (FloatingPointError naming `step` otherwise)."""
     assert_train_state_invariants(train_state)
     if not bool(all_finite(train_state.params)):
-        raise FloatingPointError(f"Non-finite params at step {step}.")
+        raise errors.NonFinite(f"Non-finite params at step {step}.")

@@ -10,16 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from haiku_state import replication, sharding
+from haiku_state import errors, replication, sharding
 
 
 def check_backend(backend: str, param_sharding: str = "replicated") -> None:
     """Raises ValueError unless an Updater takes this backend and param_sharding."""
     if backend not in replication.BACKENDS:
-        raise ValueError(f"Unknown backend {backend!r}; expected one of {replication.BACKENDS}.")
+        raise errors.InvalidValue(
+            f"Unknown backend {backend!r}; expected one of {replication.BACKENDS}."
+        )
     sharding.check_param_sharding(param_sharding)
     if param_sharding != "replicated" and backend != "jit":
-        raise ValueError(
+        raise errors.InvalidValue(
             f"param_sharding={param_sharding!r} needs backend='jit'; backend={backend!r} "
             "holds a whole replica on every device (param_sharding='replicated')."
         )
@@ -28,7 +30,7 @@ def check_backend(backend: str, param_sharding: str = "replicated") -> None:
 def check_method(method: str, methods: tuple[str, ...]) -> None:
     """Raises ValueError unless `method` names one of the Updater's programs."""
     if method not in methods:
-        raise ValueError(f"Unknown Updater method {method!r}; expected one of {methods}.")
+        raise errors.InvalidValue(f"Unknown Updater method {method!r}; expected one of {methods}.")
 
 
 def check_step_options(accumulation_steps: int, ema_decay: float | None) -> None:
@@ -36,9 +38,11 @@ def check_step_options(accumulation_steps: int, ema_decay: float | None) -> None
     None, 0 (off) or in (0, 1)."""
     integer = isinstance(accumulation_steps, int) and not isinstance(accumulation_steps, bool)
     if not integer or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps={accumulation_steps!r} must be a positive integer.")
+        raise errors.InvalidValue(
+            f"accumulation_steps={accumulation_steps!r} must be a positive integer."
+        )
     if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
-        raise ValueError(f"ema_decay={ema_decay!r} must be in [0, 1) (0 or None: no EMA).")
+        raise errors.InvalidValue(f"ema_decay={ema_decay!r} must be in [0, 1) (0 or None: no EMA).")
 
 
 def check_ema(train_state: Any, ema_decay: float | None, where: str) -> None:
@@ -47,11 +51,11 @@ def check_ema(train_state: Any, ema_decay: float | None, where: str) -> None:
     if (train_state.ema is None) == (ema_decay is None):
         return
     if ema_decay is None:
-        raise ValueError(
+        raise errors.InvalidValue(
             f"{where}: train_state.ema holds moving averages, but this Updater has no "
             "ema_decay to update them with; build it with the run's ema_decay."
         )
-    raise ValueError(
+    raise errors.InvalidValue(
         f"{where}: this Updater keeps moving averages (ema_decay={ema_decay}), but "
         "train_state.ema is None; make the train state with this Updater's init or "
         "abstract_init."
@@ -71,7 +75,7 @@ def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout
     if any(is_deleted(leaf) for leaf in firsts):
         for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
             if is_deleted(leaf):
-                raise ValueError(
+                raise errors.InvalidValue(
                     f"{where}: train_state{jax.tree_util.keystr(path)} is deleted: this "
                     "TrainState was donated to an earlier update; use the TrainState that "
                     "update returned."
@@ -89,13 +93,13 @@ def is_deleted(leaf: Any) -> bool:
 def check_loss(loss: jax.Array, metrics: Mapping[str, jax.Array]) -> None:
     """Refuses, at trace time, a `loss_fn` whose loss or metrics are not scalars."""
     if jnp.shape(loss) != ():
-        raise ValueError(
+        raise errors.InvalidValue(
             f"loss_fn must return a scalar loss; got shape {jnp.shape(loss)}. Reduce it "
             "over the batch (e.g. with jnp.mean)."
         )
     for name, value in metrics.items():
         if jnp.shape(value) != ():
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"loss_fn metric {name!r} must be a scalar; got shape {jnp.shape(value)}."
             )
 
@@ -107,7 +111,7 @@ def unbound_axis_refused(where: str, axis_name: str) -> Iterator[None]:
         yield
     except NameError as e:
         if "unbound axis name" in str(e):
-            raise ValueError(
+            raise errors.InvalidValue(
                 f"{where}: the network uses a device axis ({e}); backend='jit' binds none: "
                 f"build its BatchNorm with cross_replica_axis=None (not {axis_name!r}), "
                 "whose statistics under jit are those of the global batch."
@@ -131,7 +135,7 @@ def rejection_explained(train_state: Any, where: str, layout: Any) -> Iterator[N
             for (path, leaf), want in zip(leaves, jax.tree.leaves(shardings), strict=True):
                 have = getattr(leaf, "sharding", None)
                 if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
-                    raise ValueError(
+                    raise errors.InvalidValue(
                         f"{where}: train_state{jax.tree_util.keystr(path)} has sharding {have}; "
                         f"param_sharding={layout.param_sharding!r} lays it out as {want.spec} "
                         f"on the mesh of all {jax.device_count()} devices."

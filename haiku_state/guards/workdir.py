@@ -33,13 +33,14 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from haiku_state import config as config_lib
+from haiku_state import errors
 from haiku_state.guards import data_identity, processes
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
 
 
-class WorkdirError(ValueError):
+class WorkdirError(errors.InvalidValue):
     """The workdir cannot be used as asked: locked, unwritable, or trained with another config."""
 
 
@@ -450,7 +451,7 @@ def check_same_config_on_every_process(config: Any) -> None:
         keys = [key for i, key in enumerate(flat) if (every[:, i] != every[0, i]).any()]
     else:
         keys = ["(the set of keys)"]
-    raise ValueError(
+    raise errors.InvalidValue(
         f"Processes {differ} were started with a config that differs from process 0's in "
         f"{', '.join(keys)}; start every process with the same --config and overrides."
     )
