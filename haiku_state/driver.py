@@ -13,9 +13,8 @@ import contextlib
 import functools
 import math
 import os
-import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from absl import logging
@@ -36,7 +35,6 @@ from haiku_state.guards import (
     config_checks,
     data_identity,
     divergence,
-    processes,
     replicas,
     signals,
 )
@@ -73,7 +71,6 @@ def train_and_evaluate(
         workdir_lib.owning(workdir),
         _checkpointer(config, workdir) as checkpointer,
     ):
-        stop.agree_every = config.log_every  # Processes agree when they fetch metrics anyway.
         train_state = _resume(
             first_state, experiment, config, checkpointer, data_record, allow_config_change
         )
@@ -126,24 +123,17 @@ def _train(
     ):
         window = loop.MetricWindow(start_step, monitor)
         evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
-        saver = Saver(checkpointer, config, window, monitor, evaluator, data_record)
-        # In the order they run at a step: the metrics are logged before the
-        # evaluation, whose metrics rank the checkpoint saved after it.
-        actions = [
-            loop.PeriodicAction(
-                config.log_every,
-                loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size),
-            ),
-            loop.PeriodicAction(config.check_every, replicas.check_invariants),
-            loop.PeriodicAction(config.eval_every, _saving_on_data_error(evaluator, saver)),
-            saver,
-            profiler,
-        ]
+        saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
+        logger = loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size)
+        evaluate = _saving_on_data_error(evaluator, saver)
+        actions = _actions(config, experiment.steps_per_call, logger, evaluate, saver, profiler)
+        # Processes vote on a signal where they fetch the metrics (a lone one, at every step).
+        stop.agreement = loop.Every(agree_every=config.log_every if jax.process_count() > 1 else 1)
         if start_step < experiment.total_steps:
             _compile_steps_ahead(experiment, config, train_state)
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
-                _step_fn(experiment, config.log_every),
+                _step_fn(experiment, actions[0].every),  # The logger's cadence.
                 train_state,
                 batches,
                 first_step=start_step,
@@ -154,9 +144,32 @@ def _train(
                 steps_per_call=experiment.steps_per_call,
             )
             if end.stopped and end.step > start_step:
-                saver.run(end.step, end.train_state)
+                saver(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
+
+
+def _actions(
+    config: Any,
+    per_call: int,
+    log: loop.MetricLogger,
+    evaluate: Callable[[int, TrainState], None],
+    save: Saver,
+    profile: loop.Profiler,
+) -> list[loop.PeriodicAction]:
+    """The loop's actions with their cadences, in the order they run at a step: the metrics are
+    logged before the evaluation, whose metrics rank the checkpoint saved after it. The save's
+    timer is read where the metrics are fetched (the processes agree there anyway); the
+    profile ends with the call that reaches its stop step."""
+    profile_at = [math.ceil(step / per_call) * per_call for step in config.profile_steps]
+    timer = {"secs": config.checkpoint_every_secs, "agree_every": config.log_every}
+    return [
+        loop.PeriodicAction(loop.Every(config.log_every), log),
+        loop.PeriodicAction(loop.Every(config.check_every), replicas.check_invariants),
+        loop.PeriodicAction(loop.Every(config.eval_every), evaluate),
+        loop.PeriodicAction(loop.Every(config.checkpoint_every, **timer), save),
+        loop.PeriodicAction(loop.Every(at=profile_at), profile),
+    ]
 
 
 def _monitor(
@@ -392,12 +405,12 @@ def _compile_steps_ahead(experiment: Experiment, config: Any, train_state: Train
         list(pool.map(compile_ahead, (False, True)))
 
 
-def _step_fn(experiment: Experiment, log_every: int) -> loop.StepFn:
+def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:
     """The Updater's steps up to `step`, in one call, with the global norms where it is logged."""
     last_step, updater = experiment.total_steps, experiment.updater
 
     def step_fn(train_state: TrainState, batches: list[Any], step: int):
-        logged = loop.every_and_last(step, log_every, last_step)
+        logged = log.is_due(step, last_step)
         if len(batches) == 1:
             return updater.update(train_state, batches[0], with_norms=logged)
         stacked = replication.stack_steps(batches, updater.axis_name)
@@ -440,48 +453,28 @@ def _saving_on_data_error(evaluator: Evaluator, saver: Saver) -> Callable[[int, 
         try:
             evaluator(step, train_state)
         except data.DataError as e:
-            saver.run(step, train_state)  # On disk when the checkpointer closes.
+            saver(step, train_state)  # On disk when the checkpointer closes.
             raise type(e)(f"{e} Step {step} was saved first.") from None
 
     return evaluate
 
 
-class Saver:
-    """The save action: every `checkpoint_every` steps, and on a timer read every `log_every`
-    steps (when processes agree anyway). Only a checked, whole train state is saved, with
-    the run's outcome so far."""
+class Saver(NamedTuple):
+    """The save action: only a checked, whole train state, with the run's outcome so far."""
 
-    def __init__(
-        self,
-        checkpointer: checkpoint.Checkpointer,
-        config: Any,
-        window: loop.MetricWindow,
-        monitor: divergence.Monitor,
-        evaluator: Evaluator,
-        data_record: dict[str, Any],
-    ):
-        self._checkpointer = checkpointer
-        self._every_steps, self._every_secs = config.checkpoint_every, config.checkpoint_every_secs
-        self._agree_every = config.log_every
-        self._window, self._monitor = window, monitor
-        self._evaluator, self._metadata = evaluator, _run_metadata(config, data_record)
-        self._last_save_time = time.monotonic()
+    checkpointer: checkpoint.Checkpointer
+    window: loop.MetricWindow
+    monitor: divergence.Monitor
+    evaluator: Evaluator
+    metadata: dict[str, Any]  # The run's (`_run_metadata`).
 
-    def is_due(self, step: int, last_step: int) -> bool:
-        if step % self._every_steps == 0 or step == last_step:
-            return True
-        if not self._every_secs or step % self._agree_every:
-            return False
-        return processes.any_process(time.monotonic() - self._last_save_time >= self._every_secs)
-
-    def run(self, step: int, train_state: TrainState) -> None:
-        if step in self._monitor.saved_steps:
+    def __call__(self, step: int, train_state: TrainState) -> None:
+        if step in self.monitor.saved_steps:
             return  # Saved at its cadence right before a signal stopped the loop.
-        self._window.check_finite()  # The losses since the last log.
-        self._monitor.protect_last_good(self._checkpointer)
+        self.window.check_finite()  # The losses since the last log.
+        self.monitor.protect_last_good(self.checkpointer)
         replicas.check_savable(train_state, step)
-        metrics = self._evaluator.metrics_at(step)
-        metadata = {**self._metadata, divergence.OUTCOME_KEY: self._monitor.outcome.to_json()}
-        self._checkpointer.save(train_state, metadata=metadata, metrics=metrics)
-        self._monitor.record_save(step)
-        self._last_save_time = time.monotonic()
+        metrics = self.evaluator.metrics_at(step)
+        metadata = {**self.metadata, divergence.OUTCOME_KEY: self.monitor.outcome.to_json()}
+        self.checkpointer.save(train_state, metadata=metadata, metrics=metrics)
+        self.monitor.record_save(step)

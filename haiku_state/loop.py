@@ -1,25 +1,26 @@
 """The training loop: steps with a bounded dispatch queue and periodic actions.
 
-The loop only dispatches steps. Everything else a run does (log, check,
-evaluate, save, profile) is an `Action` asked after each step whether it is due,
-as jaxline's `PeriodicAction` and clu's `periodic_actions`. Metrics stay on the
-device until the logging action fetches a window of them (`MetricWindow`): the
-hot path waits for nothing but the previous step.
+The loop only dispatches steps. Everything else a run does (log, check, evaluate,
+save, profile) is a `PeriodicAction`, run after a call where its cadence (`Every`,
+by steps or by seconds, as jaxline's) is due. Metrics stay on the device until
+the logging action fetches a window of them (`MetricWindow`): the hot path waits
+for nothing but the previous step.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from haiku_state import summaries
-from haiku_state.guards import divergence, signals
+from haiku_state.guards import divergence, processes, signals
 from haiku_state.updater import Batch, Metrics, TrainState
 
 # (train_state, batches, step) -> (train_state, metrics): the batches of the steps up to `step`,
@@ -27,27 +28,44 @@ from haiku_state.updater import Batch, Metrics, TrainState
 StepFn = Callable[[TrainState, Sequence[Batch], int], tuple[TrainState, Metrics]]
 
 
-class Action(Protocol):
-    """Something the loop does after some steps."""
+@dataclasses.dataclass
+class Every:
+    """When a periodic action is due, by steps or by seconds (jaxline's `PeriodicAction`): at
+    the multiples of `steps` (0: none), at the steps `at`, at the run's last step, and once
+    `secs` seconds (0: never) passed `since` (the end of the action's latest run). Processes
+    decide the same: a clock, or any flag (`agreed`), is read at the multiples of `agree_every`
+    steps only, where they vote on it (a collective in a multi-process run)."""
 
-    def is_due(self, step: int, last_step: int) -> bool: ...
-
-    def run(self, step: int, train_state: TrainState) -> None: ...
-
-
-def every_and_last(step: int, every: int, last_step: int) -> bool:
-    """Whether `step` is a multiple of `every` or the run's last."""
-    return step % every == 0 or step == last_step
-
-
-class PeriodicAction(NamedTuple):
-    """`run(step, train_state)` after every `every`-th step, and after the last step."""
-
-    every: int
-    run: Callable[[int, TrainState], None]
+    steps: int = 0
+    _: dataclasses.KW_ONLY
+    secs: float = 0.0
+    at: Sequence[int] = ()
+    agree_every: int = 1
+    since: float = dataclasses.field(default_factory=time.monotonic)
 
     def is_due(self, step: int, last_step: int) -> bool:
-        return every_and_last(step, self.every, last_step)
+        if (self.steps and step % self.steps == 0) or step in self.at or step == last_step:
+            return True
+        return bool(self.secs) and self.agreed(step, time.monotonic() - self.since >= self.secs)
+
+    def agreed(self, step: int, flag: bool) -> bool:
+        """Whether `flag` holds on any process, voted at the multiples of `agree_every` only."""
+        return step % self.agree_every == 0 and processes.any_process(flag)
+
+
+class PeriodicAction:
+    """`run(step, train_state)` where its cadence `every` (an int: `Every(every)`) is due."""
+
+    def __init__(self, every: Every | int, run: Callable[[int, TrainState], None]):
+        self.every = every if isinstance(every, Every) else Every(every)
+        self._run = run
+
+    def is_due(self, step: int, last_step: int) -> bool:
+        return self.every.is_due(step, last_step)
+
+    def run(self, step: int, train_state: TrainState) -> None:
+        self._run(step, train_state)
+        self.every.since = time.monotonic()
 
 
 class WindowSummary(NamedTuple):
@@ -84,11 +102,8 @@ class MetricWindow:
         self._monitor.observe(_per_step(jax.device_get(self._pending)))
 
     def fetch(self, step: int) -> WindowSummary:
-        """Fetches, checks and averages the pending metrics; the next window starts at `step`.
-
-        Each metric is averaged over the steps that report it (the global norms
-        come from the logged step alone).
-        """
+        """Fetches, checks and averages the pending metrics, each over the steps that report it
+        (the global norms: the logged step alone); the next window starts at `step`."""
         window = _per_step(jax.device_get(self._pending))
         self._monitor.observe(window)
         sums, counts = collections.defaultdict(float), collections.Counter()
@@ -108,18 +123,11 @@ def _per_step(blocks: Sequence[tuple[int, int, Any]]) -> list[tuple[int, dict[st
     """`(step, metrics)` of every step of fetched blocks `(last step, steps, metrics)`."""
     per_step = []
     for last, num_steps, metrics in blocks:
-        for index in range(num_steps):
-            step = last - num_steps + 1 + index
-            per_step.append(
-                (
-                    step,
-                    {
-                        name: value[index] if np.ndim(value) else value
-                        for name, value in metrics.items()
-                        if np.ndim(value) or step == last
-                    },
-                )
-            )
+        for at in range(-num_steps, 0):  # The index of step `last + 1 + at`; scalars: `last`'s.
+            of_step = {
+                k: v[at] if np.ndim(v) else v for k, v in metrics.items() if np.ndim(v) or at == -1
+            }
+            per_step.append((last + 1 + at, of_step))
     return per_step
 
 
@@ -148,8 +156,9 @@ class MetricLogger:
 
 class Profiler:
     """A `jax.profiler` trace of steps `start + 1 .. stop` (`config.profile_steps`; empty: none)
-    into `logdir`, for TensorBoard or Perfetto. A run resumed inside the range traces from
-    its first step; the trace ends with the block at the latest."""
+    into `logdir`, for TensorBoard or Perfetto: begun at `start`, ended at the next step its
+    cadence is due at. A run resumed inside the range traces from its first step; the trace
+    ends with the block at the latest."""
 
     def __init__(self, steps: Sequence[int] | None, logdir: str, start_step: int):
         self._steps, self._logdir, self._start_step = tuple(steps or ()), logdir, start_step
@@ -163,17 +172,11 @@ class Profiler:
     def __exit__(self, *exc_info) -> None:
         self._end()
 
-    def is_due(self, step: int, last_step: int) -> bool:
-        if not self._steps:
-            return False
-        start, stop = self._steps
-        return step == start or (self.tracing and (step >= stop or step == last_step))
-
-    def run(self, step: int, train_state: TrainState) -> None:
+    def __call__(self, step: int, train_state: TrainState) -> None:
         if self.tracing:
             jax.block_until_ready(train_state)  # The traced steps' work, all of it.
             self._end()
-        else:
+        elif self._steps and step == self._steps[0]:
             self._begin()
 
     def _begin(self) -> None:
@@ -203,7 +206,7 @@ def run(
     first_step: int,
     last_step: int,
     window: MetricWindow,
-    actions: Sequence[Action],
+    actions: Sequence[PeriodicAction],
     stop: signals.StopRequest,
     steps_per_call: int = 1,
 ) -> LoopEnd:

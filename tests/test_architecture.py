@@ -20,6 +20,7 @@ SPINE = (
 )
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 250
+MAX_UPDATER_LINES = 150
 
 
 def _map_lines() -> list[str]:
@@ -176,3 +177,18 @@ def test_no_guard_imports_a_spine_module():
     for name, imported in _library_imports(top_level_only=True).items():
         if name.startswith("haiku_state.guards."):
             assert imported & spine == set(), name
+
+
+def test_the_updater_reads_in_one_sitting_with_no_backend_branch():
+    """The Updater holds a layout: it compares no backend and stays within its own cap."""
+    source = (LIBRARY / "updater.py").read_text()
+    tree = ast.parse(source)
+    (updater,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Updater"]
+    assert updater.end_lineno - updater.lineno + 1 <= MAX_UPDATER_LINES
+    compared = [
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare)
+        and any("backend" in ast.unparse(side) for side in (node.left, *node.comparators))
+    ]
+    assert compared == [], "backend branches in updater.py"

@@ -87,11 +87,10 @@ def test_an_unreadable_evaluation_image_stops_the_run_after_saving_the_step():
     def unreadable(step, train_state):
         raise data.CorruptImageError("Cannot decode the image val/dog/x.jpg in evaluation.")
 
-    class Saver:
-        def run(self, step, train_state):
-            saved.append((step, train_state))
+    def save(step, train_state):
+        saved.append((step, train_state))
 
-    evaluate = driver._saving_on_data_error(unreadable, Saver())
+    evaluate = driver._saving_on_data_error(unreadable, save)
     with pytest.raises(data.CorruptImageError, match=r"val/dog/x.jpg in evaluation. Step 7 was"):
         evaluate(7, "train_state")
     assert saved == [(7, "train_state")]

@@ -1,4 +1,5 @@
-"""Tests of haiku_state.loop: periodic actions, the metric window, logging, profiling, the loop."""
+"""Tests of haiku_state.loop: cadences (`Every`), periodic actions, the metric window, logging,
+profiling, the loop."""
 
 from __future__ import annotations
 
@@ -13,8 +14,39 @@ from haiku_state import loop, summaries
 from haiku_state.guards import divergence
 
 
+def test_every_is_due_at_multiples_of_its_steps_at_its_steps_and_at_the_last_step():
+    assert [step for step in range(1, 26) if loop.Every(10).is_due(step, 25)] == [10, 20, 25]
+    every = loop.Every(10, at=(4, 13))
+    assert [step for step in range(1, 26) if every.is_due(step, 25)] == [4, 10, 13, 20, 25]
+    assert not any(loop.Every().is_due(step, 25) for step in range(1, 25))
+
+
+def test_every_is_due_on_its_timer_read_where_processes_agree_only(monkeypatch):
+    now = [159.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
+    every = loop.Every(1000, secs=60, agree_every=5, since=100.0)
+    assert not every.is_due(5, 100)  # 59 s.
+    now[0] = 160.0
+    assert not every.is_due(6, 100)  # 60 s, read at multiples of 5 only.
+    assert every.is_due(10, 100)
+    acted = []
+    action = loop.PeriodicAction(every, lambda step, state: acted.append(step))
+    action.run(10, None)
+    assert acted == [10] and every.since == 160.0  # The seconds count from the end of a run.
+    assert not action.is_due(15, 100) and action.is_due(100, 100)
+    assert not loop.Every(1000, agree_every=5).is_due(10, 100)  # No timer: steps only.
+
+
+def test_every_votes_with_every_process_on_a_flag(monkeypatch):
+    votes = []
+    monkeypatch.setattr(loop.processes, "any_process", lambda flag: votes.append(flag) or True)
+    every = loop.Every(agree_every=5)
+    assert not every.agreed(4, False) and votes == []  # Not a step where processes vote.
+    assert every.agreed(5, False) and votes == [False]  # Another process's flag counts.
+
+
 def test_periodic_action_is_due_on_multiples_and_at_the_last_step():
-    action = loop.PeriodicAction(every=10, run=lambda step, state: None)
+    action = loop.PeriodicAction(10, lambda step, state: None)
     due = [step for step in range(1, 26) if action.is_due(step, last_step=25)]
     assert due == [10, 20, 25]
 
@@ -68,17 +100,19 @@ def test_metric_logger_writes_the_window_means_throughput_and_the_learning_rate_
 
 
 def test_profiler_traces_its_steps_and_resumes_a_trace_inside_them(tmp_path):
-    never = loop.Profiler((), str(tmp_path / "none"), start_step=0)
-    assert not any(never.is_due(step, last_step=20) for step in range(1, 21))
+    with loop.Profiler((), str(tmp_path / "none"), start_step=0) as never:
+        never(20, jnp.zeros(()))  # Its cadence's last step: nothing to end.
+        assert not never.tracing
     with loop.Profiler((5, 8), str(tmp_path / "fresh"), start_step=0) as fresh:
-        assert [s for s in range(1, 21) if fresh.is_due(s, last_step=20)] == [5]
-        fresh.run(5, jnp.zeros(()))
-        assert fresh.tracing and fresh.is_due(8, last_step=20)
-        fresh.run(8, jnp.zeros(()))
+        fresh(5, jnp.zeros(()))
+        assert fresh.tracing
+        fresh(8, jnp.zeros(()))
+        assert not fresh.tracing
+        fresh(20, jnp.zeros(()))  # The last step, after the trace: not a new one.
         assert not fresh.tracing
     # Resumed at step 6, inside (5, 8]: tracing from the start, ended by the block at the latest.
     with loop.Profiler((5, 8), str(tmp_path / "resumed"), start_step=6) as resumed:
-        assert resumed.tracing and resumed.is_due(7, last_step=7)
+        assert resumed.tracing
     assert not resumed.tracing
     for run in ("fresh", "resumed"):
         assert glob.glob(str(tmp_path / run / "**" / "*.xplane.pb"), recursive=True), run

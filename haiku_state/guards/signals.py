@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 
-import jax
 from absl import logging
 
 from haiku_state.guards.processes import any_process, max_over_processes
@@ -37,14 +36,15 @@ class StopRequest:
 
     Installed for the whole life of a run; further signals are only recorded. A signal may
     reach only some processes, but all must stop at the same step (the save is collective):
-    they agree every `agree_every` steps on whether any was signalled. `take_within_secs`:
-    a signal the main thread has not taken by then ends the process (see the module).
+    they vote on whether any was signalled where `agreement` (the run's `loop.Every`; None:
+    at every step) has them vote. `take_within_secs`: a signal the main thread has not taken
+    by then ends the process (see the module).
     """
 
-    def __init__(self, agree_every: int = 1, *, take_within_secs: float | None = None):
+    def __init__(self, *, take_within_secs: float | None = None):
         self.signal_name: str | None = None
         self.signum = 0  # The number of `signal_name` when a signal made the request.
-        self.agree_every = agree_every
+        self.agreement = None
         self._previous = {}
         self._take_within_secs = take_within_secs
         self._taken = 0  # Signals the main thread's handler has run for.
@@ -52,9 +52,9 @@ class StopRequest:
 
     def should_stop(self, step: int) -> bool:
         """Whether to save and stop before running `step` (the same on every process)."""
-        if jax.process_count() > 1 and step % self.agree_every:
-            return False
-        return self.should_stop_now()
+        if self.agreement is None:
+            return self.should_stop_now()
+        return self.agreement.agreed(step, self.signal_name is not None)
 
     def should_stop_now(self) -> bool:
         """Whether any process was signalled; a collective in a multi-process run."""
