@@ -395,9 +395,10 @@ def _compile_steps_ahead(experiment: Experiment, config: Any, train_state: Train
     batch = jax.tree.map(functools.partial(like, steps=per_call if per_call > 1 else None), batch)
     state = jax.tree.map(like, train_state)
 
-    def compile_ahead(with_norms: bool) -> None:
+    def compile_ahead(with_global_norms: bool) -> None:
         try:
-            updater.compile_ahead(state, batch, with_norms=with_norms, stacked=per_call > 1)
+            method = "update_steps" if per_call > 1 else "update"
+            updater.compile_ahead(method, state, batch, with_global_norms=with_global_norms)
         except Exception as error:  # The step that needs it compiles it again, and says why.
             logging.info("A step program was not compiled ahead: %s", error)
 
@@ -412,9 +413,9 @@ def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:
     def step_fn(train_state: TrainState, batches: list[Any], step: int):
         logged = log.is_due(step, last_step)
         if len(batches) == 1:
-            return updater.update(train_state, batches[0], with_norms=logged)
+            return updater.update(train_state, batches[0], with_global_norms=logged)
         stacked = replication.stack_steps(batches, updater.axis_name)
-        return updater.update_steps(train_state, stacked, with_norms=logged)
+        return updater.update_steps(train_state, stacked, with_global_norms=logged)
 
     return step_fn
 
