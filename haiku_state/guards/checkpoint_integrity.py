@@ -31,8 +31,7 @@ def _words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-@jax.jit
-def fingerprint(x: jax.Array) -> jax.Array:
+def _fingerprint(x: jax.Array) -> jax.Array:
     """A uint32 digest of an array's bits and their positions, the same for any sharding.
 
     The uint32 sum of `mix(bits + golden * flat index)`: exact in any order, so it is
@@ -49,14 +48,15 @@ def fingerprint(x: jax.Array) -> jax.Array:
     return jnp.sum(_mix(words + index * jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
 
 
-@jax.jit
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.all(jnp.isfinite(x))
+fingerprint = jax.jit(_fingerprint)
+# One program for a whole tree, not one per leaf shape.
+_tree_fingerprints = jax.jit(lambda trees: jax.tree.map(_fingerprint, trees))
+_tree_all_finite = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), tree))
 
 
 def fingerprint_trees(trees: dict[str, PyTree]) -> dict[str, int]:
     """The `fingerprint` of every array of `trees`, by leaf name; every process calls it."""
-    return _named_values(jax.tree.map(fingerprint, trees), int)
+    return _named_values(_tree_fingerprints(trees), int)
 
 
 def _named_values(tree: PyTree, kind: type) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def _named_values(tree: PyTree, kind: type) -> dict[str, Any]:
 def verify_fingerprints(trees: dict[str, PyTree], expected: dict[str, int]) -> str | None:
     """Why restored `trees` cannot be trusted (an array unlike its fingerprint, or params
     not finite), or None."""
-    finite = jax.tree.map(_all_finite, trees["params"])
+    finite = _tree_all_finite(trees["params"])
     for name, value in fingerprint_trees(trees).items():
         if expected.get(name) != value:
             return f"{name}: its values do not match the fingerprint saved with it"
