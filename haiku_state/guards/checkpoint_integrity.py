@@ -49,14 +49,23 @@ def _fingerprint(x: jax.Array) -> jax.Array:
 
 
 fingerprint = jax.jit(_fingerprint)
-# One program for a whole tree, not one per leaf shape.
-_tree_fingerprints = jax.jit(lambda trees: jax.tree.map(_fingerprint, trees))
-_tree_all_finite = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), tree))
+
+
+@jax.jit
+def device_fingerprints(trees: PyTree) -> PyTree:
+    """The `fingerprint` of every array of `trees`, on the devices (nothing waits for them):
+    one program for a whole tree, not one per leaf shape."""
+    return jax.tree.map(_fingerprint, trees)
+
+
+@jax.jit
+def _tree_all_finite(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), tree)
 
 
 def fingerprint_trees(trees: dict[str, PyTree]) -> dict[str, int]:
     """The `fingerprint` of every array of `trees`, by leaf name; every process calls it."""
-    return _named_values(_tree_fingerprints(trees), int)
+    return _named_values(device_fingerprints(trees), int)
 
 
 def _named_values(tree: PyTree, kind: type) -> dict[str, Any]:
