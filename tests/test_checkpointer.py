@@ -9,8 +9,11 @@ import os
 import re
 import shutil
 import sys
+import threading
+import time
 
 import jax
+import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
 from checkpoint_helpers import (
@@ -267,18 +270,17 @@ def test_a_full_disk_is_one_error_that_says_what_to_do(setup, tmp_path, monkeypa
             checkpointer.save(setup.init())
 
 
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 def test_a_failed_background_write_is_raised_once_and_deletes_nothing(setup, tmp_path, monkeypatch):
-    from orbax.checkpoint._src.checkpointers import async_checkpointer
-
     train_state = setup.init()
     with Checkpointer(tmp_path, max_to_keep=1) as checkpointer:
         checkpointer.save(at_step(train_state, 1))
         checkpointer.wait_until_finished()
 
-        def disk_full(*args, **kwargs):  # As TensorStore fails in Orbax's commit thread.
+        def disk_full(*args, **kwargs):  # As TensorStore fails in the writer's thread.
             raise ValueError('RESOURCE_EXHAUSTED: Error writing "params" in OCDBT database')
 
-        monkeypatch.setattr(async_checkpointer, "_on_commit_callback", disk_full)
+        monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", disk_full)
         checkpointer.save(at_step(train_state, 2))  # Returns: the write fails later.
         with pytest.raises(OSError, match="No space left to write checkpoint step 2 .* step 1"):
             checkpointer.wait_until_finished()
@@ -288,3 +290,56 @@ def test_a_failed_background_write_is_raised_once_and_deletes_nothing(setup, tmp
         assert checkpointer.all_steps() == [1] and not (tmp_path / "2").exists()
         checkpointer.save(at_step(train_state, 3))
     assert step_dirs(tmp_path) == {"3"}
+
+
+class _SlowWrites:
+    """Wraps a Checkpointer's Orbax save: each write waits for `release`, notes when it ran
+    and in which thread, and can fail."""
+
+    def __init__(self, checkpointer: Checkpointer, monkeypatch, fail_step: int | None = None):
+        self.release, self.save = threading.Event(), checkpointer._manager.save
+        self.fail_step, self.writes, self.running = fail_step, [], 0
+        monkeypatch.setattr(checkpointer._manager, "save", self)
+
+    def __call__(self, step, **kwargs):
+        self.running += 1
+        self.writes.append(
+            (step, threading.current_thread() is threading.main_thread(), self.running)
+        )
+        try:
+            self.release.wait(timeout=5)
+            if step == self.fail_step:
+                raise OSError(errno.EIO, "Input/output error", f"step {step}")
+            return self.save(step, **kwargs)
+        finally:
+            self.running -= 1
+
+
+def test_a_save_returns_before_its_write_and_close_waits_for_it(setup, tmp_path, monkeypatch):
+    train_state = setup.init()
+    checkpointer = Checkpointer(tmp_path)
+    writes = _SlowWrites(checkpointer, monkeypatch)
+    start = time.perf_counter()
+    checkpointer.save(at_step(train_state, 1))
+    assert time.perf_counter() - start < 4  # Not the write's 5 s.
+    assert checkpointer.all_steps() == []  # Still being written, in another thread.
+    threading.Timer(0.3, writes.release.set).start()
+    checkpointer.close()  # Waits for the write.
+    assert checkpoint.complete_steps(tmp_path) == [1]
+    assert writes.writes == [(1, False, 1)]
+
+
+def test_one_write_at_a_time_and_its_error_is_raised_by_the_next_save(setup, tmp_path, monkeypatch):
+    train_state = setup.init()
+    with Checkpointer(tmp_path) as checkpointer:
+        writes = _SlowWrites(checkpointer, monkeypatch, fail_step=2)
+        writes.release.set()
+        checkpointer.save(at_step(train_state, 1))
+        checkpointer.save(at_step(train_state, 2))  # Waits for step 1's write; 2's fails.
+        with pytest.raises(OSError, match="Input/output error"):
+            checkpointer.save(at_step(train_state, 3))  # Raised here; step 3 is not saved.
+        checkpointer.save(at_step(train_state, 3))  # Raised once.
+        checkpointer.wait_until_finished()
+        assert checkpointer.all_steps() == [1, 3]
+    # Each write ran alone, none in the calling thread.
+    assert writes.writes == [(1, False, 1), (2, False, 1), (3, False, 1)]

@@ -1,10 +1,10 @@
 """The `Checkpointer`: asynchronous saves of a `TrainState`, exact resumes, safe fallbacks.
 
-One Orbax step directory per step (its format: `step_format`; which to keep: `retention`),
-written by Orbax's own asynchronous `CheckpointManager`: `save` returns once the state is
-copied to host memory, Orbax's threads write and commit it, and the next `save` (or
-`wait_until_finished`, `restore`, `close`) raises a failed write's error, once. Every
-process calls `save` and `restore` at the same steps.
+One Orbax step directory per step (its format: `step_format`; which to keep: `retention`).
+`save` copies the state to host memory and returns; a thread of the Checkpointer's own
+writes and commits the copy with Orbax's synchronous save, one step at a time: the next
+`save` (or `wait_until_finished`, `restore`, `close`) waits for it and raises a failed
+write's error, once. Every process calls `save` and `restore` at the same steps.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from typing import Any, TypeVar
 
 import jax
@@ -59,11 +60,11 @@ class Checkpointer:
             keep_best_by=keep_best_by,
             keep_best_mode=keep_best_mode,
         )
-        self._manager = step_format.orbax_manager(
-            self.directory, self.retention, read_only, async_save=async_save
-        )
+        self._manager = step_format.orbax_manager(self.directory, self.retention, read_only)
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
-        self._in_flight: int | None = None  # The step Orbax may still be writing.
+        # One writer thread: a step is written after the one before it, never beside it.
+        self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if async_save else None
+        self._in_flight: tuple[int, futures.Future] | None = None  # The step being written.
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk (with Orbax's commit marker), ascending."""
@@ -104,9 +105,10 @@ class Checkpointer:
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> None:
-        """Starts writing `train_state` (donatable once this returns) with JSON `metadata`
-        and eval `metrics`. A complete step is never rewritten: its step raises Orbax's
-        `StepAlreadyExistsError` (one set aside as damaged or unfinished is free again)."""
+        """Starts writing `train_state` (donatable once this returns: it blocks for the copy
+        to host memory) with JSON `metadata` and eval `metrics`. A complete step is never
+        rewritten: its step raises Orbax's `StepAlreadyExistsError` (one set aside as damaged
+        or unfinished is free again)."""
         if self._steps.read_only:
             raise PermissionError(f"Checkpointer of {self.directory} is read-only.")
         _check_layout(train_state, "save")
@@ -119,10 +121,12 @@ class Checkpointer:
         logging.info(
             "Saving checkpoint step %d to %s.", encoded.step, self._steps.step_dir(encoded.step)
         )
-        self._in_flight = encoded.step
-        with self._reporting_a_full_disk(encoded.step):
-            args = step_format.save_args(encoded, metadata_item)
-            self._manager.save(encoded.step, args=args, force=True)
+        write = functools.partial(self._write, encoded, metadata_item)
+        if self._writer is None:
+            with self._reporting_a_full_disk(encoded.step):
+                write()
+        else:
+            self._in_flight = encoded.step, self._writer.submit(write)
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
         """Restores `step` (None: the newest, falling back over damaged ones, set aside) in
@@ -169,14 +173,18 @@ class Checkpointer:
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight (if any) is committed; raises its error, once."""
-        step, self._in_flight = self._in_flight, None
+        if self._in_flight is None:
+            return
+        (step, write), self._in_flight = self._in_flight, None
         with self._reporting_a_full_disk(step):
-            self._manager.wait_until_finished()
+            write.result()
 
     def close(self) -> None:
         try:
             self.wait_until_finished()
         finally:
+            if self._writer is not None:
+                self._writer.shutdown()
             self._manager.close()
 
     def __enter__(self) -> Checkpointer:
@@ -185,9 +193,13 @@ class Checkpointer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def _write(self, encoded: step_format.Encoded, metadata_item: dict[str, Any]) -> None:
+        args = step_format.save_args(encoded, metadata_item)
+        self._manager.save(encoded.step, args=args, force=True)  # Committed when it returns.
+
     @contextlib.contextmanager
-    def _reporting_a_full_disk(self, step: int | None) -> Iterator[None]:
-        """Around Orbax's save and its wait: a write that failed for want of space is one
+    def _reporting_a_full_disk(self, step: int) -> Iterator[None]:
+        """Around a write and its wait: a write that failed for want of space is one
         `OSError` saying what to do; any other failure is raised as it is. Either way the
         steps on disk stay Orbax's to keep or delete."""
         try:
@@ -195,8 +207,7 @@ class Checkpointer:
         except Exception as e:
             # Orbax forgot the older steps it was to delete once this one was committed.
             self._manager.reload()
-            if step is not None:
-                self._steps.raise_if_disk_full(e, step)
+            self._steps.raise_if_disk_full(e, step)
             raise
 
     def _restore_step(self, like: TrainState, step: int) -> TrainState:

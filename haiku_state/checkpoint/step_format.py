@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from haiku_state import errors, replication, sharding
 from haiku_state.guards import checkpoint_integrity, quiet_logs
+from haiku_state.guards.checkpoint_integrity import leaf_name
 from haiku_state.updater import Ema, TrainState, per_device_keys, step_of
 
 FORMAT_VERSION = 3  # What `save_args` writes.
@@ -68,7 +69,7 @@ class Encoded(NamedTuple):
     step: int
     key_impl: str  # e.g. "threefry2x32".
     key_layout: str  # PER_DEVICE or GLOBAL.
-    fingerprints: dict[str, int]  # By leaf name.
+    fingerprints: dict[str, PyTree]  # Device scalars, dispatched: `save_args` fetches them.
     device_count: int  # Of the run that saved it.
 
 
@@ -95,15 +96,15 @@ def package_versions() -> dict[str, str]:
 
 
 def orbax_manager(
-    directory: epath.Path, preservation_policy: Any, read_only: bool, *, async_save: bool = False
+    directory: epath.Path, preservation_policy: Any, read_only: bool
 ) -> ocp.CheckpointManager:
-    """An Orbax `CheckpointManager` of these items; with `async_save`, Orbax's asynchronous
-    one (`save` returns once its blocking part is done, its threads write and commit)."""
+    """An Orbax `CheckpointManager` of these items; its `save` returns once the step is
+    committed (the `Checkpointer` calls it in a thread of its own)."""
     handlers = {TRAIN_STATE: ocp.StandardCheckpointHandler()}
     handlers.update({name: ocp.JsonCheckpointHandler(_JSON_FILE) for name in (STEP, METADATA)})
     options = ocp.CheckpointManagerOptions(
         preservation_policy=preservation_policy,
-        enable_async_checkpointing=async_save and not read_only,
+        enable_async_checkpointing=False,
         create=not read_only,
         read_only=read_only,
         save_interval_steps=0 if read_only else 1,
@@ -114,7 +115,8 @@ def orbax_manager(
 
 
 def encode(train_state: TrainState) -> Encoded:
-    """Copies of `train_state` in host memory (donatable once this returns), and fingerprints.
+    """Copies of `train_state` in host memory (donatable once this returns), and its
+    fingerprints, dispatched after the copy (so as not to slow it; fetched by `save_args`).
 
     Per-device: device 0's replica and every device's key, gathered. `jit`: its
     global arrays copied shard by shard. Every process calls it.
@@ -123,21 +125,23 @@ def encode(train_state: TrainState) -> Encoded:
     step = step_of(train_state)
     if sharding.is_global(train_state):
         trees = _trees(train_state, jax.random.key_data(train_state.rng))
-        fingerprints = checkpoint_integrity.fingerprint_trees(trees)
         host_trees = jax.block_until_ready(jax.tree.map(_to_host_memory, trees))
+        fingerprints = jax.tree.map(checkpoint_integrity.fingerprint, trees)
         return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints, jax.device_count())
     # Device 0's replica, `[1, ...]` (the same fingerprint as without its leading axis).
     first_replica = jax.tree.map(lambda leaf: leaf.addressable_data(0), train_state)
     trees = _trees(first_replica, replication.global_key_data(train_state.rng))
-    fingerprints = checkpoint_integrity.fingerprint_trees(trees)
-    host = jax.device_get(trees)  # One batched transfer; copied below (it can be a view).
+    host = jax.device_get(trees)  # One batched transfer.
+    # On a CPU it is a view of the device buffer, which the caller may donate: copied.
+    copy = jax.local_devices()[0].platform == "cpu"
     host_trees = {
-        name: jax.tree.map(lambda x: np.array(x[0], copy=True), tree)
+        name: jax.tree.map(lambda x: np.array(x[0], copy=copy), tree)
         for name, tree in host.items()
         if name != "rng"
     }
-    host_trees["rng"] = {"key_data": np.array(host["rng"]["key_data"], copy=True)}
+    host_trees["rng"] = {"key_data": np.array(host["rng"]["key_data"], copy=copy)}
     key_count = host_trees["rng"]["key_data"].shape[0]
+    fingerprints = jax.tree.map(checkpoint_integrity.fingerprint, trees)
     return Encoded(host_trees, step, key_impl, PER_DEVICE, fingerprints, key_count)
 
 
@@ -191,7 +195,7 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
         "step": encoded.step,
         "key_impl": encoded.key_impl,
         "key_layout": encoded.key_layout,
-        "fingerprints": encoded.fingerprints,
+        "fingerprints": _fetched(encoded.fingerprints),
     }
     return ocp.args.Composite(
         **{
@@ -200,6 +204,13 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
             METADATA: ocp.args.JsonSave(metadata),
         }
     )
+
+
+def _fetched(fingerprints: dict[str, PyTree]) -> dict[str, int]:
+    """The dispatched fingerprints of `encode` as ints by leaf name, in one transfer."""
+    paths_and_leaves = jax.tree_util.tree_leaves_with_path(fingerprints)
+    values = jax.device_get([leaf.addressable_data(0) for _, leaf in paths_and_leaves])
+    return {leaf_name(path): int(v) for (path, _), v in zip(paths_and_leaves, values, strict=True)}
 
 
 # Reading. Each reader checks the format version first (`_read_step_item`), so each raises
