@@ -9,7 +9,8 @@ the network and the data, and the step gives the params and state (the moving av
 the run kept them, as evaluation uses them), unreplicated, on one device. `predict` gives class
 probabilities; `read_image` makes an image file what the run's data holds (the evaluation's
 crop); `export` writes params, state and what a plain Haiku script needs to a `.npz`.
-Exit status of the command: 0, or 1 with an `error:` line for each image or input at fault.
+Exit status of the command: 0; 1 with an `error:` line for each image or input at fault; 130
+on Ctrl-C, with one line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import functools
 import json
 import os
 import re
+import signal
+import stat
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,13 +33,20 @@ from absl import app, flags
 
 from haiku_state import checkpoint, data, errors
 from haiku_state import config as config_lib
+from haiku_state.checkpoint import step_format
 from haiku_state.data.imagefolder import IMAGE_EXTENSIONS
 from haiku_state.experiment import network_of
-from haiku_state.guards import checkpoint_integrity, quiet_logs
+from haiku_state.guards import checkpoint_integrity, damaged_steps, quiet_logs
 from haiku_state.guards import workdir as workdir_lib
 
 EXPORT_FORMAT = "haiku_state-export-1"  # The `format` in an export's metadata.
 PREDICT_BATCH = 256  # Images per forward pass (and per batch of files decoded).
+# The largest image file read: over twice a 100-megapixel camera's JPEG, and Pillow refuses an
+# image of over 2 x 89 M pixels whatever its file; a disk image or a video named .jpg is
+# refused before it is read into memory.
+MAX_IMAGE_BYTES = 128 << 20
+READ_ATTEMPTS = 5  # Reads of the newest step, each deleted by a training run's retention.
+DELETION_SECS = 0.5  # Time for a deletion under way to remove a step's commit marker.
 
 
 class TrainedModel:
@@ -94,12 +105,11 @@ class TrainedModel:
         """The image file at `path` as the run's data holds an image, for `predict`: the
         evaluation's centre crop of an encoded dataset, or the centred square resized to the
         size of one held in memory (the digits: grey, written dark on light paper).
-        `data.DataError` naming the file if it cannot be read."""
+        An `errors.Refused` naming the file if it cannot be read."""
         try:
-            with open(path, "rb") as f:
-                encoded = f.read()
+            encoded = _image_bytes(path)
             return data.image_from_file(self.config.data.name, encoded, self.image_shape)
-        except data.DataError:
+        except errors.Refused:
             raise
         except Exception as e:  # Whatever the bytes are: one line naming the file.
             reason = re.sub(r" <_io\.BytesIO object at \w+>", "", str(e))  # PIL's, of our bytes.
@@ -116,7 +126,7 @@ class TrainedModel:
                 f"Cannot export to {path}: the folder {folder} does not exist."
             )
         if os.path.isdir(path):
-            raise IsADirectoryError(f"Cannot export to {path}: it is a folder; name a .npz file.")
+            raise errors.CannotWrite(f"Cannot export to {path}: it is a folder; name a .npz file.")
         arrays = {"metadata": np.array(json.dumps(self.metadata()))}
         for name, tree in (("params", self.params), ("state", self.state)):
             for module, values in jax.device_get(tree).items():
@@ -126,6 +136,8 @@ class TrainedModel:
             with open(temporary, "wb") as f:
                 np.savez(f, **arrays)
             os.replace(temporary, path)
+        except OSError as e:  # A full disk's says "[Errno 28] No space left on device" alone.
+            raise errors.CannotWrite(f"Cannot export to {path}: {e.strerror or e}.") from None
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)
@@ -153,22 +165,23 @@ def load_run(workdir: str, step: int | None = None) -> TrainedModel:
     """Step `step` (None: the newest complete one) of the run in `workdir`, ready to predict.
     FileNotFoundError without it; ValueError if it is damaged, of a format version not read
     here, or does not fit the network its record names."""
+    if not workdir:
+        raise errors.InvalidValue(
+            f"workdir={workdir!r}: expected the directory of a trained run (train's --workdir)."
+        )
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
+        raise errors.InvalidValue(
+            f"step={step!r} ({type(step).__name__}): expected an int, a checkpoint's step, or "
+            "None for the newest."
+        )
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
         raise errors.MissingFile(f"No checkpoints in {workdir} ({directory} does not exist).")
     with quiet_logs.read_only_note_kept_quiet():
         checkpointer = checkpoint.Checkpointer(directory, read_only=True)
     with checkpointer:
-        steps = checkpointer.all_steps()
-        if not steps:
-            raise errors.MissingFile(f"No complete checkpoint in {directory}; train first.")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise errors.MissingFile(
-                f"No complete checkpoint of step {step} in {directory} (complete steps: {steps})."
-            )
-        trees = checkpointer.read_trees(step)
-        record = workdir_lib.run_record(workdir, checkpointer.metadata(step))
+        step, trees, metadata = _read_step(checkpointer, None if step is None else int(step))
+    record = workdir_lib.run_record(workdir, metadata)
     if record.config is None:
         why = f"{workdir_lib.CONFIG_FILE} {record.problem}" if record.problem else "no config.json"
         raise errors.InvalidValue(
@@ -195,6 +208,41 @@ def load_run(workdir: str, step: int | None = None) -> TrainedModel:
     )
     _check_fits(model, f"Checkpoint step {step} of {workdir}")
     return model
+
+
+def _read_step(checkpointer: checkpoint.Checkpointer, step: int | None) -> tuple[int, Any, Any]:
+    """`(step, trees, metadata)` of `step` (None: the newest complete one). A step deleted as
+    it is read (by the retention, max_to_keep, of a training run beside) is not damaged: the
+    newest is read instead, or one asked for is missing."""
+    directory, deleted = checkpointer.directory, ""
+    for _ in range(READ_ATTEMPTS):
+        steps = checkpointer.all_steps()
+        if not steps:
+            raise errors.MissingFile(f"No complete checkpoint in {directory}; train first.")
+        chosen = steps[-1] if step is None else step
+        if chosen not in steps:
+            raise errors.MissingFile(
+                f"No complete checkpoint of step {step} in {directory}{deleted} (complete "
+                f"steps: {steps})."
+            )
+        try:
+            return chosen, checkpointer.read_trees(chosen), checkpointer.metadata(chosen)
+        except errors.InvalidValue as e:
+            if not isinstance(e.__context__, step_format.DamagedCheckpointError):
+                raise
+            time.sleep(DELETION_SECS)  # Orbax's deletion removes the commit marker early on.
+            steps = checkpointer.all_steps()
+            if chosen in steps and (step is not None or chosen == steps[-1]):
+                raise errors.InvalidValue(
+                    f"Checkpoint {directory / str(chosen)} is damaged: "
+                    f"{damaged_steps.one_line(e.__context__)}"
+                ) from None
+            deleted = " (deleted as it was read: a training run's retention?)"
+    raise errors.CannotContinue(
+        f"The newest checkpoint in {directory} was deleted as it was read, {READ_ATTEMPTS} times: "
+        "a training run beside saves and deletes steps faster than one is read. Read a step it "
+        "keeps (keep_every_steps), or after it ends."
+    )
 
 
 def _config_of(record: workdir_lib.RunRecord) -> Any:
@@ -227,21 +275,38 @@ def _check_fits(model: TrainedModel, what: str) -> None:
 _USER_ERRORS = (ValueError, FileNotFoundError, OSError)
 
 
+def _image_bytes(path: str) -> bytes:
+    """The bytes of the regular file at `path` (or its symlink's), `MAX_IMAGE_BYTES` at most:
+    a FIFO or a device is refused before it is read, without waiting for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise errors.MissingFile(f"{path}: no such file or folder.") from None
+    with open(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise data.DataError(f"{path} is not a regular file (a FIFO, a device?): not read.")
+        encoded = f.read(MAX_IMAGE_BYTES + 1)
+    if len(encoded) > MAX_IMAGE_BYTES:
+        raise data.DataError(
+            f"{path} is over {MAX_IMAGE_BYTES >> 20} MiB, more than an image file: not read."
+        )
+    return encoded
+
+
 def image_files(paths: Sequence[str]) -> Iterator[str]:
-    """The files given, and the image files under the folders given (sorted, recursively,
-    hidden ones apart); `FileNotFoundError` for a path that is neither."""
+    """The paths given, and the image files under the folders given (sorted, recursively,
+    hidden ones apart); `read_image` says what is wrong with one that is no image file."""
     for path in paths:
-        if os.path.isfile(path):
+        if not os.path.isdir(path):
             yield path
-        elif os.path.isdir(path):
+        else:
             for root, folders, files in os.walk(path):
                 folders[:] = sorted(f for f in folders if not f.startswith("."))
                 for name in sorted(files):
                     extension = os.path.splitext(name)[1].lower()
                     if not name.startswith(".") and extension in IMAGE_EXTENSIONS:
                         yield os.path.join(root, name)
-        else:
-            raise errors.MissingFile(f"{path}: no such file or folder.")
 
 
 def predictions(model: TrainedModel, paths: Sequence[str], top: int) -> Iterator[str]:
@@ -249,17 +314,17 @@ def predictions(model: TrainedModel, paths: Sequence[str], top: int) -> Iterator
     `error: ...` for one that cannot be read; decoded and predicted a batch at a time."""
     files = list(image_files(paths))
     for start in range(0, len(files), PREDICT_BATCH):
-        read, errors = [], {}
+        read, failed = [], {}
         for path in files[start : start + PREDICT_BATCH]:
             try:
                 read.append((path, model.read_image(path)))
-            except data.DataError as e:
-                errors[path] = f"error: {e}"
+            except errors.Refused as e:
+                failed[path] = f"error: {e}"
         probabilities = model.predict(np.stack([image for _, image in read])) if read else []
         by_path = dict(zip([path for path, _ in read], probabilities, strict=True))
         for path in files[start : start + PREDICT_BATCH]:
-            if path in errors:
-                yield errors[path]
+            if path in failed:
+                yield failed[path]
                 continue
             best = np.argsort(-by_path[path], kind="stable")[:top]
             ranked = (f"{model.class_names[i]} {by_path[path][i]:.2%}" for i in best)
@@ -271,7 +336,7 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
         "workdir": flags.DEFINE_string(
             "workdir", None, "The run's directory (--workdir of train)."
         ),
-        "step": flags.DEFINE_integer("step", None, "The step to load; default: the newest."),
+        "step": flags.DEFINE_string("step", None, "The step to load; default: the newest."),
         "top": flags.DEFINE_integer("top", 3, "The classes shown per image.", lower_bound=1),
         "export": flags.DEFINE_string(
             "export", None, "Also write params, state and metadata to this .npz file."
@@ -288,15 +353,17 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
-    paths, export = argv[1:], command_line["export"].value
+    paths, export, step = argv[1:], command_line["export"].value, command_line["step"].value
     if command_line["workdir"].value is None:
         sys.exit("error: --workdir is required: the directory of a trained run.")
     if not paths and not export:
         sys.exit("error: nothing to do: give image files or folders, or --export=FILE.")
+    if step is not None and not step.isdecimal():
+        sys.exit(f"error: --step={step}: expected a step number (left out: the newest step).")
     quiet_logs.keep_the_log_to_this_package()
     failed = False
     try:
-        model = load_run(command_line["workdir"].value, command_line["step"].value)
+        model = load_run(command_line["workdir"].value, None if step is None else int(step))
         for line in predictions(model, paths, command_line["top"].value):
             failed |= line.startswith("error: ")
             print(line, file=sys.stderr if line.startswith("error: ") else sys.stdout, flush=True)
@@ -311,7 +378,11 @@ def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Defines the flags, parses `argv` (default: `sys.argv`) and predicts or exports."""
     command_line = _define_flags()
-    app.run(functools.partial(_main, command_line), argv=argv, flags_parser=_parse_flags)
+    try:
+        app.run(functools.partial(_main, command_line), argv=argv, flags_parser=_parse_flags)
+    except KeyboardInterrupt:  # An export is never left half-written (`export`).
+        print("\nInterrupted (Ctrl-C): stopped; nothing more predicted.", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

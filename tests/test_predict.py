@@ -4,12 +4,14 @@ one-line errors), `export`, and the README's examples of them."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -17,16 +19,22 @@ import jax
 import numpy as np
 import pytest
 from configs import mlp_config
+from etils import epath
 from image_trees import CLASSES, write_imagefolder
 from PIL import Image
 
 import haiku_state as hs
-from haiku_state import checkpoint, data, driver
+from haiku_state import checkpoint, data, driver, errors
+from haiku_state import predict as predict_lib
 from haiku_state.data import preprocess
+from haiku_state.guards import damaged_steps
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 DECAY = 0.8
+# A failed read of a damaged file leaves Orbax callbacks on a closed asyncio loop; they surface
+# as unraisable exceptions whenever garbage collection runs, in any later test.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +123,70 @@ def test_load_run_refuses_what_it_cannot_load_in_one_line(run, tmp_path):
         FileNotFoundError, match=r"Cannot export to .*: the folder .* does not exist"
     ):
         model.export(str(tmp_path / "no" / "model.npz"))
-    with pytest.raises(IsADirectoryError, match=r"it is a folder; name a .npz file"):
+    with pytest.raises(errors.CannotWrite, match=r"it is a folder; name a .npz file"):
         model.export(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["empty", "other"]  # No file left behind.
+
+
+def test_load_run_and_export_name_the_value_at_fault(run, tmp_path, monkeypatch):
+    _, workdir, _ = run
+    with pytest.raises(ValueError, match=r"^workdir='': expected the directory of a trained run"):
+        hs.load_run("")
+    for step, kind in (("30", "str"), (30.0, "float"), (True, "bool")):
+        with pytest.raises(ValueError, match=rf"^step={step!r} \({kind}\): expected an int"):
+            hs.load_run(str(workdir), step=step)
+    model = hs.load_run(str(workdir), step=np.int64(15))
+    assert model.step == 15
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np, "savez", full_disk)
+    target = tmp_path / "model.npz"
+    with pytest.raises(errors.CannotWrite, match=rf"^Cannot export to {target}: No space left"):
+        model.export(str(target))
+    assert os.listdir(tmp_path) == []  # The temporary file is removed.
+
+
+def _a_copy(workdir: pathlib.Path, tmp_path: pathlib.Path, name: str = "copy") -> pathlib.Path:
+    shutil.copytree(workdir, tmp_path / name)
+    return tmp_path / name
+
+
+def test_a_step_deleted_as_it_is_read_is_not_damaged_the_newest_is_read(run, tmp_path, monkeypatch):
+    _, workdir, _ = run
+    read_trees = checkpoint.Checkpointer.read_trees
+
+    def deleted_as_read(self, step):  # As a training run's retention (max_to_keep) does.
+        shutil.rmtree(self.directory / str(step))
+        monkeypatch.setattr(checkpoint.Checkpointer, "read_trees", read_trees)
+        return read_trees(self, step)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "read_trees", deleted_as_read)
+    assert hs.load_run(str(_a_copy(workdir, tmp_path))).step == 15
+    monkeypatch.setattr(checkpoint.Checkpointer, "read_trees", deleted_as_read)
+    deleted = r"of step 30 in .* \(deleted as it was read.*\(complete steps: \[15\]\)"
+    with pytest.raises(FileNotFoundError, match=deleted):
+        hs.load_run(str(_a_copy(workdir, tmp_path, "another")), step=30)
+
+
+def test_a_damaged_step_is_refused_in_one_line_and_so_is_trainings_warning(run, tmp_path, caplog):
+    _, workdir, _ = run
+    copy = _a_copy(workdir, tmp_path)
+    arrays = glob.glob(str(copy / "checkpoints" / "30" / "train_state" / "**" / "d" / "*"))
+    largest = max(arrays, key=os.path.getsize)
+    os.truncate(largest, 10)
+    with pytest.raises(ValueError) as refused:
+        hs.load_run(str(copy))
+    message = str(refused.value)
+    assert message.startswith(f"Checkpoint {copy / 'checkpoints' / '30'} is damaged: ValueError")
+    assert "\n" not in message and "TensorStore" not in message and len(message) < 500
+    # What a training run warns as it sets the step aside and resumes from an earlier one.
+    steps = damaged_steps.StepDirectories(epath.Path(copy / "checkpoints"))
+    steps.set_aside_damaged(30, refused.value.__context__, then="resumed from step 15")
+    [warning] = [r.getMessage() for r in caplog.records if " is damaged (" in r.getMessage()]
+    assert warning.startswith(f"Checkpoint {copy / 'checkpoints' / '30'} is damaged (ValueError")
+    assert "\n" not in warning and "TensorStore" not in warning
 
 
 def _digit_files(folder: pathlib.Path, images: np.ndarray) -> list[pathlib.Path]:
@@ -132,12 +201,16 @@ def _digit_files(folder: pathlib.Path, images: np.ndarray) -> list[pathlib.Path]
     return paths
 
 
-def _command(*args: str) -> subprocess.CompletedProcess:
+def _command(
+    *args: str, timeout: int = 300, python_code: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m haiku_state.predict args` (`python -c args` with `python_code`)."""
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = ["-c", *args] if python_code else ["-m", "haiku_state.predict", *args]
     return subprocess.run(
-        [sys.executable, "-m", "haiku_state.predict", *args], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, *command], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -172,6 +245,48 @@ def test_the_command_predicts_files_and_folders_and_names_each_unreadable_image(
         assert json.loads(str(export["metadata"]))["moving_averages"] is True
 
 
+def test_the_command_reads_regular_files_only_and_predicts_the_others(run, digits, tmp_path):
+    _, workdir, _ = run
+    [good] = _digit_files(tmp_path / "photos", digits.test.images[:1])
+    os.mkfifo(tmp_path / "photos" / "b.jpg")  # No writer: opening it to read would wait forever.
+    os.symlink("/dev/zero", tmp_path / "photos" / "z.jpg")  # Read to its end: never.
+    missing = tmp_path / "missing.png"
+    result = _command(f"--workdir={workdir}", str(tmp_path / "photos"), str(missing), timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: {tmp_path / 'photos' / 'b.jpg'} is not a regular file (a FIFO, a device?): "
+        "not read.",
+        f"error: {tmp_path / 'photos' / 'z.jpg'} is not a regular file (a FIFO, a device?): "
+        "not read.",
+        f"error: {missing}: no such file or folder.",
+    ]
+    assert result.stdout.startswith(f"{good}: ")
+
+
+def test_an_image_file_is_read_up_to_a_bound(run, digits, tmp_path, monkeypatch):
+    _, workdir, _ = run
+    [path] = _digit_files(tmp_path, digits.test.images[:1])
+    model = hs.load_run(str(workdir))
+    monkeypatch.setattr(predict_lib, "MAX_IMAGE_BYTES", os.path.getsize(path) - 1)
+    with pytest.raises(data.DataError, match=rf"^{path} is over .* more than an image file"):
+        model.read_image(str(path))
+
+
+def test_ctrl_c_ends_the_command_in_one_line_with_status_130(tmp_path):
+    interrupted = (
+        "import os, signal, time\n"
+        "from haiku_state import predict\n"
+        "def load_run(*args):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(60)\n"
+        "predict.load_run = load_run\n"
+        f"predict.main(['predict', '--workdir={tmp_path}', 'photo.png'])\n"
+    )
+    result = _command(interrupted, python_code=True)
+    assert result.returncode == 128 + signal.SIGINT
+    assert result.stderr.strip() == "Interrupted (Ctrl-C): stopped; nothing more predicted."
+
+
 def test_the_command_refuses_a_missing_step_and_nothing_to_do_in_one_line(run):
     _, workdir, _ = run
     result = _command(f"--workdir={workdir}", "--step=7", str(workdir))
@@ -184,6 +299,16 @@ def test_the_command_refuses_a_missing_step_and_nothing_to_do_in_one_line(run):
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "error: nothing to do: give image files or folders, or --export=FILE."
+    )
+    result = _command(f"--workdir={workdir}", "--step=best", str(workdir))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: --step=best: expected a step number (left out: the newest step)."
+    )
+    result = _command("--workdir=", str(workdir))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: workdir='': expected the directory of a trained run (train's --workdir)."
     )
 
 

@@ -19,6 +19,17 @@ from etils import epath
 from haiku_state import errors
 
 
+def one_line(reason: object) -> str:
+    """Why a step is damaged, in one line: an error as the innermost one it was raised from
+    (TensorStore's names the array and bytes it misread; the error it is wrapped in adds the
+    store's spec over dozens of lines), its first line."""
+    text = str(reason)
+    while isinstance(reason, BaseException) and (reason.__cause__ or reason.__context__):
+        reason = reason.__cause__ or reason.__context__
+        text = f"{type(reason).__name__}: {reason}"
+    return text.split("\n", 1)[0]
+
+
 class StepDirectories:
     """The steps of one checkpoint directory on disk. `read_only` renames nothing;
     `on_set_aside` is called after every `set_aside` on every process."""
@@ -69,8 +80,8 @@ class StepDirectories:
             self._set_aside_saying(step, "damaged", reason, then)
         except OSError as e:
             raise errors.CannotWrite(
-                f"Checkpoint {self.step_dir(step)} is damaged ({reason}) and cannot be moved "
-                f"aside: {e}. Make the folder writable, or move the step away yourself."
+                f"Checkpoint {self.step_dir(step)} is damaged ({one_line(reason)}) and cannot be "
+                f"moved aside: {e}. Make the folder writable, or move the step away yourself."
             ) from None
 
     def set_aside_incomplete(self) -> None:
@@ -96,7 +107,7 @@ class StepDirectories:
                 f"Every complete checkpoint in {self.directory} is damaged (steps "
                 f"{sorted(step for step, _ in damaged)}); refusing to start from scratch next "
                 f"to them, and nothing was moved. {to_start_anew} | "
-                + " | ".join(f"{step}: {e}" for step, e in damaged)
+                + " | ".join(f"{step}: {one_line(e)}" for step, e in damaged)
             )
         set_aside = sorted(
             path.name
@@ -132,7 +143,7 @@ class StepDirectories:
             "Checkpoint %s is %s (%s)%s%s.",
             path,
             what,
-            reason,
+            one_line(reason),
             f"; moved aside to {moved}, not deleted" if moved else "",
             f"; {then}" if then else "",
         )
