@@ -62,8 +62,11 @@ class Checkpointer:
         )
         self._manager = step_format.orbax_manager(self.directory, self.retention, read_only)
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
-        # One writer thread: a step is written after the one before it, never beside it.
-        self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if async_save else None
+        # One writer thread: a step is written after the one before it, never beside it. With
+        # several processes Orbax's save syncs them by device collectives, which must not run
+        # beside the training thread's: there it writes in the calling thread.
+        in_background = async_save and jax.process_count() == 1
+        self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if in_background else None
         self._in_flight: tuple[int, futures.Future] | None = None  # The step being written.
 
     def all_steps(self) -> list[int]:
