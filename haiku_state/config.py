@@ -201,7 +201,13 @@ SCHEMA = (
     Key("data.flip", False, bool,
         help="on-device random horizontal flips; digits must not be mirrored"),
 
-    Key("model.name", None, str, choices=models.MODELS, help="the network"),
+    Key("model.name", None, str, choices=models.MODELS, allow_none=True,
+        help="the network; None: the network() of the file model.network"),
+    Key("model.network", "", str, free=True,
+        help="instead of model.name: a Python file defining network(config, num_classes, "
+        "cross_replica_axis) that returns Haiku code f(batch, is_training) -> logits; its config "
+        "file sets it to __file__ (README: Your own network). Its path may change on resume; a "
+        "change of its source is warned of"),
     Key("model.hidden_sizes", (256, 256), tuple, for_models=("mlp",),
         help="the widths of the MLP's hidden layers"),
     Key("model.dropout_rate", 0.1, float, bounds=FRACTION, for_models=("mlp",),
@@ -244,6 +250,8 @@ IGNORED_WHEN = (
      "only sgd reads it"),
     (("optimizer.warmup_steps",), lambda get: get("optimizer.schedule") != "warmup_cosine",
      "only the warmup_cosine schedule reads it"),
+    (("model.network",), lambda get: get("model.name") is not None,
+     "model.name names a built-in network"),
 )  # fmt: skip
 
 
@@ -352,6 +360,7 @@ def load_config_file(path: str) -> Any:
     path = path if path.endswith(".py") else f"{path}.py"
     spec = importlib.util.spec_from_file_location("experiment_config", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # As an import would: dataclasses look their module up.
     with importable_directory(path):
         spec.loader.exec_module(module)
     return module.get_config(variant) if variant else module.get_config()

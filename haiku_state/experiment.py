@@ -5,7 +5,11 @@ The one place a config becomes a model, for the driver, the evaluation and the b
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import haiku as hk
@@ -16,8 +20,8 @@ import numpy as np
 import optax
 from absl import logging
 
-from haiku_state import data, losses, models, optim, replication
-from haiku_state.config import fit_to_data, training_steps
+from haiku_state import data, errors, losses, models, optim, replication
+from haiku_state.config import fit_to_data, importable_directory, training_steps
 from haiku_state.guards import config_checks
 from haiku_state.updater import AugmentFn, LossFn, Updater
 
@@ -109,7 +113,8 @@ def steps_per_call(config: Any, image_shape: tuple[int, ...], platform: str) -> 
 
 def make_network(config: Any, dataset: data.Dataset) -> hk.TransformedWithState:
     """The network `config.model` names. BatchNorm's statistics are the global batch's: the
-    per-device backends reduce over the device axis; under `jit` XLA does, the network binds none.
+    per-device backends reduce over the device axis; under `jit` XLA does, the network binds none
+    (an own network is given the axis to bind, `cross_replica_axis`).
     """
     axis = None if config.backend == "jit" else replication.DEFAULT_AXIS_NAME
     return network_of(config, dataset.num_classes, dataset.mean, dataset.std, axis)
@@ -124,7 +129,10 @@ def network_of(
 ) -> hk.TransformedWithState:
     """The network `config.model` names, of `num_classes` classes, standardising its images by
     the data's `image_mean` and `image_std` (None: stored standardised)."""
-    model_options = {k: v for k, v in config.model.items() if k != "name"}
+    if config.model.name is None:
+        own = network_function(config.model.network)(config, num_classes, cross_replica_axis)
+        return hk.transform_with_state(_standardizing(own, image_mean, image_std))
+    model_options = {k: v for k, v in config.model.items() if k not in ("name", "network")}
     return models.make_network(
         config.model.name,
         num_classes,
@@ -134,6 +142,51 @@ def network_of(
         image_std=image_std,
         **model_options,
     )
+
+
+def network_function(path: str) -> Callable[..., Callable[..., jax.Array]]:
+    """`network(config, num_classes, cross_replica_axis)` of the Python file at `path`
+    (`config.model.network`): it returns `f(batch, is_training) -> logits`, plain Haiku code."""
+    if not path:
+        raise errors.InvalidValue(
+            f"The config names no network: set config.model.name to one of {models.MODELS}, or "
+            "define network(config, num_classes, cross_replica_axis) beside get_config() and set "
+            "config.model.network = __file__ (README.md: Your own network)."
+        )
+    if not os.path.isfile(path):
+        raise errors.MissingFile(
+            f"The network file {path} (config.model.network) does not exist: moved or deleted? "
+            "Put it back where the run recorded it (a resume may give its new place: "
+            "--config=<the file>)."
+        )
+    spec = importlib.util.spec_from_file_location("haiku_state_own_network", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # As an import would: dataclasses look their module up.
+    with importable_directory(path):
+        spec.loader.exec_module(module)
+    if not callable(getattr(module, "network", None)):
+        raise errors.InvalidValue(
+            f"config.model.network: {path} defines no function "
+            "network(config, num_classes, cross_replica_axis)."
+        )
+    return module.network
+
+
+def _standardizing(
+    forward: Callable[..., jax.Array],
+    image_mean: tuple[float, ...] | None,
+    image_std: tuple[float, ...] | None,
+) -> Callable[..., jax.Array]:
+    """`forward(batch, is_training)` given `batch["image"]` standardised, as a built-in model
+    standardises it (float32; data stored standardised, as it is)."""
+    if image_mean is None:
+        return forward
+
+    def standardized(batch: Any, is_training: bool) -> jax.Array:
+        image = models.standardize_images(batch["image"], image_mean, image_std)
+        return forward({**batch, "image": image}, is_training)
+
+    return standardized
 
 
 def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:

@@ -248,9 +248,7 @@ def _read_step(checkpointer: checkpoint.Checkpointer, step: int | None) -> tuple
 def _config_of(record: workdir_lib.RunRecord) -> Any:
     """The schema's config of the recorded model with the recorded values (a key a run older
     than it did not record: what that run ran with, `Key.legacy_default`, else its default)."""
-    model = (record.config.get("model") or {}).get("name")
-    if model is None:
-        raise errors.InvalidValue("The run's recorded config names no network (model.name).")
+    model = (record.config.get("model") or {}).get("name")  # None: its own (model.network).
     config, _ = workdir_lib.with_recorded(config_lib.default_config(model), record.config, ())
     return workdir_lib.with_legacy_values(config, record.config, record.source)
 
@@ -265,8 +263,8 @@ def _check_fits(model: TrainedModel, what: str) -> None:
     )
     if problem is not None:
         raise errors.InvalidValue(
-            f"{what} does not fit the network its config names ({model.config.model.name}): "
-            f"{problem}."
+            f"{what} does not fit the network its config names "
+            f"({model.config.model.name or model.config.model.network}): {problem}."
         )
 
 

@@ -171,7 +171,7 @@ def test_the_loop_time_limit_reaches_every_measurements_settings():
 def test_flax_peer_has_the_haiku_networks_parameters_and_weight_decay(name):
     config = settings.experiment_config(name, settings.Settings(), num_devices=4)
     image_shape, num_classes = settings.SYNTHETIC_SHAPES[name]
-    options = {k: v for k, v in config.model.items() if k != "name"}
+    options = {k: v for k, v in config.model.items() if k not in ("name", "network")}
     network = models.make_network(name, num_classes, **options)
     batch = {"image": jnp.zeros((2, *image_shape)), "label": jnp.zeros((2,), jnp.int32)}
     params, _ = jax.eval_shape(

@@ -16,7 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_experiments_are_the_files_not_starting_with_an_underscore():
-    assert config_lib.available_experiments() == ["mlp", "resnet", "resnet50", "wide_mlp"]
+    experiments = ["mlp", "own_network", "resnet", "resnet50", "wide_mlp"]
+    assert config_lib.available_experiments() == experiments
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "resnet50"])

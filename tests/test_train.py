@@ -252,7 +252,7 @@ def test_cli_missing_experiment_file_says_so_and_lists_the_experiments(tmp_path)
     assert result.returncode != 0
     assert result.stderr.startswith(
         "error: --config=experiments/nope.py: the file experiments/nope.py does not exist; the "
-        "experiments are ['mlp', 'resnet', 'resnet50'"
+        "experiments are ['mlp', 'own_network', 'resnet', 'resnet50'"
     ), result.stderr
     assert not (tmp_path / "w").exists()
 

@@ -142,6 +142,7 @@ def test_the_record_holds_the_keys_the_run_reads_and_an_older_full_one_still_bin
     synthetic_shape = ("data.image_shape", "data.num_classes", "data.num_train", "data.num_test")
     in_memory = ("data.dir", "data.workers", "data.decoder", "data.skip_corrupt")
     not_read = {*synthetic_shape, *in_memory, "data.max_corrupt_fraction", "data.verify"}
+    not_read.add("model.network")  # A built-in network's config reads no network file.
     every_key = config_lib.flatten(workdir_lib._as_json(digits))
     assert recorded == {key: value for key, value in every_key.items() if key not in not_read}
     synthetic = config_lib.default_config("mlp")

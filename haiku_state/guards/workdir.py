@@ -19,6 +19,8 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import functools
+import hashlib
 import json
 import os
 import socket
@@ -163,7 +165,36 @@ def recorded_config(config: Any) -> dict[str, Any]:
         for parent in parents:
             node = node.get(parent, {})
         node.pop(leaf, None)
+    if record.get("model", {}).get("network"):  # Found again from any working directory.
+        record["model"]["network"] = os.path.abspath(record["model"]["network"])
     return record
+
+
+def network_record(path: str) -> dict[str, str]:
+    """What a run records of its own network's file at `path` (`config.model.network`): its
+    absolute path and the SHA-256 of its source; {} for no path or a file not there."""
+    if not path or not os.path.isfile(path):
+        return {}
+    with open(path, "rb") as f:
+        return {"file": os.path.abspath(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
+@functools.cache  # Once a process: the record is read more than once for a run.
+def _warn_network_changed(path: str, recorded: str, now: str, workdir: str) -> None:
+    logging.warning(
+        "%s changed since the run in %s recorded it (sha256 %s... -> %s...): its network is "
+        "built from the file as it is now; a checkpoint that does not fit it is refused.",
+        *(path, workdir, recorded[:12], now[:12]),
+    )
+
+
+def check_network_source(
+    recorded: Mapping[str, Any], network: Mapping[str, str], workdir: str
+) -> None:
+    """Warns when the run's own network as it is now (`network_record`) is not the source the
+    run `recorded` (`RunRecord.network`)."""
+    if recorded.get("sha256") and network and network["sha256"] != recorded["sha256"]:
+        _warn_network_changed(network["file"], recorded["sha256"], network["sha256"], workdir)
 
 
 def trajectory_changes(
@@ -224,6 +255,7 @@ class RunRecord:
     changes: list[Any]
     source: str
     problem: str = ""
+    network: dict[str, str] = dataclasses.field(default_factory=dict)  # `network_record`'s.
 
 
 def run_record(workdir: str, metadata: Mapping[str, Any] | None = None) -> RunRecord:
@@ -259,7 +291,11 @@ def run_record(workdir: str, metadata: Mapping[str, Any] | None = None) -> RunRe
     if config and not config.get("keep_best_by") and config.get("keep_best_mode"):
         config["keep_best_mode"] = ""
     data = dict(file.get("data") or saved.get("data") or {})
-    return RunRecord(config, data, list(file.get("changes", [])), source, problem)
+    network = dict(file.get("network") or {})
+    if network.get("file"):  # The recorded file as it is now: changed since?
+        check_network_source(network, network_record(network["file"]), workdir)
+    changes = list(file.get("changes", []))
+    return RunRecord(config, data, changes, source, problem, network)
 
 
 def check_config(
@@ -277,7 +313,9 @@ def check_config(
     digests earlier runs recorded that this one did not take); WorkdirError for a change of the
     trajectory unless `allow_change`."""
     path, data = os.path.join(workdir, CONFIG_FILE), dict(data or {})
+    network = network_record(config.model.network if config.model.name is None else "")
     record = {"config": recorded_config(config), "data": data, "changes": []}
+    record |= {"network": network} if network else {}
     previous = run_record(workdir, checkpoint_metadata if has_checkpoint else None)
     if not has_checkpoint or previous.config is None:
         if has_checkpoint:
@@ -288,6 +326,7 @@ def check_config(
                 path,
             )
         return ConfigRecord(path, record, set_aside=previous.problem)
+    check_network_source(previous.network, network, workdir)
     changes, known = _changes_since(previous, config, data)
     if changes and not allow_change:
         raise WorkdirError(
