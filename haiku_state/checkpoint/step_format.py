@@ -38,7 +38,6 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from haiku_state import errors, replication, sharding
 from haiku_state.guards import checkpoint_integrity, quiet_logs
-from haiku_state.guards.checkpoint_integrity import leaf_name
 from haiku_state.updater import Ema, TrainState, per_device_keys, step_of
 
 FORMAT_VERSION = 3  # What `save_args` writes.
@@ -126,7 +125,7 @@ def encode(train_state: TrainState) -> Encoded:
     if sharding.is_global(train_state):
         trees = _trees(train_state, jax.random.key_data(train_state.rng))
         host_trees = jax.block_until_ready(jax.tree.map(_to_host_memory, trees))
-        fingerprints = jax.tree.map(checkpoint_integrity.fingerprint, trees)
+        fingerprints = checkpoint_integrity.device_fingerprints(trees)
         return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints, jax.device_count())
     # Device 0's replica, `[1, ...]` (the same fingerprint as without its leading axis).
     first_replica = jax.tree.map(lambda leaf: leaf.addressable_data(0), train_state)
@@ -141,7 +140,7 @@ def encode(train_state: TrainState) -> Encoded:
     }
     host_trees["rng"] = {"key_data": np.array(host["rng"]["key_data"], copy=copy)}
     key_count = host_trees["rng"]["key_data"].shape[0]
-    fingerprints = jax.tree.map(checkpoint_integrity.fingerprint, trees)
+    fingerprints = checkpoint_integrity.device_fingerprints(trees)
     return Encoded(host_trees, step, key_impl, PER_DEVICE, fingerprints, key_count)
 
 
@@ -195,7 +194,7 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
         "step": encoded.step,
         "key_impl": encoded.key_impl,
         "key_layout": encoded.key_layout,
-        "fingerprints": _fetched(encoded.fingerprints),
+        "fingerprints": checkpoint_integrity.named_values(encoded.fingerprints, int),
     }
     return ocp.args.Composite(
         **{
@@ -204,13 +203,6 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
             METADATA: ocp.args.JsonSave(metadata),
         }
     )
-
-
-def _fetched(fingerprints: dict[str, PyTree]) -> dict[str, int]:
-    """The dispatched fingerprints of `encode` as ints by leaf name, in one transfer."""
-    paths_and_leaves = jax.tree_util.tree_leaves_with_path(fingerprints)
-    values = jax.device_get([leaf.addressable_data(0) for _, leaf in paths_and_leaves])
-    return {leaf_name(path): int(v) for (path, _), v in zip(paths_and_leaves, values, strict=True)}
 
 
 # Reading. Each reader checks the format version first (`_read_step_item`), so each raises

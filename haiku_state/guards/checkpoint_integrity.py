@@ -65,10 +65,10 @@ def _tree_all_finite(tree: PyTree) -> PyTree:
 
 def fingerprint_trees(trees: dict[str, PyTree]) -> dict[str, int]:
     """The `fingerprint` of every array of `trees`, by leaf name; every process calls it."""
-    return _named_values(device_fingerprints(trees), int)
+    return named_values(device_fingerprints(trees), int)
 
 
-def _named_values(tree: PyTree, kind: type) -> dict[str, Any]:
+def named_values(tree: PyTree, kind: type) -> dict[str, Any]:
     """A tree of replicated scalars as host values by leaf name, in one transfer."""
     paths_and_leaves = jax.tree_util.tree_leaves_with_path(tree)
     values = jax.device_get([leaf.addressable_data(0) for _, leaf in paths_and_leaves])
@@ -82,7 +82,7 @@ def verify_fingerprints(trees: dict[str, PyTree], expected: dict[str, int]) -> s
     for name, value in fingerprint_trees(trees).items():
         if expected.get(name) != value:
             return f"{name}: its values do not match the fingerprint saved with it"
-    for name, is_finite in _named_values(finite, bool).items():
+    for name, is_finite in named_values(finite, bool).items():
         if not is_finite:
             return f"params/{name}: holds non-finite values"
     return None
