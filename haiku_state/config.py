@@ -363,7 +363,11 @@ def load_config_file(path: str) -> Any:
     sys.modules[spec.name] = module  # As an import would: dataclasses look their module up.
     with importable_directory(path):
         spec.loader.exec_module(module)
-    return module.get_config(variant) if variant else module.get_config()
+    config = module.get_config(variant) if variant else module.get_config()
+    own_network = callable(getattr(module, "network", None))
+    if own_network and "model" in config and not config.model.get("network"):
+        config.model.network = os.path.abspath(path)  # Its network(): the trainer builds it.
+    return config
 
 
 def describe_keys(config: Any = None) -> str:

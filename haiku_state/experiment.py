@@ -6,6 +6,7 @@ The one place a config becomes a model, for the driver, the evaluation and the b
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -130,7 +131,12 @@ def network_of(
     """The network `config.model` names, of `num_classes` classes, standardising its images by
     the data's `image_mean` and `image_std` (None: stored standardised)."""
     if config.model.name is None:
-        own = network_function(config.model.network)(config, num_classes, cross_replica_axis)
+        network = network_function(config.model.network)
+        # A third parameter takes the replicas' axis, for BatchNorm of the global batch; without
+        # it a BatchNorm's statistics are each device's, its moving averages still averaged.
+        takes_axis = len(inspect.signature(network).parameters) >= 3
+        axis = (cross_replica_axis,) if takes_axis else ()
+        own = network(config, num_classes, *axis)
         return hk.transform_with_state(_standardizing(own, image_mean, image_std))
     model_options = {k: v for k, v in config.model.items() if k not in ("name", "network")}
     return models.make_network(
@@ -145,13 +151,13 @@ def network_of(
 
 
 def network_function(path: str) -> Callable[..., Callable[..., jax.Array]]:
-    """`network(config, num_classes, cross_replica_axis)` of the Python file at `path`
+    """`network(config, num_classes[, cross_replica_axis])` of the Python file at `path`
     (`config.model.network`): it returns `f(batch, is_training) -> logits`, plain Haiku code."""
     if not path:
         raise errors.InvalidValue(
             f"The config names no network: set config.model.name to one of {models.MODELS}, or "
-            "define network(config, num_classes, cross_replica_axis) beside get_config() and set "
-            "config.model.network = __file__ (README.md: Your own network)."
+            "define network(config, num_classes) beside get_config() (README.md: Your own "
+            "network)."
         )
     if not os.path.isfile(path):
         raise errors.MissingFile(
@@ -166,8 +172,7 @@ def network_function(path: str) -> Callable[..., Callable[..., jax.Array]]:
         spec.loader.exec_module(module)
     if not callable(getattr(module, "network", None)):
         raise errors.InvalidValue(
-            f"config.model.network: {path} defines no function "
-            "network(config, num_classes, cross_replica_axis)."
+            f"config.model.network: {path} defines no function network(config, num_classes)."
         )
     return module.network
 

@@ -179,7 +179,9 @@ def test_a_changed_file_is_warned_of_and_one_that_does_not_fit_or_moved_refused(
 
 
 def test_a_config_with_neither_model_name_nor_network_is_refused_naming_both():
-    with pytest.raises(errors.InvalidValue, match=r"config.model.name .* config.model.network ="):
+    with pytest.raises(
+        errors.InvalidValue, match=r"config.model.name .* network\(config, num_classes\)"
+    ):
         experiment.network_of(config_lib.default_config(), 10, None, None, None)
 
 
