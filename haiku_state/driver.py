@@ -80,7 +80,8 @@ def train_and_evaluate(
         final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
         saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
     if jax.process_index() == 0:
-        summaries.plot_curves(workdir, f"{workdir}: {config.model.name} on {config.data.name}")
+        network = config.model.name or os.path.basename(config.model.network)
+        summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
         print(
             f"Final eval at step {end.step}: {summaries.format_metrics(final)}. "
             + summaries.describe_outputs(workdir, "checkpoints/"),
@@ -325,6 +326,25 @@ def _log_start(
         config.param_sharding,
         experiment.steps_per_call,
     )
+    logging.info("The step: %s.", _step_options(config.optimizer))
+    params, state = train_state.params, train_state.state
+    device_axis = not sharding.is_global(train_state)
+    logging.info("%s", summaries.trees_table(params, state, device_axis=device_axis))
+
+
+def _step_options(optimizer: Any) -> str:
+    """The optimizer and what the step does besides: clipping, accumulation, moving averages."""
+    options = [f"optax {optimizer.name}, learning rate {optimizer.learning_rate:g}"]
+    if optimizer.clip_global_norm:
+        options.append(f"gradients clipped to a global norm of {optimizer.clip_global_norm:g}")
+    if optimizer.accumulation_steps > 1:
+        options.append(f"gradients accumulated over {optimizer.accumulation_steps} micro-batches")
+    if optimizer.ema_decay:
+        options.append(
+            f"moving averages of params and state (decay {optimizer.ema_decay:g}), which "
+            "evaluation, predict and export use"
+        )
+    return "; ".join(options)
 
 
 def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any] | None:
