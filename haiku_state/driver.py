@@ -79,14 +79,7 @@ def train_and_evaluate(
         )
         final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
         saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
-    if jax.process_index() == 0:
-        network = config.model.name or os.path.basename(config.model.network)
-        summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
-        print(
-            f"Final eval at step {end.step}: {summaries.format_metrics(final)}. "
-            + summaries.describe_outputs(workdir, "checkpoints/"),
-            flush=True,
-        )
+    _report_final(workdir, config, end.step, final)
     if stop.should_stop_now():  # A signal during the final save, or since: said, not a success.
         raise stop.stopped(
             f"stopped at step {end.step}, the last, after its final evaluation; saved step "
@@ -95,6 +88,19 @@ def train_and_evaluate(
     monitor.check_recovered(end.step, final)  # A loss that exploded and stayed so fails the run.
     monitor.check_outcome(end.step, final, kept)  # So does one that ended far worse than it was.
     return final
+
+
+def _report_final(workdir: str, config: Any, step: int, final: dict[str, float]) -> None:
+    """The curves and the run's last line, by process 0."""
+    if jax.process_index() != 0:
+        return
+    network = config.model.name or os.path.basename(config.model.network)
+    summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
+    print(
+        f"Final eval at step {step}: {summaries.format_metrics(final)}. "
+        + summaries.describe_outputs(workdir, "checkpoints/"),
+        flush=True,
+    )
 
 
 def _train(
@@ -111,12 +117,7 @@ def _train(
     start_step = step_of(train_state)
     monitor = _monitor(experiment, config, checkpointer, start_step)
     with (
-        summaries.MetricWriter(
-            workdir,
-            experiment.total_steps,
-            enabled=jax.process_index() == 0,
-            resume_step=start_step,
-        ) as writer,
+        _metric_writer(workdir, experiment.total_steps, start_step) as writer,
         contextlib.closing(_train_batches(config, experiment, start_step)) as batches,
         loop.Profiler(
             config.profile_steps, os.path.join(workdir, "profile"), start_step
@@ -148,6 +149,12 @@ def _train(
                 saver(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
+
+
+def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries.MetricWriter:
+    """Process 0's metrics.jsonl and TensorBoard events, rewritten from `start_step` on."""
+    enabled = jax.process_index() == 0
+    return summaries.MetricWriter(workdir, total_steps, enabled=enabled, resume_step=start_step)
 
 
 def _actions(

@@ -209,6 +209,20 @@ def convert_split(
     return [arrayrecord.shard_entry(out_dir, n, len(b)) for n, b in shards]
 
 
+def _check_options(
+    out_dir: str, examples_per_shard: int, threads: int, short_side: int | None
+) -> None:
+    """Refuses, before anything is read or written, options `convert` cannot use."""
+    if examples_per_shard < 1:
+        raise errors.InvalidValue(f"--examples_per_shard={examples_per_shard} must be positive.")
+    if short_side is not None and short_side < 1:
+        raise errors.InvalidValue(f"--short_side={short_side} must be positive (or left out).")
+    if threads < 1:
+        raise errors.InvalidValue(f"--threads={threads} must be positive: the files read at once.")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise errors.InvalidValue(f"--to={out_dir} is a file; expected a folder (made if missing).")
+
+
 def convert(
     spec: str,
     out_dir: str,
@@ -219,14 +233,7 @@ def convert(
 ) -> dict[str, Any]:
     """Converts the source `spec` into `out_dir`, resuming where an earlier run stopped;
     returns the `dataset.json` written."""
-    if examples_per_shard < 1:
-        raise errors.InvalidValue(f"--examples_per_shard={examples_per_shard} must be positive.")
-    if short_side is not None and short_side < 1:
-        raise errors.InvalidValue(f"--short_side={short_side} must be positive (or left out).")
-    if threads < 1:
-        raise errors.InvalidValue(f"--threads={threads} must be positive: the files read at once.")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise errors.InvalidValue(f"--to={out_dir} is a file; expected a folder (made if missing).")
+    _check_options(out_dir, examples_per_shard, threads, short_side)
     source = open_source(spec)
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         mean, std = statistics(source, short_side, pool)

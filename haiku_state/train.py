@@ -82,6 +82,19 @@ def _define_flags() -> _Flags:
             "Number of CPU devices to simulate when running on the CPU (ignored on GPU/TPU).",
             lower_bound=1,
         ),
+        helpconfig=flags.DEFINE_bool(
+            "helpconfig",
+            False,
+            "List every config key of --config (of every experiment without it): its value, "
+            "default, range and what it sets; then exit.",
+        ),
+        **_define_process_flags(),
+    )
+
+
+def _define_process_flags() -> dict[str, Any]:
+    """The flags of a multi-process run."""
+    return dict(
         coordinator_address=flags.DEFINE_string(
             "coordinator_address",
             None,
@@ -102,12 +115,6 @@ def _define_flags() -> _Flags:
             False,
             "Call jax.distributed.initialize() and let it detect the cluster (SLURM, TPU pods, "
             "Kubernetes) for whatever --coordinator_address/--num_processes/--process_id omit.",
-        ),
-        helpconfig=flags.DEFINE_bool(
-            "helpconfig",
-            False,
-            "List every config key of --config (of every experiment without it): its value, "
-            "default, range and what it sets; then exit.",
         ),
     )
 

@@ -18,7 +18,7 @@ SPINE = (
     "haiku_state/updater.py",
     "haiku_state/checkpoint/checkpointer.py",
 )
-MAX_FUNCTION_LINES = 60
+MAX_FUNCTION_LINES = 50
 MAX_CLASS_LINES = 250
 MAX_UPDATER_LINES = 150
 

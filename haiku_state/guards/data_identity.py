@@ -206,12 +206,7 @@ def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: st
     cache = os.path.join(
         host_cache.cache_dir("arrayrecord", os.path.realpath(data_dir)), VERIFIED_FILE
     )
-    try:
-        with open(cache) as f:
-            verified = json.load(f)
-    except (OSError, ValueError):
-        verified = {}
-    verified = verified if isinstance(verified, dict) else {}
+    verified = _read_verified(cache)
     unrecorded = [entry["file"] for entry in entries if "sha256" not in entry]
     newly_verified = {}
     for entry in [entry for entry in entries if "sha256" in entry]:
@@ -249,6 +244,16 @@ def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: st
             len(unrecorded),
             unrecorded[0],
         )
+
+
+def _read_verified(path: str) -> dict[str, list]:
+    """The shards this host found right before, by file (none if unreadable)."""
+    try:
+        with open(path) as f:
+            verified = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return verified if isinstance(verified, dict) else {}
 
 
 def _record_verified(path: str, verified: dict[str, list]) -> None:
