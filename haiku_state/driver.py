@@ -159,7 +159,7 @@ def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries
 
 def _actions(
     config: Any,
-    per_call: int,
+    steps_per_call: int,
     log: loop.MetricLogger,
     evaluate: Callable[[int, TrainState], None],
     save: Saver,
@@ -169,7 +169,9 @@ def _actions(
     logged before the evaluation, whose metrics rank the checkpoint saved after it. The save's
     timer is read where the metrics are fetched (the processes agree there anyway); the
     profile ends with the call that reaches its stop step."""
-    profile_at = [math.ceil(step / per_call) * per_call for step in config.profile_steps]
+    profile_at = [
+        math.ceil(step / steps_per_call) * steps_per_call for step in config.profile_steps
+    ]
     timer = {"secs": config.checkpoint_every_secs, "agree_every": config.log_every}
     return [
         loop.PeriodicAction(loop.Every(config.log_every), log),
@@ -408,23 +410,24 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
 
 
 def _compile_steps_ahead(experiment: Experiment, config: Any, train_state: TrainState) -> None:
-    """Compiles the step's two programs, without and with the norms (the logged steps'), side by
-    side before the first step: the first log waits for no compile (ResNet-50's takes ~50 s on
-    a TPU), and the calls run them by their quicker dispatch. A failure here only logs: the
-    step then compiles its program itself, and says what is wrong."""
-    updater, per_call = experiment.updater, experiment.steps_per_call
+    """Compiles the step's two programs, without and with the global norms (the logged steps'),
+    side by side before the first step: the first log waits for no compile (a long one for a
+    large model on an accelerator). A failure here only logs: the step then compiles its
+    program itself, and says what is wrong."""
+    updater, steps_per_call = experiment.updater, experiment.steps_per_call
 
     def like(x: Any, steps: int | None = None) -> jax.ShapeDtypeStruct:
         shape = x.shape if steps is None else (x.shape[0], steps, *x.shape[1:])
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
     batch = placeholder_batch(experiment.dataset, config.batch_size)
-    batch = jax.tree.map(functools.partial(like, steps=per_call if per_call > 1 else None), batch)
+    steps = steps_per_call if steps_per_call > 1 else None
+    batch = jax.tree.map(functools.partial(like, steps=steps), batch)
     state = jax.tree.map(like, train_state)
 
     def compile_ahead(with_global_norms: bool) -> None:
         try:
-            method = "update_steps" if per_call > 1 else "update"
+            method = "update_steps" if steps_per_call > 1 else "update"
             updater.compile_ahead(method, state, batch, with_global_norms=with_global_norms)
         except Exception as error:  # The step that needs it compiles it again, and says why.
             logging.info("A step program was not compiled ahead: %s", error)
@@ -441,8 +444,8 @@ def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:
         logged = log.is_due(step, last_step)
         if len(batches) == 1:
             return updater.update(train_state, batches[0], with_global_norms=logged)
-        stacked = replication.stack_steps(batches, updater.axis_name)
-        return updater.update_steps(train_state, stacked, with_global_norms=logged)
+        steps = replication.stack_steps(batches, updater.axis_name)
+        return updater.update_steps(train_state, steps, with_global_norms=logged)
 
     return step_fn
 

@@ -86,8 +86,8 @@ def build_experiment(config: Any) -> Experiment:
     )
     schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     pieces = (dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule)
-    per_call = steps_per_call(config, dataset.image_shape, jax.default_backend())
-    return Experiment(*pieces, total_steps, input_options, config, per_call)
+    chosen = steps_per_call(config, dataset.image_shape, jax.default_backend())
+    return Experiment(*pieces, total_steps, input_options, config, chosen)
 
 
 # What `steps_per_call(config)` chooses for config.steps_per_call=0 (measured in

@@ -196,18 +196,18 @@ def _check_profile_steps(config: Any, *_: int) -> None:
 
 def _check_steps_per_call(config: Any, *_: int) -> None:
     """A call of several steps ends at multiples of `steps_per_call`: what a cadence acts on."""
-    per_call = config.steps_per_call
-    if per_call <= 1:
+    steps = config.steps_per_call
+    if steps <= 1:
         return
     cadences = {key: config[key] for key in STEP_CADENCES}
     if config.profile_steps:
         cadences["profile_steps[0]"] = config.profile_steps[0]
-    off = [f"{key}={value}" for key, value in cadences.items() if value % per_call]
+    off = [f"{key}={value}" for key, value in cadences.items() if value % steps]
     if off:
         raise errors.InvalidValue(
-            f"config.steps_per_call={per_call} runs {per_call} steps in each call, and acts "
+            f"config.steps_per_call={steps} runs {steps} steps in each call, and acts "
             f"(logs, checks, evaluates, saves) only where a call ends, but {', '.join(off)} "
-            f"{'is' if len(off) == 1 else 'are'} not a multiple of {per_call}: use multiples "
+            f"{'is' if len(off) == 1 else 'are'} not a multiple of {steps}: use multiples "
             "of it, or steps_per_call=0 to choose one that divides them."
         )
 
