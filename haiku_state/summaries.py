@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -19,10 +20,15 @@ from typing import Any
 
 from absl import logging
 
+from haiku_state import errors
+
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
 PERCENT_METRICS = ("accuracy",)  # Shown as percentages; the files keep the fraction.
+# The most of `metrics.jsonl` that is read (about two million records): a file over it, or one
+# that is no regular file (a FIFO, a device, a link to one), is refused, not read.
+MAX_METRICS_BYTES = 512 << 20
 
 
 def _format_duration(seconds: float) -> str:
@@ -180,12 +186,35 @@ def _locked(path: str) -> Iterator[None]:
         os.close(fd)  # Also releases the lock.
 
 
+def _check_metrics_file(path: str, fd: int) -> int:
+    """The size of the open metrics file `fd`; refused in one line unless it is a regular file
+    of at most `MAX_METRICS_BYTES`."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise errors.InvalidValue(
+            f"{path} is not a regular file (a FIFO, a device, a link to one?): not read or "
+            "written; move it aside."
+        )
+    if info.st_size > MAX_METRICS_BYTES:
+        raise _too_large(path)
+    return info.st_size
+
+
+def _too_large(path: str) -> errors.InvalidValue:
+    return errors.InvalidValue(
+        f"{path} is over {MAX_METRICS_BYTES >> 20} MiB, more than a run's metrics: not read; "
+        "move it aside."
+    )
+
+
 def _append_record(path: str, record: Mapping[str, Any]) -> None:
     """Appends one line to `path`, first dropping a last line a kill cut short."""
     with _locked(path):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_NONBLOCK", 0), 0o644
+        )
         try:
-            size = os.fstat(fd).st_size
+            size = _check_metrics_file(path, fd)
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 end = os.pread(fd, size, 0).rfind(b"\n") + 1
                 logging.warning(
@@ -200,8 +229,13 @@ def _append_record(path: str, record: Mapping[str, Any]) -> None:
 def _parse_records(path: str) -> tuple[list[dict[str, Any]], list[int], int]:
     """The records of a metrics file, the numbers of its other lines, and of its last line."""
     records, bad, last = [], [], 0
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # A FIFO: no wait.
+    with open(fd, "rb") as f:
+        _check_metrics_file(path, fd)
+        content = f.read(MAX_METRICS_BYTES + 1)  # Bounded: the file may grow as it is read.
+    if len(content) > MAX_METRICS_BYTES:  # It grew past the bound as it was read.
+        raise _too_large(path)
+    lines = content.split(b"\n")
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

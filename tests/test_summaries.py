@@ -1,6 +1,7 @@
 """Tests of haiku_state.summaries: metrics.jsonl with a training run and an evaluator beside it."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from haiku_state import summaries
+from haiku_state import errors, summaries
 
 
 def _lines(workdir) -> list[dict]:
@@ -51,6 +52,33 @@ def test_a_line_cut_by_a_kill_is_dropped_before_the_next_record_is_appended(tmp_
         ("eval", 10),
         ("eval", 10),
     ]
+
+
+@pytest.mark.parametrize("device", ["/dev/full", "/dev/zero"])
+def test_a_metrics_file_that_is_a_device_is_refused_in_one_line_not_read(tmp_path, device):
+    if not os.path.exists(device):
+        pytest.skip(f"no {device} here")
+    os.symlink(device, tmp_path / summaries.METRICS_FILE)  # Read whole, it never ends.
+    for action in (
+        lambda: summaries.read_metrics(str(tmp_path)),
+        lambda: summaries.MetricWriter(str(tmp_path), 100, resume_step=10),  # A resume.
+        lambda: summaries.MetricWriter(str(tmp_path), 100).write(10, "train", {"loss": 1.0}),
+    ):
+        with pytest.raises(errors.InvalidValue, match="is not a regular file") as raised:
+            action()
+        assert "\n" not in str(raised.value)
+
+
+def test_a_metrics_file_over_the_bound_is_refused_not_read(tmp_path, monkeypatch):
+    with summaries.MetricWriter(str(tmp_path), 100) as writer:
+        for step in range(10, 110, 10):
+            writer.write(step, "train", {"loss": 1.0})
+    assert len(summaries.read_metrics(str(tmp_path))) == 10
+    monkeypatch.setattr(summaries, "MAX_METRICS_BYTES", 100)
+    with pytest.raises(errors.InvalidValue, match="is over 0 MiB, more than a run's metrics"):
+        summaries.read_metrics(str(tmp_path))
+    with pytest.raises(errors.InvalidValue, match="more than a run's metrics"):
+        summaries.MetricWriter(str(tmp_path), 100, resume_step=50)
 
 
 def test_a_file_damaged_in_the_middle_keeps_its_records_and_is_set_aside(tmp_path):
