@@ -35,3 +35,8 @@ def __getattr__(name: str):
 
         return load_run
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names and `load_run`, which `__getattr__` imports when first asked for."""
+    return sorted({*globals(), *__all__})
