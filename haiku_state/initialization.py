@@ -11,7 +11,10 @@ makes it `forward.init` as it is. The numpy values are alike on every platform a
 
 The program's memory is known before it runs, and one that does not fit is refused
 (`HostMemoryError`): XLA:CPU runs a program asynchronously, and an output it then fails to
-allocate leaves the others never ready (jaxlib 0.10-0.12), a wait no signal ends.
+allocate leaves the others never ready (jaxlib 0.10-0.12), a wait no signal ends. On a CPU
+backend, under an address-space limit (`ulimit -v`), the whole run's needs are estimated
+before anything is compiled (`run_address_space_needs`): XLA aborts a compile or step it
+cannot map (exit 134, no error line, signals not taken).
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ from haiku_state import errors
 class HostMemoryError(errors.Refused, MemoryError):
     """The program that draws the initial params and state needs more host memory than this
     process may allocate."""
+
+
+# What a run on the CPU backend maps beyond what the process has mapped when it draws the
+# initial params and state (VmPeak at its end less VmSize then, measured on the MLP, 2 CPU
+# cores, jaxlib 0.10: 0.6 GiB with 0.3 MiB of params and state; 10.3x the params and state
+# and that on 1 device, 11.3x-12.2x on 2, e.g. 3.68 GiB for hidden_sizes=(8192, 8192), 259
+# MiB): the compiles' and XLA's own, then RUN_STATE_COPIES copies of the params and state
+# and one more per CPU device, all with a RUN_MARGIN margin.
+RUN_FIXED_BYTES = int(0.6 * 2**30)
+RUN_STATE_COPIES = 10
+RUN_MARGIN = 1.25
 
 
 class _Draw(NamedTuple):
@@ -219,6 +233,7 @@ def _run_on_host(closed, key, batch_leaves, draws, shapes, skip=None):
     if batch_leaves is not None:
         batch_leaves = [jax.device_put(np.asarray(jax.device_get(x)), device) for x in batch_leaves]
     key = jax.device_put(key, device)
+    _check_run_fits_in_address_space(shapes)  # Before any compile: XLA aborts one it cannot map.
     compiled = jax.jit(program).lower(key, batch_leaves).compile()
     _check_fits_in_host_memory(compiled.memory_analysis(), shapes)
     kept, flat = jax.device_get(compiled(key, batch_leaves))
@@ -237,16 +252,59 @@ def _check_fits_in_host_memory(memory: Any, shapes: tuple[hk.Params, hk.State]) 
     available, bound = headroom
     if needed <= available:
         return
+    raise _refusal(
+        f"The initial params and state take {_gib(memory.output_size_in_bytes)} and drawing "
+        f"them {_gib(memory.temp_size_in_bytes)} more",
+        available,
+        bound,
+        shapes,
+    )
+
+
+def run_address_space_needs(state_bytes: int, devices: int) -> int:
+    """The address space a run on `devices` CPU devices maps beyond what the process has
+    mapped when it draws params and state of `state_bytes` (the constants' comment)."""
+    copies = RUN_STATE_COPIES + devices
+    return int(RUN_MARGIN * (RUN_FIXED_BYTES + copies * state_bytes))
+
+
+def _check_run_fits_in_address_space(shapes: tuple[hk.Params, hk.State]) -> None:
+    """On the CPU backend under an address-space limit, `HostMemoryError` if the run (drawing
+    the params and state, compiling and training with them) needs more than it leaves."""
+    if jax.default_backend() != "cpu":
+        return
+    headroom = address_space_headroom()
+    if headroom is None:
+        return
+    state_bytes = sum(_bytes(leaf) for leaf in jax.tree.leaves(shapes))
+    devices = jax.local_device_count()
+    needed = run_address_space_needs(state_bytes, devices)
+    available, bound = headroom
+    if needed <= available:
+        return
+    raise _refusal(
+        f"The initial params and state take {_gib(state_bytes)} and drawing and training them "
+        f"here about {_gib(needed)} more ({RUN_STATE_COPIES + devices}x them on {devices} CPU "
+        f"device(s) and {_gib(RUN_FIXED_BYTES)} for XLA and its compiles, with a "
+        f"{RUN_MARGIN - 1:.0%} margin)",
+        available,
+        bound,
+        shapes,
+    )
+
+
+def _refusal(
+    needs: str, available: int, bound: str, shapes: tuple[hk.Params, hk.State]
+) -> HostMemoryError:
+    """The one-line refusal: what is needed, the headroom and its bound, the largest leaf."""
     leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
     path, largest = max(leaves, key=lambda named: _bytes(named[1]))
     name = "/".join(str(getattr(part, "key", part)) for part in path[1:])
     shape = "x".join(map(str, largest.shape))
-    raise HostMemoryError(
-        f"The initial params and state take {_gib(memory.output_size_in_bytes)} and drawing "
-        f"them {_gib(memory.temp_size_in_bytes)} more, beyond the {_gib(max(available, 0))} "
-        f"this process may still allocate on the host ({bound}). The largest: {name}, {shape} "
-        f"{largest.dtype} ({_gib(_bytes(largest))}); a smaller model or input "
-        "(data.image_size) fits."
+    return HostMemoryError(
+        f"{needs}, beyond the {_gib(max(available, 0))} this process may still allocate on "
+        f"the host ({bound}). The largest: {name}, {shape} {largest.dtype} "
+        f"({_gib(_bytes(largest))}); a smaller model or input (data.image_size) fits."
     )
 
 
@@ -262,15 +320,8 @@ def host_memory_headroom() -> tuple[int, str] | None:
     """The bytes this process may still allocate on the host and what bounds them: its
     address-space limit (`ulimit -v`), its container's (cgroup v2 `memory.max`), the memory
     the host has available; None if none can be read."""
-    bounds = []
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    try:
-        if limit != resource.RLIM_INFINITY:
-            with open("/proc/self/statm") as f:
-                mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            bounds.append((limit - mapped, f"its address-space limit, ulimit -v {limit // 1024}"))
-    except (OSError, ValueError):
-        pass
+    address_space = address_space_headroom()
+    bounds = [address_space] if address_space else []
     try:
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
             most, used = f.read().strip(), int(g.read())
@@ -286,6 +337,20 @@ def host_memory_headroom() -> tuple[int, str] | None:
     except (OSError, KeyError, ValueError):
         pass
     return min(bounds, default=None)
+
+
+def address_space_headroom() -> tuple[int, str] | None:
+    """The bytes this process may still map under its address-space limit (`ulimit -v`), and
+    the limit in words; None without a limit (or if what is mapped cannot be read)."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+    return limit - mapped, f"its address-space limit, ulimit -v {limit // 1024}"
 
 
 def _with_draws(params: hk.Params, draws: dict[str, _Draw], flat_draws: dict[tuple, np.ndarray]):

@@ -387,3 +387,42 @@ def test_a_run_that_collapses_after_a_resume_is_judged_on_the_whole_run_and_so_i
     assert outcome.first_loss.step == 1 and outcome.first_eval_loss.step == 30
     assert outcome.best_eval_accuracy.examples == 360  # The digits' test split.
     assert outcome.last_train_accuracy.examples == 10 * 64  # A window of 10 steps of 64.
+
+
+def test_a_warm_start_whose_train_loss_rose_but_whose_eval_is_as_good_passes():
+    # Issue 39: init_from a converged run (seed 0 of 5): its train loss 0.03495 -> 0.1672, its
+    # final evaluation 100% at loss 0.0041, no worse than the train loss it started from.
+    outcome = _outcome([(50, 0.03495, 0.99), (100, 0.1672, 0.96)])
+    chance = math.log(10)
+    assert outcome.problems(100, {"accuracy": 1.0, "loss": 0.0041}, 360, chance) == []
+    divergence.Monitor(100, outcome, chance_loss=chance).check_outcome(
+        100, {"accuracy": 1.0, "loss": 0.0041}
+    )
+    # An eval loss that rose with it is still a rise, and so is one with no eval loss.
+    assert outcome.problems(100, {"accuracy": 0.96, "loss": 0.2}, 360, chance) == [
+        "its train loss ended at 0.1672 (step 100), over 1.25x its first logged, 0.03495 (step 50)"
+    ]
+    assert len(outcome.problems(100, {"accuracy": 0.96}, 360, chance)) == 1
+
+
+def test_a_run_whose_only_window_is_its_last_fails_far_above_the_chance_loss():
+    # Issue 39: one log and eval window, the last: 8.61% at loss 578.9 exited 0.
+    chance = math.log(10)
+    outcome = _outcome([(600, 412.0, 0.09)])
+    outcome.log_eval(600, {"accuracy": 0.0861, "loss": 578.9}, examples=360)
+    final = {"accuracy": 0.0861, "loss": 578.9}
+    assert outcome.problems(600, final, 360, chance) == [
+        "its eval loss ended at 578.9 (step 600), over 4x the chance loss, ln(classes) = 2.303"
+    ]
+    with pytest.raises(divergence.EndedWorseError) as error:
+        divergence.Monitor(600, outcome, eval_examples=360, chance_loss=chance).check_outcome(
+            600, final, kept_steps=[600]
+        )
+    assert "\n" not in str(error.value)
+    # Without an evaluation's loss, the last train loss is judged so.
+    assert len(outcome.problems(600, {"accuracy": 0.0861}, 360, chance)) == 1
+    # At chance, or far above it but learned (confidently wrong on the rest: overfitting), passes.
+    assert outcome.problems(600, {"accuracy": 0.1, "loss": 2.31}, 360, chance) == []
+    assert outcome.problems(600, {"accuracy": 0.7, "loss": 12.0}, 360, chance) == []
+    # On 10 eval images, 0.3 is not above chance beyond noise.
+    assert len(outcome.problems(600, {"accuracy": 0.3, "loss": 12.0}, 10, chance)) == 1

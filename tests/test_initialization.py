@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -574,3 +578,75 @@ def test_params_computed_from_the_input_take_forward_inits_exact_path():
     # 256 draws of N(0, std(x)^2): their std within 30% of std(x) (about 7 standard errors).
     np.testing.assert_allclose(scale.std(), features.std(), rtol=0.3)
     assert np.all(state[MEAN_EMA]["average"] != 0)  # Not zeroed on this path.
+
+
+# The host's memory: a run that cannot fit under an address-space limit is refused up front.
+
+
+def _address_space_limit(monkeypatch, headroom: int) -> None:
+    """An address-space limit (`ulimit -v`) that leaves `headroom` bytes to map."""
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = mapped + headroom
+    monkeypatch.setattr(initialization.resource, "getrlimit", lambda _: (limit, limit))
+
+
+def test_a_run_beyond_the_address_space_limit_is_refused_before_any_compile(mlp, monkeypatch):
+    """The init program alone fits in 256 MiB, the run (XLA's compiles, the train state on
+    every CPU device) does not: refused before the init program is compiled."""
+    _address_space_limit(monkeypatch, 256 << 20)
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("the init program was compiled before the refusal")
+
+    monkeypatch.setattr(initialization, "_check_fits_in_host_memory", compiled)
+    with pytest.raises(initialization.HostMemoryError) as refusal:
+        _initialise(mlp["forward"], mlp["batch"])
+    message = str(refusal.value)
+    assert "\n" not in message
+    assert message.startswith("The initial params and state take ")
+    assert "drawing and training them here about 0.75 GiB more (14x them on 4 CPU device(s)" in (
+        message
+    )
+    assert "(its address-space limit, ulimit -v " in message
+
+
+def test_a_run_within_the_address_space_limit_is_not_refused(mlp, monkeypatch):
+    _address_space_limit(monkeypatch, 2 << 30)
+    params, _ = _initialise(mlp["forward"], mlp["batch"])
+    assert_trees_bit_equal(params, mlp["params"])
+
+
+def test_the_run_estimate_covers_the_measured_peaks_with_its_margin():
+    # VmPeak less VmSize at the draw, measured (the constants' comment): (state, devices, bytes).
+    measured = [(0.3 * 2**20, 2, 0.595 * 2**30), (65.3 * 2**20, 1, 1.254 * 2**30),
+                (65.3 * 2**20, 2, 1.317 * 2**30), (258.6 * 2**20, 2, 3.682 * 2**30)]  # fmt: skip
+    for state, devices, peak in measured:
+        needed = initialization.run_address_space_needs(int(state), devices)
+        assert peak <= needed / initialization.RUN_MARGIN * 1.02 and needed >= 1.2 * peak
+
+
+def test_the_hostile_users_wide_mlp_under_ulimit_is_one_line_in_seconds(tmp_path):
+    # Issue 39: `ulimit -v 5000000` and model.hidden_sizes=(8192, 8192) (259 MiB of params;
+    # the run maps 3.7 GiB more than at the draw): XLA aborted (exit 134) or hung after a
+    # minute, with no error line, and took no SIGTERM.
+    limit = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (5000000 << 10,) * 2)\n"
+    code = limit + "from haiku_state import train\ntrain.main(['train', *sys.argv[1:]])\n"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + code, "--config=experiments/mlp.py",
+         f"--workdir={tmp_path}/run", "--cpu_devices=2", "--config.steps=4",
+         "--config.model.hidden_sizes=(8192,8192)", "--config.compilation_cache_dir="],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: The initial params and state take 0.253 GiB and "), (
+        last_line
+    )
+    assert "(its address-space limit, ulimit -v 5000000)" in last_line
+    assert not (tmp_path / "run").exists()  # Refused before the workdir is touched.

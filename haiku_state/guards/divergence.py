@@ -36,12 +36,17 @@ EXPLOSION_FACTOR = 100.0  # A loss this many times the run's first: the run dive
 # that overfits); or when its last accuracy in a split is under COLLAPSE_FRACTION of its best,
 # COLLAPSE_MIN_DROP below it, and further below than chance explains: the accuracies'
 # Wilson intervals at CONFIDENCE_Z standard errors, on the examples each was measured on,
-# do not overlap (10 eval images cannot tell 0.2 from 0.0).
+# do not overlap (10 eval images cannot tell 0.2 from 0.0). A train loss that rose is no
+# problem when the final eval loss did not rise so over the first train loss (a warm start from
+# a converged run: its train loss 0.035 -> 0.167, its final eval loss 0.0041). A final loss
+# (eval, else train) over CHANCE_LOSS_FACTOR x the chance loss, with its accuracy not above
+# chance's 1/classes beyond noise, ended badly even with nothing earlier to compare it with.
 LOSS_RISE_FACTOR = 1.25
 LOSS_RISE_MIN = 0.1
 COLLAPSE_FRACTION = 0.5
 COLLAPSE_MIN_DROP = 0.1
 CONFIDENCE_Z = 3.0
+CHANCE_LOSS_FACTOR = 4.0
 OUTCOME_KEY = "outcome"  # Of the outcome so far in a checkpoint's metadata.
 
 
@@ -101,15 +106,29 @@ class Outcome:
     ) -> list[str]:
         """One phrase per rule broken, with its figures: the last train loss, or the final
         eval loss (known `chance_loss`), risen beyond `LOSS_RISE_FACTOR` and `LOSS_RISE_MIN`;
-        the last train (or final eval, on `eval_examples`) accuracy collapsed from its best."""
-        found = _rose("train loss", self.first_train_loss, self.last_train_loss, "first logged")
-        if "loss" in final_eval and chance_loss is not None:
+        the last train (or final eval, on `eval_examples`) accuracy collapsed from its best;
+        the final eval loss (else the last train loss) far over `chance_loss`."""
+        final_loss = final = None
+        if "loss" in final_eval:
             final_loss = Figure(last_step, float(final_eval["loss"]))
-            if final_loss.value > chance_loss:
-                found += _rose("eval loss", self.first_eval_loss, final_loss, "first evaluation's")
-        found += _collapsed("train", self.last_train_accuracy, self.best_train_accuracy)
         if "accuracy" in final_eval:
             final = Figure(last_step, float(final_eval["accuracy"]), eval_examples)
+        found = []
+        # The eval loss, where there is one, judges a train loss's rise: no worse than the first.
+        if final_loss is None or _rose("", self.first_train_loss, final_loss, ""):
+            found += _rose(
+                "train loss", self.first_train_loss, self.last_train_loss, "first logged"
+            )
+        if final_loss is not None and chance_loss is not None:
+            rose = []
+            if final_loss.value > chance_loss:
+                rose = _rose("eval loss", self.first_eval_loss, final_loss, "first evaluation's")
+            found += rose or _far_above_chance("eval loss", final_loss, final, chance_loss)
+        elif chance_loss is not None:
+            last_train = self.last_train_loss, self.last_train_accuracy
+            found += _far_above_chance("train loss", *last_train, chance_loss)
+        found += _collapsed("train", self.last_train_accuracy, self.best_train_accuracy)
+        if final is not None:
             found += _collapsed("eval", final, _higher(self.best_eval_accuracy, final))
         return found
 
@@ -153,6 +172,21 @@ def _rose(what: str, first: Figure | None, last: Figure | None, first_name: str)
     return [
         f"its {what} ended at {last.value:.4g} (step {last.step}), over "
         f"{LOSS_RISE_FACTOR:g}x its {first_name}, {first.value:.4g} (step {first.step})"
+    ]
+
+
+def _far_above_chance(
+    what: str, loss: Figure | None, accuracy: Figure | None, chance_loss: float
+) -> list[str]:
+    """`["its <what> ended at ..."]` if `loss` is over `CHANCE_LOSS_FACTOR` x `chance_loss`
+    and its `accuracy` (if known) not above chance's, 1/classes, beyond noise, else []."""
+    if loss is None or loss.value <= CHANCE_LOSS_FACTOR * chance_loss:
+        return []
+    if accuracy is not None and accuracy_interval(accuracy)[0] > math.exp(-chance_loss):
+        return []  # It learned: confidently wrong on the rest (overfitting), not collapsed.
+    return [
+        f"its {what} ended at {loss.value:.4g} (step {loss.step}), over "
+        f"{CHANCE_LOSS_FACTOR:g}x the chance loss, ln(classes) = {chance_loss:.4g}"
     ]
 
 
