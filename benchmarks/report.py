@@ -164,7 +164,7 @@ def _utilisation_rows(result: dict[str, Any], targets: dict[str, float]) -> list
 def _loop_rows(result: dict[str, Any], targets: dict[str, float]) -> list[Row]:
     loop = result.get("loop") or {}
     if "ratio_vs_update" not in loop:
-        return [("training loop", "skipped: " + str(loop.get("skipped", "-"))[:60], "", "")]
+        return [("training loop", "skipped: " + str(loop.get("skipped", "-")), "", "")]
     without = loop.get("ratio_vs_update_without_checkpoints")
     cost = loop["checkpoint_windows"]["cost_per_save_s"]
     return [
@@ -178,9 +178,11 @@ def _loop_rows(result: dict[str, Any], targets: dict[str, float]) -> list[Row]:
 
 def result_heading(result: dict[str, Any]) -> str:
     sized = " (sized down to fit the device)" if result.get("sized_down") else ""
+    overrides = ", ".join(f"{k}={v}" for k, v in (result.get("model_overrides") or {}).items())
+    reduced = f" (a reduced model: {overrides})" if overrides else ""
     return (
         f"{_label(result)}: batch {result['batch_size']} on {result['num_devices']} x "
-        f"{result.get('device_kind', '?')}{sized}"
+        f"{result.get('device_kind', '?')}{sized}{reduced}"
     )
 
 
@@ -257,15 +259,56 @@ def input_pipeline_lines(result: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+RATIOS_READ = (
+    "ratios: a row 'A / B' is A's examples/s over B's (for the loop, its steady examples/s over "
+    "the bare update's): above 1, A is faster; a target is a floor."
+)
+QUICK_VERDICT = (
+    "a smoke run: it checks that the benchmarks run; its figures are not measurements, so no "
+    "target is judged (`make bench` measures)"
+)
+
+
+def _failures(record: dict[str, Any]) -> list[str]:
+    """What failed to run: a measurement, a device count's subprocess, the input pipeline."""
+    notes = [note for run in record["runs"] for note in run.get("skipped", [])]
+    notes.append(str((record.get("input_pipeline") or {}).get("skipped", "")))
+    return [note for note in notes if "failed:" in note or "exited with" in note]
+
+
+def verdict_line(record: dict[str, Any]) -> str:
+    """One line: a quick run's smoke verdict (no target judged), else the targets met."""
+    failures = _failures(record)
+    if (record.get("settings") or {}).get("quick"):
+        if failures or not record["results"]:
+            failed = f"{len(failures)} thing(s) did not run (above)"
+            return f"verdict: --quick FAILED, {failed}; {QUICK_VERDICT}."
+        return f"verdict: --quick passed, every benchmark ran; {QUICK_VERDICT}."
+    verdicts = [
+        (f"{_label(result)} at {result['num_devices']} device(s): {label}", verdict)
+        for result in record["results"]
+        for label, _, target, verdict in result_rows(result)
+        if target
+    ]
+    unmet = [f"{what} ({verdict})" for what, verdict in verdicts if verdict != "met"]
+    line = f"verdict: {len(verdicts) - len(unmet)} of {len(verdicts)} targets met"
+    line += f"; {'; '.join(unmet)}" if unmet else ""
+    return line + (f"; {len(failures)} thing(s) failed to run (above)" if failures else "")
+
+
 def format_table(record: dict[str, Any]) -> str:
-    """The run's figures, a short table per measurement, each figure against its target, then
-    the peaks, skips and notes (every figure is in the record's JSON)."""
+    """The run's figures, a short table per measurement, each figure against its target (none
+    in a quick run: a smoke run), then the peaks, skips and notes, how ratios read and one
+    verdict line (every figure is in the record's JSON)."""
+    quick = (record.get("settings") or {}).get("quick")
     lines = []
     for result in record["results"]:
         lines.append(result_heading(result))
         for label, value, target, verdict in result_rows(result):
+            if quick:  # A smoke run's figures are not measurements: nothing to judge.
+                target = verdict = ""
             lines.append(f"  {label:<62} {value:<38} {target:<8} {verdict}".rstrip())
-    return "\n".join(lines + _run_notes(record))
+    return "\n".join(lines + _run_notes(record) + [RATIOS_READ, verdict_line(record)])
 
 
 def _display_path(path: str | Path) -> str:

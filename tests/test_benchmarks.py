@@ -206,6 +206,37 @@ def test_table_marks_each_figure_against_its_target_and_says_what_was_measured()
     assert missed.split()[-4:] == ["0.900", ">=", "1", "MISSED"]
 
 
+def test_a_quick_run_judges_no_target_and_ends_with_one_verdict_line():
+    full = _full_record([_synthetic_result("mlp", 2, 1000.0), _synthetic_result("resnet", 2, 1.0)])
+    for result in full["results"]:
+        result["batch_size"] = 32
+        result["throughput"]["updater"].update(step_ms=32.0, compile_s=1.0)
+    full["settings"] = {"quick": False}
+    full["results"][1]["ratios"]["updater_vs_hand_written"] = 0.5
+    table = report.format_table(full).splitlines()
+    assert table[-2] == report.RATIOS_READ  # Which way a ratio reads.
+    assert table[-1] == (
+        "verdict: 1 of 2 targets met; resnet at 2 device(s): Updater / hand-written step (MISSED)"
+    )
+
+    quick = dict(full, settings={"quick": True})
+    quick["results"][1]["model_overrides"] = {"width": 8, "blocks_per_stage": [1, 1]}
+    skipped = "--quick: the loop runs for mlp at the first device count only"
+    quick["results"][1]["loop"] = {"skipped": skipped}
+    text = report.format_table(quick)
+    assert "MISSED" not in text and " met" not in text and ">= " not in text
+    assert "resnet: batch 32 on 2 x cpu (a reduced model: width=8, blocks_per_stage=[1, 1])" in text
+    assert f"skipped: {skipped}" in text  # Whole, not cut mid-word.
+    assert text.splitlines()[-1].startswith("verdict: --quick passed, every benchmark ran; a smoke")
+    assert sum(line.startswith("verdict:") for line in text.splitlines()) == 1
+    quick["runs"] = [{"num_devices": 2, "skipped": ["resnet (float32, batch 32): failed: boom"]}]
+    assert (
+        report.format_table(quick)
+        .splitlines()[-1]
+        .startswith("verdict: --quick FAILED, 1 thing(s) did not run (above)")
+    )
+
+
 def test_plot_draws_scaling_throughput_and_ratio_charts(tmp_path):
     record = {
         "created_utc": "2026-01-01T00:00:00+00:00",

@@ -33,6 +33,22 @@ def test_loop_runs_default_to_three_for_the_mlp_and_zero_is_refused():
         run._parse_args(["--loop_runs=0"])
 
 
+def test_the_training_loops_final_eval_line_naming_its_deleted_workdir_is_not_shown(capsys):
+    with run.without_stray_lines():
+        print("  3.0s mlp: loop done", file=sys.stderr)
+        print("Final eval at step 30: accuracy 10.55%. In /tmp/haiku_state_bench_x/loop_0: ...")
+        sys.stderr.write("Final eval at step 30: accuracy 10.55%")  # In two writes, as print.
+        sys.stderr.write(", loss 2.3\nlast line, no newline")
+    assert capsys.readouterr().err == "  3.0s mlp: loop done\nlast line, no newline\n"
+
+
+def test_quick_says_it_is_a_smoke_run_whose_figures_are_not_measurements():
+    notes = run._notes(run._parse_args(["--quick"]), [])
+    assert notes[0] == run.QUICK_NOTE
+    assert "not measurements" in run.QUICK_NOTE and "smoke run" in run.QUICK_NOTE
+    assert run.QUICK_NOTE not in run._notes(run._parse_args([]), [])
+
+
 def test_precisions_are_the_librarys_and_others_are_refused_with_the_reason():
     assert set(settings.SUPPORTED_PRECISIONS) == set(models.PRECISIONS)
     for precision in models.PRECISIONS:
