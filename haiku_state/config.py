@@ -363,7 +363,15 @@ def load_config_file(path: str) -> Any:
     sys.modules[spec.name] = module  # As an import would: dataclasses look their module up.
     with importable_directory(path):
         spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise errors.InvalidValue(f"{path} defines no get_config(), which returns the config.")
     config = module.get_config(variant) if variant else module.get_config()
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise errors.InvalidValue(
+            f"{path}: get_config() returned {config!r:.60} ({type(config).__name__}); "
+            "expected an ml_collections.ConfigDict, such as experiments/_base.py's "
+            "(haiku_state.config.default_config()) with your changes."
+        )
     own_network = callable(getattr(module, "network", None))
     if own_network and "model" in config and not config.model.get("network"):
         config.model.network = os.path.abspath(path)  # Its network(): the trainer builds it.

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import optax
+from absl import logging
 
 from haiku_state import errors
 
@@ -54,11 +55,29 @@ def make_optimizer(
     """The optax transformation an experiment's `optimizer` config describes; with
     `clip_global_norm`, the gradients clipped to that global norm first (as big_vision's
     `grad_clip_norm`: the norm of the mean over the devices, before any weight decay)."""
+    _warn_if_averages_cannot_move(config.get("ema_decay") or 0.0, total_steps)
     optimizer = _optimizer(config, total_steps, weight_decay_mask)
     clip = config.get("clip_global_norm") or 0.0  # Absent from configs older than the key.
     if clip:
         optimizer = optax.chain(optax.clip_by_global_norm(clip), optimizer)
     return optimizer
+
+
+def _warn_if_averages_cannot_move(decay: float, total_steps: int) -> None:
+    """A warning when the moving averages keep more than half of the initial params and state
+    after the whole run (`decay**steps > 0.5`): evaluation would see a model barely trained."""
+    kept = decay**total_steps
+    if decay and total_steps and kept > 0.5:
+        logging.warning(
+            "config.optimizer.ema_decay=%r is too close to 1 for the run's %d steps: at its end "
+            "the moving averages still keep decay**steps = %.1f%% of the initial params and "
+            "state (warned over 50%%), and evaluation, predictions and the export use them; "
+            "use a decay of at most 0.5**(1/steps) = %.6g, or train longer.",
+            decay,
+            total_steps,
+            100 * kept,
+            0.5 ** (1 / total_steps),
+        )
 
 
 def _optimizer(

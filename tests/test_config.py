@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from haiku_state import config as config_lib
-from haiku_state import models
+from haiku_state import errors, models
 from haiku_state.guards import config_checks
 from haiku_state.guards import workdir as workdir_lib
 
@@ -432,3 +432,19 @@ def test_describe_keys_gives_every_key_its_value_default_range_and_help():
     every = config_lib.describe_keys()
     assert every.count("\n  --config.") + 1 == len(config_lib.SCHEMA)
     assert "  --config.model.width=16  (a positive integer; for the resnet model)\n" in every
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("def get_config():\n    return 42\n", "get_config() returned 42 (int); expected an "
+         "ml_collections.ConfigDict"),
+        ("X = 1\n", "defines no get_config(), which returns the config"),
+    ],
+)  # fmt: skip
+def test_a_config_file_without_a_config_is_refused_naming_it(tmp_path, body, says):
+    path = tmp_path / "broken.py"
+    path.write_text(body)
+    with pytest.raises(errors.InvalidValue) as refused:
+        config_lib.load_config_file(str(path))
+    assert str(refused.value).startswith(str(path)) and says in str(refused.value)

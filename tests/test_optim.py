@@ -1,5 +1,7 @@
 """Tests of haiku_state.optim: which parameters are decayed, and the schedules."""
 
+import logging
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -90,3 +92,19 @@ def test_clip_global_norm_bounds_the_gradients_global_norm_before_the_optimizer(
     chex.assert_trees_all_close(got, unclipped.update(small, unclipped.init(params), params)[0])
     off = optim.make_optimizer({**config, "clip_global_norm": 0.0}, 10)
     assert jax.tree.structure(off.init(params)) == jax.tree.structure(unclipped.init(params))
+
+
+@pytest.mark.parametrize(
+    "decay, steps, warned",
+    [(0.9999999999, 60, True), (0.999, 600, True), (0.999, 1000, False), (0.0, 10, False)],
+)
+def test_a_decay_whose_averages_cannot_move_within_the_run_is_warned_of(
+    caplog, decay, steps, warned
+):
+    with caplog.at_level(logging.WARNING):
+        optim.make_optimizer(_config(ema_decay=decay), total_steps=steps)
+    lines = [r.getMessage() for r in caplog.records if "ema_decay" in r.getMessage()]
+    assert len(lines) == warned
+    if warned:
+        assert f"config.optimizer.ema_decay={decay!r} is too close to 1" in lines[0]
+        assert f"for the run's {steps} steps" in lines[0] and "0.5**(1/steps)" in lines[0]

@@ -177,3 +177,14 @@ def test_sigkill_with_decoding_workers_resumes_bit_identically(image_tree, tmp_p
     output = run_to_end(workdir, "--config.checkpoint_every=10", flags=flags)
     assert "Resuming at step" in output
     assert_bit_identical(final_state(workdir, IMAGEFOLDER_STEPS, **options), reference)
+
+
+def test_clipping_turned_on_at_a_resume_with_allow_config_change_carries_the_optimizer_state(
+    tmp_path,
+):
+    flags = [flag for flag in FLAGS if not flag.startswith("--config.steps=")]
+    run_to_end(tmp_path, "--config.steps=40", flags=flags)
+    clipped = ["--config.optimizer.clip_global_norm=1.0", "--allow_config_change"]
+    output = run_to_end(tmp_path, "--config.steps=60", *clipped, flags=flags)
+    assert "Checkpoint step 40: its optimizer state (opt_state) holds the arrays" in output
+    assert "Final eval at step 60" in output

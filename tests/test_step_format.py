@@ -181,18 +181,26 @@ def test_moving_averages_round_trip_bit_identically_and_resume_exactly(ema_setup
     assert_bit_identical(ema_setup.train(restored, ema_setup.batches[3:]), uninterrupted)
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_an_older_step_has_no_averages_and_they_start_from_its_params_and_state(
-    setup, ema_setup, tmp_path, caplog, version
+@pytest.mark.parametrize(
+    "version, written",
+    [
+        (1, "written in format version 1, before version 3 added them"),
+        (2, "written in format version 2, before version 3 added them"),
+        (3, "written by a run without optimizer.ema_decay"),
+    ],
+)
+def test_a_step_without_averages_starts_them_from_its_params_and_state_saying_why(
+    setup, ema_setup, tmp_path, caplog, version, written
 ):
     save_steps(tmp_path, [setup.train(setup.init(), setup.batches[:2])])
-    set_format_version(tmp_path / "2", 2)
+    if version < 3:
+        set_format_version(tmp_path / "2", 2)
     if version == 1:
         as_version_1(tmp_path / "2")
     caplog.set_level(logging.INFO)
     with Checkpointer(tmp_path) as checkpointer:
         restored = checkpointer.restore(ema_setup.init(seed=7))
-    assert "holds no moving averages (ema)" in caplog.text
+    assert f"holds no moving averages (ema) of params and state ({written})" in caplog.text
     assert_bit_identical(restored.ema, Ema(restored.params, restored.state))
     # The averages are arrays of their own: the step donates them beside the params.
     ema_setup.train(restored, ema_setup.batches[2:3])
@@ -209,6 +217,59 @@ def test_a_step_with_averages_restores_into_a_train_state_without_them(
         restored = checkpointer.restore(setup.init(seed=7))
     assert restored.ema is None and "they are not restored" in caplog.text
     assert_bit_identical(restored, expected)
+
+
+def test_a_step_of_version_2_holding_averages_is_damaged(ema_setup, tmp_path, caplog):
+    train_state = ema_setup.init()
+    save_steps(tmp_path, [at_step(train_state, 1), at_step(train_state, 2)])
+    set_format_version(tmp_path / "2", 2)  # Version 2 has no `ema`: the items do not match.
+    with Checkpointer(tmp_path) as checkpointer, caplog.at_level(logging.WARNING):
+        assert int(checkpointer.restore(train_state).step[0]) == 1
+    [warning] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert (
+        "its step item says format_version 2 but it holds moving averages (ema), which only "
+        "version 3 writes: the version and the items do not match" in warning
+    ), warning
+    assert set_aside_dirs(tmp_path, 2)
+
+
+@pytest.fixture(scope="module")
+def clipped_setup() -> Setup:  # The module's `setup` with clipping: the same arrays.
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+    return make_setup(make_updater(16, clipped))
+
+
+def test_clipping_turned_on_or_off_carries_the_optimizer_state_over(
+    setup, clipped_setup, tmp_path, caplog
+):
+    trained = setup.train(setup.init(), setup.batches[:2])
+    expected = jax.tree.leaves(host_copy(trained.opt_state))
+    save_steps(tmp_path, [trained])
+    caplog.set_level(logging.INFO)
+    with Checkpointer(tmp_path) as checkpointer:
+        clipped = checkpointer.restore(clipped_setup.init(seed=7))
+    assert "its optimizer state (opt_state) holds the arrays" in caplog.text
+    assert_bit_identical(jax.tree.leaves(clipped.opt_state), expected)
+    clipped = clipped_setup.train(clipped, clipped_setup.batches[2:3])
+    expected = jax.tree.leaves(host_copy(clipped.opt_state))
+    save_steps(tmp_path, [clipped])
+    with Checkpointer(tmp_path) as checkpointer:  # And off again.
+        unclipped = checkpointer.restore(setup.init(seed=7))
+    assert int(unclipped.step[0]) == 3
+    assert_bit_identical(jax.tree.leaves(unclipped.opt_state), expected)
+    setup.train(unclipped, setup.batches[3:4])
+
+
+def test_an_optimizer_state_of_other_arrays_is_refused_naming_the_keys_that_change_it(
+    setup, tmp_path
+):
+    save_steps(tmp_path, [setup.init()])
+    without_momentum = make_setup(make_updater(16, optax.sgd(0.1)))
+    with Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(ValueError, match=r"opt_state.*in the checkpoint .* but not in the "
+                           r"model \(the optimizer state's arrays change with optimizer.name "
+                           r".*optimizer.momentum turned on or off for sgd"):  # fmt: skip
+            checkpointer.restore(without_momentum.init())
 
 
 def test_a_step_of_an_unknown_format_version_is_refused_by_name_and_left_where_it_is(

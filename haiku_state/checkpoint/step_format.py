@@ -15,7 +15,7 @@ and the caller's extras. JSON items are files of their own, not Orbax's `custom_
 12-04): version 2 of a per-device state without `key_layout`, with CRC-32 `checksums` for
 `fingerprints`, verified on the host. A step without `ema` restored into a train state that
 keeps one starts its averages from the restored params and state; one with `ema` restored
-into a train state without drops them.
+into a train state without drops them; a step of version 1 or 2 with `ema` is damaged.
 
 A `jit` key is the base key per-device backends fold each global device index into; a
 `jit` run resumed from per-device keys takes global device 0's.
@@ -225,14 +225,27 @@ def restore_step(
     placements = _target_shardings(like, axis_name)
     if EMA in header.trees:  # Read (and checked) even when `like` drops it.
         expected, placements = map(_with_ema_like_params, (expected, placements))
+    model_opt_state, saved_opt_state = expected["opt_state"], header.trees["opt_state"]
+    # Of the same arrays, it is read in its saved structure, then given the model's: a
+    # transform without state (clipping, weight decay) changes the one, not the other.
+    carried = _same_arrays(model_opt_state, saved_opt_state)
+    if carried:
+        restructured = checkpoint_integrity.first_mismatch(
+            {"opt_state": model_opt_state}, {"opt_state": saved_opt_state}
+        )
+        expected["opt_state"], placements["opt_state"] = (
+            _into_structure(saved_opt_state, tree)
+            for tree in (model_opt_state, placements["opt_state"])
+        )
     problem = checkpoint_integrity.first_mismatch(expected, header.trees)
     model_key_impl = replication.key_impl_name(like.rng)
     if problem is None and header.key_impl != model_key_impl:
         problem = f"rng: checkpoint keys are {header.key_impl} vs model {model_key_impl}"
     if problem is not None:
+        hint = OPT_STATE_HINT if problem.startswith("opt_state") else ""
         raise errors.InvalidValue(
             f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
-            f"{problem}. Nothing was restored and no file was changed."
+            f"{problem}{hint}. Nothing was restored and no file was changed."
         )
     expected["rng"] = header.saved["rng"]  # With the saved number of keys.
     if header.version == 1 and sharding.is_global(like):
@@ -240,7 +253,45 @@ def restore_step(
         trees = jax.tree.map(_place, _read_on_host(manager, step, expected, header), placements)
     else:
         trees = _read_verified(manager, step, _abstract(expected, placements), header)
+    if carried:
+        trees["opt_state"] = _into_structure(model_opt_state, trees["opt_state"])
+    if carried and restructured:
+        logging.info(
+            "Checkpoint step %d: its optimizer state (opt_state) holds the arrays this run's "
+            "optimizer keeps, in another structure (a transform without state, such as "
+            "optimizer.clip_global_norm, added or removed): carried over as it is.",
+            header.step,
+        )
     return _decode(trees, header, like, axis_name)
+
+
+# Appended to a refusal for a mismatch in `opt_state`.
+OPT_STATE_HINT = (
+    " (the optimizer state's arrays change with optimizer.name from sgd to adam or adamw or "
+    "back, optimizer.momentum turned on or off for sgd, and precision to or from float16; "
+    "not with clip_global_norm, weight_decay, or adam for adamw)"
+)
+
+
+def _saved_order(tree: PyTree) -> list[Any]:
+    """The leaves of `tree` in the order a step holds them (a NamedTuple saved as a dict)."""
+    return jax.tree.leaves(ocp.tree.serialize_tree(tree, keep_empty_nodes=True))
+
+
+def _same_arrays(model: PyTree, saved: PyTree) -> bool:
+    """Whether the arrays of a saved tree, in order, have the shapes and dtypes of `model`'s."""
+
+    def signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], np.dtype]]:
+        return [(tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves]
+
+    return signature(_saved_order(model)) == signature(jax.tree.leaves(saved))
+
+
+def _into_structure(like: PyTree, tree: PyTree) -> PyTree:
+    """The leaves of `tree`, in the order a step holds them, in the structure of `like`."""
+    like_form = ocp.tree.serialize_tree(like, keep_empty_nodes=True)
+    filled = jax.tree.unflatten(jax.tree.structure(like_form), _saved_order(tree))
+    return ocp.tree.deserialize_tree(filled, like, keep_empty_nodes=True)
 
 
 def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -273,6 +324,11 @@ def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
         one_key = jax.ShapeDtypeStruct(key_shape, key.dtype)
     except Exception as e:  # The version is readable, so any failure to read is damage.
         raise DamagedCheckpointError(_reason(e)) from e
+    if EMA in saved and version < 3:
+        raise DamagedCheckpointError(
+            f"its step item says format_version {version} but it holds moving averages "
+            f"({EMA}), which only version 3 writes: the version and the items do not match"
+        )
     trees = {**saved, "rng": {"key_data": one_key}}
     return StepHeader(version, saved_step, key_impl, key_layout, integrity, trees, saved)
 
@@ -431,12 +487,16 @@ def _ema(trees: dict[str, PyTree], header: StepHeader, like: TrainState) -> Ema 
         return None
     if EMA in trees:
         return Ema(trees[EMA]["params"], trees[EMA]["state"])
+    written = (
+        "by a run without optimizer.ema_decay"
+        if header.version >= 3
+        else f"in format version {header.version}, before version 3 added them"
+    )
     logging.info(
-        "Checkpoint step %d holds no moving averages (ema) of params and state (written "
-        "without optimizer.ema_decay, or by format version %d): they start from its params "
-        "and state.",
+        "Checkpoint step %d holds no moving averages (ema) of params and state (written %s): "
+        "they start from its params and state.",
         header.step,
-        header.version,
+        written,
     )
     return Ema(*jax.tree.map(_copy, (trees["params"], trees["state"])))
 
