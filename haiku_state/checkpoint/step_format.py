@@ -540,11 +540,13 @@ def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax
     elif keys.shape[0] == jax.device_count():
         keys = keys[first_index : first_index + num_devices]
     else:
-        logging.warning(
+        logging.log_first_n(
+            logging.WARNING,
             "Checkpoint step %d holds PRNG keys for %d devices but this run has %d: "
             "re-deriving the per-device keys as fold_in(saved key of device 0, global "
             "device index) (haiku_state.updater.per_device_keys). Deterministic, but a "
-            "different random stream from the run that saved it.",
+            "different random stream from the run that saved it (said once per process).",
+            1,
             header.step,
             keys.shape[0],
             jax.device_count(),
