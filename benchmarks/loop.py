@@ -87,10 +87,10 @@ class Deadline(signals.StopRequest):
         self.seconds = seconds
         self._at = None if seconds is None else time.monotonic() + seconds
 
-    def should_stop_now(self) -> bool:
+    def signalled(self) -> bool:
         if self._at is not None and self.signal_name is None and time.monotonic() >= self._at:
             self.signal_name = self.REASON
-        return super().should_stop_now()
+        return super().signalled()
 
     @property
     def expired(self) -> bool:

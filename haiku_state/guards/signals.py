@@ -54,11 +54,15 @@ class StopRequest:
         """Whether to save and stop before running `step` (the same on every process)."""
         if self.agreement is None:
             return self.should_stop_now()
-        return self.agreement.agreed(step, self.signal_name is not None)
+        return self.agreement.agreed(step, self.signalled())
 
     def should_stop_now(self) -> bool:
         """Whether any process was signalled; a collective in a multi-process run."""
-        return any_process(self.signal_name is not None)
+        return any_process(self.signalled())
+
+    def signalled(self) -> bool:
+        """Whether this process was asked to stop (a subclass may ask for other reasons)."""
+        return self.signal_name is not None
 
     def stopped(self, what: str) -> Stopped:
         """The `Stopped` error to raise: `what` (where it stopped, what was saved), and why.

@@ -313,7 +313,8 @@ def check_config(
     digests earlier runs recorded that this one did not take); WorkdirError for a change of the
     trajectory unless `allow_change`."""
     path, data = os.path.join(workdir, CONFIG_FILE), dict(data or {})
-    network = network_record(config.model.network if config.model.name is None else "")
+    model = config.get("model", {})
+    network = network_record(model.get("network", "") if model.get("name") is None else "")
     record = {"config": recorded_config(config), "data": data, "changes": []}
     record |= {"network": network} if network else {}
     previous = run_record(workdir, checkpoint_metadata if has_checkpoint else None)
