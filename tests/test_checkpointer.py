@@ -101,6 +101,21 @@ def test_resume_continues_bit_identically(setup, tmp_path):
     assert_bit_identical(resumed, uninterrupted)
 
 
+def test_a_save_where_device_get_copies_keeps_scalar_leaves(setup, tmp_path, monkeypatch):
+    # On a GPU or TPU `device_get` gives host copies, not views: the step count of a
+    # per-device state is then a scalar once its device axis is taken off, which
+    # np.array(..., copy=False) refused ("Unable to avoid copy"): every save failed on a TPU.
+    from haiku_state.checkpoint import step_format
+
+    monkeypatch.setattr(step_format, "device_get_gives_views", lambda: False)
+    train_state = setup.train(setup.init(), setup.batches[:2])
+    expected = host_copy(train_state)
+    with Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(train_state)
+    with Checkpointer(tmp_path) as checkpointer:
+        assert_bit_identical(checkpointer.restore(setup.init(seed=7)), expected)
+
+
 def test_async_save_is_unaffected_by_donating_the_state_right_after(setup, tmp_path):
     train_state = setup.train(setup.init(), setup.batches[:1])
     expected = host_copy(train_state)

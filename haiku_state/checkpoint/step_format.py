@@ -131,17 +131,23 @@ def encode(train_state: TrainState) -> Encoded:
     first_replica = jax.tree.map(lambda leaf: leaf.addressable_data(0), train_state)
     trees = _trees(first_replica, replication.global_key_data(train_state.rng))
     host = jax.device_get(trees)  # One batched transfer.
-    # On a CPU it is a view of the device buffer, which the caller may donate: copied.
-    copy = jax.local_devices()[0].platform == "cpu"
+    # A view of the device buffer where device_get gives one, which the caller may donate:
+    # copied. Elsewhere the host arrays are the copy (a scalar leaf becomes a 0-d array).
+    own = np.array if device_get_gives_views() else np.asarray
     host_trees = {
-        name: jax.tree.map(lambda x: np.array(x[0], copy=copy), tree)
+        name: jax.tree.map(lambda x: own(x[0]), tree)
         for name, tree in host.items()
         if name != "rng"
     }
-    host_trees["rng"] = {"key_data": np.array(host["rng"]["key_data"], copy=copy)}
+    host_trees["rng"] = {"key_data": own(host["rng"]["key_data"])}
     key_count = host_trees["rng"]["key_data"].shape[0]
     fingerprints = checkpoint_integrity.device_fingerprints(trees)
     return Encoded(host_trees, step, key_impl, PER_DEVICE, fingerprints, key_count)
+
+
+def device_get_gives_views() -> bool:
+    """Whether `jax.device_get` returns views of the device buffers: on a CPU."""
+    return jax.local_devices()[0].platform == "cpu"
 
 
 def _trees(train_state: TrainState, key_data: Any) -> dict[str, PyTree]:
