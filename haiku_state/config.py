@@ -15,6 +15,7 @@ import importlib.util
 import math
 import os
 import sys
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -354,15 +355,21 @@ def importable_directory(path: str) -> Iterator[None]:
         sys.path.remove(directory)
 
 
+def load_module(path: str, name: str) -> types.ModuleType:
+    """The Python file at `path` run as the module `name`, its folder importable meanwhile."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # As an import would: dataclasses look their module up.
+    with importable_directory(path):
+        spec.loader.exec_module(module)
+    return module
+
+
 def load_config_file(path: str) -> Any:
     """`get_config()` of the Python file at `path`; `path.py:variant`: `get_config(variant)`."""
     path, _, variant = path.partition(".py:")
     path = path if path.endswith(".py") else f"{path}.py"
-    spec = importlib.util.spec_from_file_location("experiment_config", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # As an import would: dataclasses look their module up.
-    with importable_directory(path):
-        spec.loader.exec_module(module)
+    module = load_module(path, "experiment_config")
     if not callable(getattr(module, "get_config", None)):
         raise errors.InvalidValue(f"{path} defines no get_config(), which returns the config.")
     config = module.get_config(variant) if variant else module.get_config()

@@ -5,11 +5,9 @@ The one place a config becomes a model, for the driver, the evaluation and the b
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import os
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,7 +20,7 @@ import optax
 from absl import logging
 
 from haiku_state import data, errors, losses, models, optim, replication
-from haiku_state.config import fit_to_data, importable_directory, training_steps
+from haiku_state.config import fit_to_data, load_module, training_steps
 from haiku_state.guards import config_checks
 from haiku_state.updater import AugmentFn, LossFn, Updater
 
@@ -165,11 +163,7 @@ def network_function(path: str) -> Callable[..., Callable[..., jax.Array]]:
             "Put it back where the run recorded it (a resume may give its new place: "
             "--config=<the file>)."
         )
-    spec = importlib.util.spec_from_file_location("haiku_state_own_network", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # As an import would: dataclasses look their module up.
-    with importable_directory(path):
-        spec.loader.exec_module(module)
+    module = load_module(path, "haiku_state_own_network")
     if not callable(getattr(module, "network", None)):
         raise errors.InvalidValue(
             f"config.model.network: {path} defines no function network(config, num_classes)."
