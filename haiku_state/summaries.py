@@ -165,14 +165,22 @@ class MetricWriter:
     def __enter__(self) -> MetricWriter:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, error_type, error, traceback) -> None:
+        try:
+            self.close()
+        except OSError as e:  # A full disk: the run's own error, if any, is the one to tell.
+            if error is None:
+                raise errors.CannotWrite(
+                    f"TensorBoard events in {self._tensorboard_dir} cannot be written: "
+                    f"{e.strerror or e}."
+                ) from e
+            logging.warning("TensorBoard events in %s not closed: %s", self._tensorboard_dir, e)
 
     def close(self) -> None:
         self._end_progress_line()
-        for tensorboard in self._tensorboard.values():
+        tensorboards, self._tensorboard = list(self._tensorboard.values()), {}
+        for tensorboard in tensorboards:
             tensorboard.close()
-        self._tensorboard = {}
 
 
 @contextlib.contextmanager

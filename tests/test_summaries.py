@@ -218,3 +218,19 @@ def test_trees_table_lists_every_module_of_params_and_state_with_shapes_and_tota
     assert "linear: params b float32[3], w float32[5,3] (18 params)" in table
     assert "batch_norm/~/mean_ema: state average float32[1,5], counter int32[]" in table
     assert table.splitlines()[-1] == "  total: 28 params, 22 state values"
+
+
+def test_a_tensorboard_that_cannot_close_does_not_hide_the_runs_own_error(tmp_path, caplog):
+    class FullDisk:
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(ValueError, match="the run's own error"):
+        with summaries.MetricWriter(str(tmp_path), 100) as writer:
+            writer._tensorboard["train"] = FullDisk()
+            raise ValueError("the run's own error")
+    assert "not closed: [Errno 28]" in caplog.text
+    # Without an error of its own, the full disk is the one line, naming the folder.
+    with pytest.raises(errors.CannotWrite, match="TensorBoard events in .* No space left"):
+        with summaries.MetricWriter(str(tmp_path), 100) as writer:
+            writer._tensorboard["train"] = FullDisk()
