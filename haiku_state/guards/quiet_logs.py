@@ -95,3 +95,7 @@ def keep_the_log_to_this_package() -> None:
         return True
 
     logging.get_absl_handler().addFilter(keep)
+    # absl's prefix (date, microseconds, thread id, file and line) is 50 characters of each
+    # line; the level, the time and the module tell a run's reader what they need.
+    short = std_logging.Formatter("%(levelname).1s %(asctime)s %(module)s] %(message)s", "%H:%M:%S")
+    logging.get_absl_handler().setFormatter(short)
