@@ -104,6 +104,9 @@ help: ## this list (what `make` alone prints)
 install: $(call installed,test+bench+plots) ## create VENV and install everything at the lock's versions
 
 ifneq ($(VENV),)
+# Without the build backend's banner on every editable install (a warning about folders named
+# as the package: noise to whoever runs make).
+$(STAMP_PREFIX)%: export PYTHONWARNINGS := ignore:Editable installation
 $(STAMP_PREFIX)%: setup.cfg pyproject.toml $(wildcard $(LOCK))
 	@test -f $(LOCK) || { echo "No lock file $(LOCK) for Python $(STACK); the stacks are: $(STACKS)" >&2; exit 1; }
 	$(PY) -c 'import sys; assert sys.version_info[:2] == ($(subst .,$(comma),$(STACK)))' 2>/dev/null \
