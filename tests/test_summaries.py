@@ -234,3 +234,34 @@ def test_a_tensorboard_that_cannot_close_does_not_hide_the_runs_own_error(tmp_pa
     with pytest.raises(errors.CannotWrite, match="TensorBoard events in .* No space left"):
         with summaries.MetricWriter(str(tmp_path), 100) as writer:
             writer._tensorboard["train"] = FullDisk()
+
+
+def test_a_tensorboard_writer_thread_on_a_full_disk_is_one_line_not_a_traceback(caplog):
+    import threading
+
+    from haiku_state.guards import quiet_logs
+
+    class _EventLoggerThread(threading.Thread):  # tensorboardX's writer thread, by its name.
+        def run(self):
+            raise OSError(28, "No space left on device")
+
+    from absl import logging as absl_logging
+
+    handler = absl_logging.get_absl_handler()
+    filters, formatter = list(handler.filters), handler.python_handler.formatter
+    others = []
+    previous, threading.excepthook = threading.excepthook, others.append
+    try:
+        quiet_logs.keep_the_log_to_this_package()
+        writer = _EventLoggerThread()
+        writer.start()
+        writer.join()
+        other = threading.Thread(target=lambda: 1 / 0)
+        other.start()
+        other.join()
+    finally:
+        threading.excepthook = previous
+        handler.filters[:] = filters
+        handler.setFormatter(formatter)
+    assert "TensorBoard events cannot be written: [Errno 28]" in caplog.text
+    assert [args.exc_type for args in others] == [ZeroDivisionError]  # Others as before.

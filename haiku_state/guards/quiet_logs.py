@@ -9,10 +9,12 @@ hundreds of lines of tracebacks. And the libraries' INFO chatter.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging as std_logging
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from absl import logging
@@ -99,3 +101,13 @@ def keep_the_log_to_this_package() -> None:
     # line; the level, the time and the module tell a run's reader what they need.
     short = std_logging.Formatter("%(levelname).1s %(asctime)s %(module)s] %(message)s", "%H:%M:%S")
     logging.get_absl_handler().setFormatter(short)
+    threading.excepthook = functools.partial(_thread_error, threading.excepthook)
+
+
+def _thread_error(previous: Callable[[Any], None], args: Any) -> None:
+    """tensorboardX's writer thread failing on a full disk: one line, not its traceback (the
+    run's own error, if the disk stops it, is the one to read); any other thread's as before."""
+    if type(args.thread).__name__ == "_EventLoggerThread" and issubclass(args.exc_type, OSError):
+        logging.warning("TensorBoard events cannot be written: %s", args.exc_value)
+        return
+    previous(args)
