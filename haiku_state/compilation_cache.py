@@ -87,7 +87,7 @@ def record_written() -> None:
                 if _fits(entry.name, data):
                     new[entry.name] = _record(stat, data)
         if new:
-            _write_manifest(directory, {**_read_manifest(directory), **new})
+            _write_manifest(directory, {**records, **new})
     except OSError as e:  # A directory removed meanwhile, a full disk: unrecorded, not lost.
         logging.debug("Compilation cache: %s not recorded (%s).", directory, e)
 

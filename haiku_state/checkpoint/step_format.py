@@ -37,7 +37,7 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from haiku_state import errors, replication, sharding
-from haiku_state.guards import checkpoint_integrity, quiet_logs
+from haiku_state.guards import checkpoint_integrity, damaged_steps, quiet_logs
 from haiku_state.updater import Ema, TrainState, per_device_keys, step_of
 
 FORMAT_VERSION = 3  # What `save_args` writes.
@@ -419,7 +419,11 @@ def _read_json(manager: ocp.CheckpointManager, step: int, item: str) -> dict[str
 
 
 def _reason(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}"
+    """Why a read failed, in one line (`damaged_steps.one_line`: the innermost error, not the
+    store's spec it is wrapped in), cut at `_MAX_REASON_CHARS`: every message of the damage."""
+    text = damaged_steps.one_line(error)
+    if not (error.__cause__ or error.__context__):
+        text = f"{type(error).__name__}: {text}"
     return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."
 
 
