@@ -1,16 +1,18 @@
 """ArrayRecord shards: the same examples as an ImageFolder tree, in a few large files.
 
-`python -m haiku_state.prepare` writes each split's shards, `train-00000-of-01252.array_record`,
-..., `val-...`, then `dataset.json` (each shard's name, record count, size, modification
-time and SHA-256). Example `i` is record `i` of the shards in order, in the source's order.
-A record, little-endian, uncompressed, `group_size:1` (grain reads one at a time):
+`python -m haiku_state.prepare` writes each split's shards (`train-00000-of-01252.array_record`,
+..., `val-...`), then `dataset.json` (each shard's name, record count, size, modification time
+and SHA-256). Example `i` is record `i` of the shards in order. A record, little-endian,
+uncompressed, `group_size:1` (grain reads one at a time):
 
     int32 label | uint16 n | n bytes: UTF-8 name of the source file | image bytes
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import os
 import struct
@@ -107,8 +109,10 @@ class ShardRecords:
         return image, label
 
     def describe(self, index: int) -> str:
-        shard, position = self._shard_of(index)
-        where = f"record {position} of {os.path.join(self._directory, shard)}"
+        starts = list(itertools.accumulate((count for _, count in self._shards), initial=0))
+        shard = bisect.bisect_right(starts, index) - 1
+        path = os.path.join(self._directory, self._shards[shard][0])
+        where = f"record {index - starts[shard]} of {path}"
         try:
             return f"{where} ({decode_example(self._read(index))[2]})"
         except Exception:  # The record itself is unreadable: its place is all there is.
@@ -116,27 +120,20 @@ class ShardRecords:
 
     def digest(self) -> str:
         """A digest of the shards' names, record counts and file sizes, in order."""
-        shards = [
-            (name, count, os.path.getsize(os.path.join(self._directory, name)))
-            for name, count in self._shards
-        ]
-        return hashlib.blake2b(json.dumps(shards).encode(), digest_size=16).hexdigest()
+        directory = self._directory
+        shards = [(f, n, os.path.getsize(os.path.join(directory, f))) for f, n in self._shards]
+        return _json_digest(shards)
 
     def content_digest(self) -> str | None:
         """A digest of the shards' SHA-256s (checked when loaded); None if not recorded."""
-        if self._sha256 is None:
-            return None
-        return hashlib.blake2b(json.dumps(self._sha256).encode(), digest_size=16).hexdigest()
-
-    def _shard_of(self, index: int) -> tuple[str, int]:
-        for name, count in self._shards:
-            if index < count:
-                return name, index
-            index -= count
-        raise IndexError(index)
+        return None if self._sha256 is None else _json_digest(self._sha256)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_source": None}  # A worker opens its own.
+
+
+def _json_digest(value: Any) -> str:
+    return hashlib.blake2b(json.dumps(value).encode(), digest_size=16).hexdigest()
 
 
 def read_metadata(data_dir: str) -> dict[str, Any]:

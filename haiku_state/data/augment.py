@@ -38,17 +38,14 @@ def random_flip(key: jax.Array, images: jax.Array) -> jax.Array:
 def make_augment_fn(
     *, max_shift: int = 0, flip: bool = False
 ) -> Callable[[jax.Array, Batch], Batch] | None:
-    """`augment(key, batch)`, which shifts and (with `flip`) flips `batch["image"]`, or None."""
-    if max_shift < 0:
-        raise errors.InvalidValue(f"make_augment_fn: max_shift must be >= 0, got {max_shift}.")
+    """`augment(key, batch)`, which shifts and (with `flip`) flips `batch["image"]`, or None.
+    A negative `max_shift` is refused when it runs (`random_shift`)."""
     if not max_shift and not flip:
         return None
 
     def augment(key: jax.Array, batch: Batch) -> Batch:
         shift_key, flip_key = jax.random.split(key)
         images = random_shift(shift_key, batch["image"], max_shift)
-        if flip:
-            images = random_flip(flip_key, images)
-        return {**batch, "image": images}
+        return {**batch, "image": random_flip(flip_key, images) if flip else images}
 
     return augment

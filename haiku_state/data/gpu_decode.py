@@ -1,11 +1,10 @@
 """The GPU decoder (`config.data.decoder="gpu"`): nvJPEG through nvImageCodec, on the device.
 
-The host still draws every crop box and flip; a worker hands over a request (the bytes,
-the box, the flip) and `DeviceDecoder` decodes each JPEG's region on its device, resizes
-the box (antialiased bilinear, as PIL) and mirrors it: the CPU decoder's crops, slightly
-different pixels. Other images are decoded in the worker, and one nvImageCodec refuses is
-loaded again on the host from its slot. Regions are padded to squares of a multiple of
-`CANVAS_QUANTUM` and resized `CHUNK` at a time, so the resize compiles once per side.
+The host draws every crop box and flip; a worker hands over a request (bytes, box, flip) and
+`DeviceDecoder` decodes each JPEG's region on its device, resizes the box (antialiased
+bilinear, as PIL) and mirrors it: the CPU decoder's crops, slightly different pixels. Other
+images are decoded in the worker; one nvImageCodec refuses is loaded again on the host.
+Regions are padded to squares of a multiple of `CANVAS_QUANTUM`, resized `CHUNK` at a time.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ CANVAS_QUANTUM = 128
 CHUNK = 64
 INSTALL_HINT = "pip install 'haiku_state[gpu-decode-cu13]' (or -cu12, as JAX's CUDA plugin)"
 _JPEG_END = b"\xff\xd9"
-# The fields of a request that `DeviceDecoder` consumes (with the host's "image").
-REQUEST_FIELDS = ("encoded", "box", "flip", "slot")
+REQUEST_FIELDS = ("encoded", "box", "flip", "slot")  # Those `DeviceDecoder` consumes.
 
 
 def unavailable_reason() -> str | None:
@@ -114,8 +112,8 @@ _crop_resize_chunk = jax.jit(
 )
 
 
-# `(encoded images, regions (top, left, height, width), device) -> one uint8 [height, width, 3]
-# array per image on `device` (the region, zeros beyond the image), or None where it fails.
+# `(encoded images, regions (top, left, height, width), device) -> a uint8 [height, width, 3]
+# array per image on `device` (zeros beyond the image), or None where it fails.
 RegionDecoder = Callable[[list[bytes], list[tuple[int, int, int, int]], Any], list[Any]]
 
 
@@ -141,7 +139,7 @@ def nvimgcodec_regions() -> RegionDecoder:
 
 
 class DeviceDecoder:
-    """Host batches of requests -> batches whose `"image"` was decoded on the local devices.
+    """Host batches of requests -> batches whose `"image"` was decoded on the local devices;
     `host_load`, the CPU decoder's `slot -> example`, loads an image the device refuses."""
 
     def __init__(
@@ -172,13 +170,14 @@ class DeviceDecoder:
         chunks of one side (sorted by size); the rest decoded on the host."""
         todo = sorted((i for i in rows if batch["encoded"][i]), key=lambda i: _side(batch, i))
         chunks = [todo[start : start + CHUNK] for start in range(0, len(todo), CHUNK)]
-        regions = {}
+        regions = {}  # Each chunk's regions are squares of its largest side.
         for chunk in chunks:
-            side = _side(batch, chunk[-1])  # The chunk's largest.
+            side = _side(batch, chunk[-1])
             regions.update({i: (*region(batch["box"][i])[:2], side, side) for i in chunk})
         encoded = [batch["encoded"][i] for i in todo]
-        decoded = self._regions(encoded, [regions[i] for i in todo], device)
-        decoded = dict(zip(todo, decoded, strict=True))
+        decoded = dict(
+            zip(todo, self._regions(encoded, list(regions.values()), device), strict=True)
+        )
         parts, order = [], {}  # The resized chunks, and where each row lies in them.
         for chunk in chunks:
             kept = [i for i in chunk if decoded[i] is not None]
@@ -203,7 +202,7 @@ class DeviceDecoder:
         return jnp.concatenate(parts)[rows_in_parts] if len(parts) > 1 else parts[0][rows_in_parts]
 
     def _redo_on_host(self, batch: Batch, i: int) -> np.ndarray:
-        """Example `i` as the CPU decoder loads it; its fields replace the batch's."""
+        """Example `i`'s pixels as the CPU decoder loads it; its fields replace the batch's."""
         example = self._host_load(tuple(int(v) for v in batch["slot"][i]))
         for name, value in example.items():
             if name != "image":

@@ -1,15 +1,15 @@
 """ImageFolder trees: `DIR/train/<class>/*` and `DIR/val/<class>/*`, indexed once and cached.
 
-A label is its folder's place among the sorted class folders (as torchvision numbers
-them); images are the files named `.jpeg`, `.jpg` or `.png` in any case. The file index
-and pixel statistics are cached outside the tree (`host_cache`) and rebuilt when a
-folder's modification time changes (an image added, removed or renamed). Each build is
-committed by renaming its manifest, so processes starting together see one complete index.
-The index arrays are memory-mapped, so the decoding workers share one copy.
+A label is its folder's place among the sorted class folders (as torchvision numbers them);
+images are the files named `.jpeg`, `.jpg` or `.png` in any case. The file index and pixel
+statistics are cached outside the tree (`host_cache`), rebuilt when a folder's modification
+time changes, committed by renaming a manifest (processes starting together see one whole
+index), and memory-mapped (the decoding workers share one copy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,9 +31,8 @@ _ARRAYS = ("names", "offsets", "labels")
 
 
 class FileIndex(NamedTuple):
-    """The files of one split: `names`, uint8, the UTF-8 paths `<class>/<file>` one after
-    another; int64 `offsets` `[N + 1]` (path `i` is `names[offsets[i]:offsets[i + 1]]`);
-    int32 `labels` `[N]`."""
+    """One split's files: uint8 `names`, the paths `<class>/<file>` end to end (path `i` is
+    `names[offsets[i]:offsets[i + 1]]`), int64 `offsets` `[N + 1]`, int32 `labels` `[N]`."""
 
     names: np.ndarray
     offsets: np.ndarray
@@ -41,8 +40,8 @@ class FileIndex(NamedTuple):
 
 
 class FileRecords:
-    """The examples of one split of an ImageFolder tree: `(file bytes, label)`. With
-    `cache_files` (where the index is stored) the workers memory-map it, not receive a copy."""
+    """One split's examples, `(file bytes, label)`; with `cache_files` (where the index is
+    stored), the workers memory-map the index rather than receive a copy."""
 
     def __init__(self, folder: str, index: FileIndex, cache_files: dict[str, str] | None = None):
         self._folder, self._index, self._cache_files = folder, index, cache_files
@@ -80,13 +79,12 @@ class FileRecords:
         return os.path.relpath(self.path(index), os.path.dirname(self._folder))
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._cache_files is None:
-            return {"folder": self._folder, "index": self._index}
-        return {"folder": self._folder, "cache_files": self._cache_files}
+        return {**self.__dict__, "_index": None if self._cache_files else self._index}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._folder, self._cache_files = state["folder"], state.get("cache_files")
-        self._index = state["index"] if self._cache_files is None else _map_index(self._cache_files)
+        self.__dict__.update(state)
+        if self._cache_files:
+            self._index = _map_index(self._cache_files)
 
 
 class ImageTree(NamedTuple):
@@ -113,6 +111,7 @@ def load_imagefolder(data_dir: str, image_size: int) -> Dataset:
 
 
 def _checked_root(data_dir: str) -> str:
+    """The real path of `data_dir`, refusing one that is not an ImageFolder tree."""
     if not data_dir:
         raise MissingDataError(
             "data.name='imagefolder' needs data.dir: the folder holding train/<class>/* "
@@ -130,26 +129,20 @@ def _checked_root(data_dir: str) -> str:
     return root
 
 
+def _entries(folder: str, keep) -> list[str]:
+    """The sorted names of the entries of `folder` not hidden (`.*`) that `keep` keeps."""
+    with os.scandir(folder) as entries:
+        return sorted(e.name for e in entries if not e.name.startswith(".") and keep(e))
+
+
 def image_files(class_dir: str) -> list[str]:
-    with os.scandir(class_dir) as entries:
-        return sorted(
-            e.name
-            for e in entries
-            if not e.name.startswith(".")
-            and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS
-            and e.is_file()
-        )
+    files = _entries(class_dir, os.DirEntry.is_file)
+    return [name for name in files if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS]
 
 
 def check_classes(root: str) -> list[str]:
     """The sorted class folders, refusing a tree whose splits disagree or have none."""
-    classes = {}
-    for split in SPLITS:
-        with os.scandir(os.path.join(root, split)) as entries:
-            classes[split] = sorted(
-                e.name for e in entries if e.is_dir() and not e.name.startswith(".")
-            )
-    train, val = classes["train"], classes["val"]
+    train, val = (_entries(os.path.join(root, split), os.DirEntry.is_dir) for split in SPLITS)
     if not train:
         raise DataError(f"ImageFolder {os.path.join(root, 'train')} has no class folders.")
     if train != val:
@@ -226,22 +219,14 @@ def _write_cache(root: str, tree: ImageTree, indexes: dict[str, FileIndex], mtim
     with open(temporary, "w") as f:
         json.dump(manifest, f)
     os.replace(temporary, os.path.join(directory, "manifest.json"))
-    _remove_other_builds(directory, build)
-    return files
-
-
-def _remove_other_builds(directory: str, build: str) -> None:
-    """Removes earlier builds a day old: a younger one may be in use by another process."""
+    # Earlier builds a day old go: a younger one may be in use by another process.
     day_ago = time.time() - 24 * 3600
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name.startswith(build) or name == "manifest.json":
-            continue
-        try:
-            if os.path.getmtime(path) < day_ago:
+        with contextlib.suppress(OSError):  # Another process removed it first.
+            if not name.startswith((build, "manifest.json")) and os.path.getmtime(path) < day_ago:
                 os.remove(path)
-        except OSError:
-            pass  # Another process removed it first.
+    return files
 
 
 def _mapped_records(root: str, files: dict[str, dict[str, str]]) -> dict[str, FileRecords]:

@@ -43,8 +43,8 @@ def load_digits() -> Dataset:
 
 
 def digit_image(rgb: np.ndarray) -> np.ndarray:
-    """An RGB image `[8, 8, 3]` of a digit written dark on light paper, as the digits hold
-    theirs: grey `[8, 8, 1]`, the ink high (0..16)."""
+    """An RGB `[8, 8, 3]` digit written dark on light, as the digits hold theirs: grey
+    `[8, 8, 1]`, the ink high (0..16)."""
     grey = rgb.astype(np.float32).mean(axis=-1, keepdims=True)
     return np.round((255 - grey) * (DIGITS_MAX / 255)).astype(np.uint8)
 
@@ -64,11 +64,9 @@ def load_cifar10(data_dir: str) -> Dataset:
             f"CIFAR-10 folder {data_dir!r} lacks {', '.join(missing)}; it must hold all of "
             f"{', '.join(expected)}."
         )
-    train = _read_cifar10_batches([os.path.join(data_dir, f) for f in CIFAR10_TRAIN_FILES])
-    test = _read_cifar10_batches([os.path.join(data_dir, CIFAR10_TEST_FILE)])
     return Dataset(
-        train=train,
-        test=test,
+        train=_read_cifar10_batches(data_dir, CIFAR10_TRAIN_FILES),
+        test=_read_cifar10_batches(data_dir, (CIFAR10_TEST_FILE,)),
         num_classes=CIFAR10_NUM_CLASSES,
         image_shape=CIFAR10_IMAGE_SHAPE,
         name="cifar10",
@@ -115,8 +113,9 @@ def _read_cifar10_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
     return rows.reshape(-1, 3, 32, 32), labels.astype(np.int32)
 
 
-def _read_cifar10_batches(paths: list[str]) -> Split:
-    images, labels = zip(*(_read_cifar10_batch(path) for path in paths), strict=True)
+def _read_cifar10_batches(data_dir: str, files: tuple[str, ...]) -> Split:
+    batches = [_read_cifar10_batch(os.path.join(data_dir, file)) for file in files]
+    images, labels = zip(*batches, strict=True)
     nhwc = np.concatenate(images).transpose(0, 2, 3, 1)
     return Split(np.ascontiguousarray(nhwc), np.concatenate(labels))
 

@@ -1,9 +1,9 @@
 """Which examples every step sees: the batch order, each process's slice, evaluation padding.
 
 Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(N)`, in
-`N // batch_size` full batches; step `k` is batch `k % steps_per_epoch` of epoch
-`k // steps_per_epoch`, so a resumed run sees the batches of an uninterrupted one. Process
-`p` of `P` takes positions `[p * B / P, (p + 1) * B / P)` of every global batch.
+`N // B` full batches; step `k` is batch `k % steps_per_epoch` of epoch `k // steps_per_epoch`
+(a resumed run sees an uninterrupted one's batches). Process `p` of `P` takes positions
+`[p * B / P, (p + 1) * B / P)` of every global batch.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def batch_order(
     process: ProcessSlice = SINGLE_PROCESS,
     where: str = "batch_order",
 ) -> Order:
-    """Validates the arguments of a training pipeline (now, not at the first batch)."""
+    """A training pipeline's order, its arguments checked now, not at the first batch."""
     if not 1 <= batch_size <= num_examples:
         raise errors.InvalidValue(
             f"{where}: batch_size={batch_size} must be between 1 and the "

@@ -1,11 +1,9 @@
-"""The reading and decoding workers: grain over the "slots" of this process's batches.
+"""The decoding workers: grain over the "slots" of this process's batches.
 
-A training slot names all its example depends on: the step, the place in the global batch
-(its crop's seed, `order.example_seed`) and the example index. A grain `MapDataset` loads
-the slots and batches them; `mp_prefetch` deals whole batches to the workers, in order. So
-the batches depend neither on the worker or process count nor on a resume. What a worker
-computes from an example's bytes is the decoder's (`DECODERS`): `"cpu"` the pixels
-(`preprocess`), `"gpu"` the bytes with the box and flip (`gpu_decode`).
+A training slot names all its example depends on (the step, the place in the global batch,
+the example index), so the batches depend neither on the worker or process count nor on a
+resume. A worker computes from an example's bytes what its decoder (`DECODERS`) asks:
+`"cpu"` the pixels (`preprocess`), `"gpu"` the bytes with the box and flip (`gpu_decode`).
 """
 
 from __future__ import annotations
@@ -31,12 +29,9 @@ from haiku_state.data.splits import Batch, DataError, EncodedSplit
 from haiku_state.guards import corrupt_images, orphans
 
 MAX_DEFAULT_WORKERS = 16
-# Batches a worker decodes ahead of the one it is handing over.
-READ_AHEAD = 1
-# `skip_corrupt`'s default ceiling (`config.data.max_corrupt_fraction`, `corrupt_images`).
-MAX_CORRUPT_FRACTION = 0.001
-# Slots of an iterator with no last step: far more than any run takes.
-_ENDLESS_STEPS = 2**40
+READ_AHEAD = 1  # Batches a worker decodes ahead of the one it is handing over.
+MAX_CORRUPT_FRACTION = 0.001  # `config.data.max_corrupt_fraction`'s default.
+_ENDLESS_STEPS = 2**40  # The steps of an iterator with no last step.
 # An evaluation pass of at most this many examples (this process's share) is decoded
 # in-process: one core decodes them before the workers would have started.
 IN_PROCESS_EVAL_EXAMPLES = 512
@@ -94,18 +89,18 @@ def eval_slot(order: order_lib.Order, slot: int) -> tuple[int, float]:
 
 
 class _Load:
-    """A worker's loader of examples by slot."""
+    """A worker's loader of examples by slot; counts the unreadable images it meets."""
 
     def __init__(self, split: EncodedSplit, skip_corrupt: bool, decoder: Decoder):
         self._split, self._skip_corrupt, self._decoder = split, skip_corrupt, decoder
-        self._unreadable = 0  # Met by this worker.
+        self._unreadable = 0
 
     def _count_unreadable(self) -> int | None:
         self._unreadable += 1
         return self._unreadable if self._skip_corrupt else None
 
     def _example(self, index: int, fields: Batch, label: int, slot: tuple, **more: Any) -> Batch:
-        """The example's fields, refusing a label out of range (a broken dataset, not skipped)."""
+        """The example's fields; a label out of range is a broken dataset, never skipped."""
         if not 0 <= label < self._split.num_classes:
             raise DataError(
                 f"{self._split.records.describe(index)}: label {label} outside "
@@ -139,10 +134,10 @@ class LoadTrainExample(_Load):
             except Exception as e:  # Any failure to read or decode is the file's.
                 count = self._count_unreadable()
                 corrupt_images.skip_or_raise(self._split, candidate, e, count, step, attempt)
-                continue
-            replaced = {"replaced": np.float32(attempt > 0)} if self._skip_corrupt else {}
-            return self._example(candidate, fields, label, slot, **replaced)
-        raise AssertionError("unreachable")
+            else:
+                replaced = {"replaced": np.float32(attempt > 0)} if self._skip_corrupt else {}
+                return self._example(candidate, fields, label, slot, **replaced)
+        raise AssertionError("unreachable")  # skip_or_raise raises at the last attempt.
 
 
 class LoadEvalExample(_Load):
@@ -189,9 +184,8 @@ def _grain_batches(
 
 
 def _unlinked(batch: Batch) -> Batch:
-    """`batch`, the shared memory its workers wrote it in unlinked now (its arrays keep the
-    memory, freed with them). grain unlinks it when an array is deleted, in a thread the
-    process does not wait for at exit, which left "leaked shared_memory objects" behind."""
+    """`batch`, its shared memory unlinked now (its arrays keep it): grain's thread that does
+    it when an array is deleted is not waited for at exit ("leaked shared_memory objects")."""
     for leaf in batch.values():
         if isinstance(leaf, SharedMemoryArray) and getattr(leaf, "_unlink_on_del", False):
             leaf.shm.unlink()
@@ -200,9 +194,8 @@ def _unlinked(batch: Batch) -> Batch:
 
 
 def _wait_for_shared_memory_release() -> None:
-    """Frees the arrays the closed pipeline held (in reference cycles: a collection),
-    and waits for grain's thread that releases their shared memory to release all that is
-    queued (its one thread takes them in order)."""
+    """Frees the arrays the closed pipeline held (in reference cycles), and waits for grain's
+    one thread that releases their shared memory to release all that is queued."""
     gc.collect()
     releasing = getattr(SharedMemoryArray, "_del_thread_pool", None)
     if releasing is not None:
@@ -210,9 +203,8 @@ def _wait_for_shared_memory_release() -> None:
 
 
 def exit_with_parent(worker_index: int, worker_count: int) -> None:
-    """grain's `worker_init_fn`: exit with the training process; ignore Ctrl-C and a closed
-    terminal's hangup, sent to the whole process group (the training process stops the
-    pipeline); one OpenCV thread, not to compete with the other workers."""
+    """grain's `worker_init_fn`: exit with the training process, which alone handles Ctrl-C
+    and a closed terminal's hangup (sent to the whole group); one OpenCV thread."""
     del worker_index, worker_count  # The same for every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -248,8 +240,7 @@ def encoded_train_batches(
     max_corrupt_fraction: float = MAX_CORRUPT_FRACTION,
 ) -> Iterator[Batch]:
     """This process's training batches of an encoded split, decoded on the host; close the
-    generator to stop the workers. The arguments are `train_batches`' and its options';
-    `decoder` may be a `Decoder` the workers can import."""
+    generator to stop the workers. `decoder` may be a `Decoder` the workers can import."""
     where = "encoded_train_batches"
     order = order_lib.batch_order(len(split.records), batch_size, seed, start_step, process, where)
     slots = (_ENDLESS_STEPS if num_steps is None else num_steps) * order.local_size

@@ -1,11 +1,10 @@
 """Host preprocessing of encoded images: decode by content, crop, resize, flip; uint8 out.
 
-Training takes an Inception-style random crop (as torchvision's `RandomResizedCrop`),
-mirrored half the time; evaluation the centred square of `0.875 x` the short side. The
-crop and flip are drawn from the image's header, so the host decides them whichever
-decoder computes the pixels. RGB and grey JPEGs go through libjpeg-turbo at the largest
-DCT scale that keeps the crop `image_size` wide, the rest through PIL. The box is resized
-bilinearly (OpenCV), or area-averaged when twice `image_size` or more, not to alias.
+Training takes torchvision's `RandomResizedCrop`, mirrored half the time; evaluation the
+centred square of `0.875 x` the short side; both drawn from the header, whichever decoder
+computes the pixels. RGB and grey JPEGs go through libjpeg-turbo at the largest DCT scale
+that keeps the crop `image_size` wide, the rest through PIL; OpenCV resizes (area-averaged
+from twice `image_size` or more, not to alias).
 """
 
 from __future__ import annotations
@@ -34,23 +33,21 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")
 _DCT_SCALES = (8, 4, 2)
 _SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
-# `pixel_statistics`: the training images it reads, and the side of the centre crops it
-# measures (the std of smaller crops is lower).
+# `pixel_statistics`' images, and the side of the crops it measures (smaller: a lower std).
 STATISTICS_SAMPLE = 1000
 STATISTICS_SIZE = 128
 
 
 class Plan(NamedTuple):
-    """What the host draws for a training example: the crop `box` (in pixels of the full
-    image) and whether the resized crop is mirrored."""
+    """A training example's crop `box` (in pixels of the full image) and mirroring."""
 
     box: Box
     flip: bool
 
 
 def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
-    """A random box of 8-100% of the area and aspect 3/4-4/3 (uniform in log), as torchvision's
-    `RandomResizedCrop.get_params`; the centre if 10 draws do not fit."""
+    """torchvision's `RandomResizedCrop.get_params`: a box of 8-100% of the area and aspect
+    3/4-4/3 (uniform in log); if 10 draws do not fit, the centre at the nearest aspect."""
     log_aspect = (math.log(ASPECT_RANGE[0]), math.log(ASPECT_RANGE[1]))
     for _ in range(CROP_ATTEMPTS):
         area = width * height * rng.uniform(*AREA_RANGE)
@@ -61,7 +58,6 @@ def random_crop_box(width: int, height: int, rng: np.random.Generator) -> Box:
             top = int(rng.integers(0, height - crop_height + 1))
             left = int(rng.integers(0, width - crop_width + 1))
             return (left, top, left + crop_width, top + crop_height)
-    # The whole image, trimmed to the nearest allowed aspect ratio.
     crop_width, crop_height = width, height
     if width / height < ASPECT_RANGE[0]:
         crop_height = round(width / ASPECT_RANGE[0])
@@ -79,9 +75,8 @@ def center_crop_box(width: int, height: int, fraction: float = EVAL_CROP_FRACTIO
 
 
 def train_plan(width: int, height: int, rng: np.random.Generator) -> Plan:
-    """The random crop and flip of a training image: two draws, in this order."""
-    box = random_crop_box(width, height, rng)
-    return Plan(box, bool(rng.uniform() < 0.5))
+    """The random crop and flip of a training image, drawn in this order."""
+    return Plan(random_crop_box(width, height, rng), bool(rng.uniform() < 0.5))
 
 
 def encoded_size(data: bytes) -> tuple[int, int]:
@@ -99,8 +94,8 @@ def decode_crop(data: bytes, crop: CropFn, image_size: int, flip: bool = False) 
 
 
 def train_image(data: bytes, rng: np.random.Generator, image_size: int) -> np.ndarray:
-    """A random crop, resized to `image_size`, mirrored half the time; the plan is drawn from
-    the size the decoder reads, so the header is parsed once."""
+    """A random crop, resized, mirrored half the time; planned from the size the decoder
+    reads (the header is parsed once)."""
     plans = []
 
     def crop(width: int, height: int) -> Box:
@@ -116,8 +111,8 @@ def eval_image(data: bytes, image_size: int) -> np.ndarray:
 
 
 def square_image(data: bytes, image_size: int) -> np.ndarray:
-    """The centred square of the whole short side, resized: a photo as a dataset of small whole
-    images (CIFAR-10's, the digits') holds them."""
+    """The centred square of the whole short side, resized: as CIFAR-10 and the digits hold
+    their small whole images."""
     return decode_crop(data, lambda width, height: center_crop_box(width, height, 1.0), image_size)
 
 

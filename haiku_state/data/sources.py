@@ -75,9 +75,8 @@ def load_dataset(
     num_test: int = 256,
     seed: int = 0,
 ) -> Dataset:
-    """Loads a dataset: small ones into host memory, large ones as an index of encoded images.
-    `image_size` is required for the encoded sources; the others keep their own size. The
-    `image_shape` ... `seed` arguments are `synthetic`'s."""
+    """A dataset: small ones in host memory, large ones as an index of encoded images cropped
+    to `image_size` (the others keep their size). `image_shape` ... `seed` are `synthetic`'s."""
     if name not in SOURCES:
         raise errors.InvalidValue(f"Unknown dataset {name!r}; expected one of {DATASETS}.")
     source = SOURCES[name]
@@ -102,25 +101,21 @@ def load_dataset(
 def image_shape_of(
     name: str, image_size: int | None, image_shape: tuple[int, int, int]
 ) -> tuple[int, int, int]:
-    """The shape of the images of the source `name` (config `data.name`, `data.image_size`,
-    `data.image_shape`), without loading it."""
+    """The shape of the images of the source `name` (`config.data.*`), without loading it."""
     if name in ENCODED_DATASETS:
         return (image_size, image_size, 3)
     if name == "synthetic":
         return tuple(image_shape)
     shapes = {"digits": in_memory.DIGITS_IMAGE_SHAPE, "cifar10": in_memory.CIFAR10_IMAGE_SHAPE}
     if name not in shapes:
-        raise errors.InvalidValue(
-            f"The shape of the images of data.name={name!r} is not known here."
-        )
+        raise errors.InvalidValue(f"The shape of the images of data.name={name!r} is not known.")
     return shapes[name]
 
 
 def image_from_file(name: str, data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
-    """An image file (JPEG, PNG, ... by content) as the source `name` holds its images, for
-    a model trained on it: the evaluation's centre crop (encoded sources), or the centred
-    square resized to their size (those in memory; the digits: grey, written dark on light).
-    `DataError` for synthetic data, which has no image files."""
+    """An image file (any format PIL reads) as the source `name` holds its images: the
+    evaluation's centre crop (encoded sources) or the centred square at their size (the
+    digits: grey, dark on light); synthetic data has no image files."""
     if name in ENCODED_DATASETS:
         return preprocess.eval_image(data, image_shape[0])
     if name == "synthetic":

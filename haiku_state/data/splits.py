@@ -33,8 +33,8 @@ class Split(NamedTuple):
 
 
 class Records(Protocol):
-    """The encoded examples of a split by index; picklable (the workers get a copy). May also
-    offer `digest()` and `content_digest()` (`guards.data_identity`)."""
+    """The encoded examples of a split by index; picklable (the workers get a copy). May offer
+    `digest()`, `content_digest()`, `bytes_digest()` (`guards.data_identity`)."""
 
     def __len__(self) -> int: ...
 
@@ -55,9 +55,8 @@ AnySplit = Split | EncodedSplit
 
 
 class Dataset(NamedTuple):
-    """A train and a test split, with what a model needs to know about them. `mean` and `std`
-    standardise the stored pixels on the device (None: stored standardised); `short_side`:
-    that of `prepare --short_side`."""
+    """Two splits and what a model needs to know of them. `mean`, `std`: standardise the pixels
+    on the device (None: stored standardised); `short_side`: `prepare --short_side`'s."""
 
     train: AnySplit
     test: AnySplit

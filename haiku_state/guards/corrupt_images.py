@@ -1,8 +1,8 @@
 """Unreadable images of an encoded split: stop naming the file, or skip them within a ceiling.
 
-Without `config.data.skip_corrupt` the first one stops the run (`CorruptImageError`). With
-it, a training image is replaced by the next readable example, and the run stops once more
-of an epoch than `max_corrupt_fraction` was replaced; an evaluation image is masked out.
+Without `config.data.skip_corrupt` the first one stops the run (`CorruptImageError`); with
+it, a training image is replaced by the next readable example (the run stops once more than
+`max_corrupt_fraction` of an epoch was), an evaluation image is masked out.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """What identifies the data a run reads, so that a resume on other data is refused.
 
-A run's record holds `identity(dataset)`: sizes, classes, statistics, and per split a
-digest of what decides the examples (`<split>_digest`: a file index, the shards, the
-pixels) and one of an encoded split's content (`<split>_content`: file sizes and times,
-the shards' SHA-256s); with `content` (`data.verify=content`), one of every file's bytes
-(`<split>_bytes`). A key None in either record (not known) or missing from an older
-one is not compared (`unchecked_keys`).
+`identity(dataset)` holds sizes, classes, statistics and, per split, a digest of what
+decides the examples (`<split>_digest`), one of an encoded split's content
+(`<split>_content`: file sizes and times, the shards' SHA-256s) and, with
+`data.verify=content`, one of every file's bytes (`<split>_bytes`). A key None in either
+record or missing from an older one is not compared (`unchecked_keys`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import hashlib
 import json
 import os
@@ -31,20 +29,27 @@ from haiku_state.data.splits import (
     num_examples,
 )
 
-# Keys compared only when both records know them (`unchecked_keys`).
-_MAY_BE_UNKNOWN = ("train_content", "test_content", "train_bytes", "test_bytes")
-# `stat_digest` stats blocks of files in parallel (`bytes_digest` reads them): a network
-# filesystem answers faster.
+# Files stat'ed (read) per block by `stat_digest` (`bytes_digest`), in `STAT_THREADS`
+# threads: a network filesystem answers faster.
 STAT_BLOCK = 4096
 BYTES_BLOCK = 256
 STAT_THREADS = 16
 # In this host's cache of an ArrayRecord folder: the shards read and found to match.
 VERIFIED_FILE = "verified.json"
+# What a changed digest means, by the suffix of its key; those but `_digest` may be unknown.
+_CHANGED = {
+    "_digest": "the {} examples differ (files added, removed or renamed, or other shards)",
+    "_content": "the content of the {} examples differs (an image overwritten or touched, "
+    "the tree copied without its modification times, or shards of another conversion)",
+    "_bytes": "the bytes of the {} images differ (data.verify=content: an image rewritten "
+    "with its size and time kept, or two swapped)",
+}
+_MAY_BE_UNKNOWN = ("train_content", "test_content", "train_bytes", "test_bytes")
 
 
 def _records_digest(split: AnySplit, name: str) -> str | None:
-    """The records' `digest()` or `content_digest()`; None for a split in memory or records
-    that offer none (`split_digest` covers the pixels of a split in memory)."""
+    """The records' `digest()`, `content_digest()` or `bytes_digest()`; None for a split in
+    memory or records that offer none."""
     digest = getattr(split.records, name, None) if isinstance(split, EncodedSplit) else None
     return digest() if digest is not None else None
 
@@ -63,7 +68,6 @@ def split_digest(split: AnySplit) -> str | None:
 
 def identity(dataset: Dataset, content: bool = False) -> dict[str, Any]:
     """What identifies `dataset`; with `content`, a digest of every file's bytes too."""
-    bytes_of = functools.partial(_records_digest, name="bytes_digest") if content else None
     return {
         "train_examples": num_examples(dataset.train),
         "test_examples": num_examples(dataset.test),
@@ -76,8 +80,8 @@ def identity(dataset: Dataset, content: bool = False) -> dict[str, Any]:
         "test_digest": split_digest(dataset.test),
         "train_content": _records_digest(dataset.train, "content_digest"),
         "test_content": _records_digest(dataset.test, "content_digest"),
-        "train_bytes": bytes_of and bytes_of(dataset.train),
-        "test_bytes": bytes_of and bytes_of(dataset.test),
+        "train_bytes": _records_digest(dataset.train, "bytes_digest") if content else None,
+        "test_bytes": _records_digest(dataset.test, "bytes_digest") if content else None,
     }
 
 
@@ -105,29 +109,14 @@ def identity_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) ->
     changes = []
     for key in sorted(set(recorded) & set(current)):
         old, new = recorded[key], current[key]
+        suffix = next((s for s in _CHANGED if key.endswith(s)), None)
         if old == new or (key in _MAY_BE_UNKNOWN and None in (old, new)):
             continue
         if key == "classes" and old is not None and new is not None:
             changes.append(_class_change(list(old), list(new)))
-        elif key.endswith("_digest"):
-            split = key.removesuffix("_digest")
-            changes.append(
-                f"dataset.{key}: the {split} examples differ (files added, removed or renamed, "
-                f"or other shards): {old} -> {new}"
-            )
-        elif key.endswith("_bytes"):
-            split = key.removesuffix("_bytes")
-            changes.append(
-                f"dataset.{key}: the bytes of the {split} images differ (data.verify=content: an "
-                f"image rewritten with its size and time kept, or two swapped): {old} -> {new}"
-            )
-        elif key.endswith("_content"):
-            split = key.removesuffix("_content")
-            changes.append(
-                f"dataset.{key}: the content of the {split} examples differs (an image "
-                "overwritten or touched, the tree copied without its modification times, or "
-                f"shards of another conversion): {old} -> {new}"
-            )
+        elif suffix is not None:
+            what = _CHANGED[suffix].format(key.removesuffix(suffix))
+            changes.append(f"dataset.{key}: {what}: {old} -> {new}")
         else:
             changes.append(f"dataset.{key}: {old!r} -> {new!r}")
     return changes
@@ -140,20 +129,21 @@ def _class_change(old: list[str], new: list[str]) -> str:
     return f"dataset.classes: {len(old)} classes -> {len(new)}"
 
 
+def _listed(read: Callable[[str], Any], file: str) -> Any:
+    """`read(file)`, refusing a file of the index that is gone."""
+    try:
+        return read(file)
+    except FileNotFoundError:
+        raise MissingDataError(f"{file} is gone (listed in the file index).") from None
+
+
 def stat_digest(path: Callable[[int], str], count: int) -> str:
     """A digest of the size and modification time of files `path(0..count-1)`, in order: an
     image overwritten (or touched) changes it, and no pixel is read."""
 
     def sizes_and_times(indices: range) -> np.ndarray:
-        stats = np.empty((len(indices), 2), np.int64)
-        for row, index in enumerate(indices):
-            file = path(index)
-            try:
-                stat = os.stat(file)
-            except FileNotFoundError:
-                raise MissingDataError(f"{file} is gone (listed in the file index).") from None
-            stats[row] = stat.st_size, stat.st_mtime_ns
-        return stats
+        stats = [_listed(os.stat, path(index)) for index in indices]
+        return np.array([(s.st_size, s.st_mtime_ns) for s in stats], np.int64)
 
     return _digest_of_blocks(sizes_and_times, count, STAT_BLOCK)
 
@@ -165,12 +155,7 @@ def bytes_digest(path: Callable[[int], str], count: int) -> str:
     def block_digest(indices: range) -> bytes:
         hasher = hashlib.blake2b(digest_size=16)
         for index in indices:
-            file = path(index)
-            try:
-                with open(file, "rb") as f:
-                    content = f.read()
-            except FileNotFoundError:
-                raise MissingDataError(f"{file} is gone (listed in the file index).") from None
+            content = _listed(_read_bytes, path(index))
             hasher.update(len(content).to_bytes(8, "little"))
             hasher.update(content)
         return hasher.digest()
@@ -178,11 +163,15 @@ def bytes_digest(path: Callable[[int], str], count: int) -> str:
     return _digest_of_blocks(block_digest, count, BYTES_BLOCK)
 
 
+def _read_bytes(file: str) -> bytes:
+    with open(file, "rb") as f:
+        return f.read()
+
+
 def _digest_of_blocks(
     of_block: Callable[[range], bytes | np.ndarray], count: int, block_size: int
 ) -> str:
-    """A digest of `of_block` over the indices `0..count-1` in blocks of `block_size`, the blocks
-    read by `STAT_THREADS` threads and hashed in order."""
+    """A digest of `of_block` over `0..count-1` in blocks, read in threads, hashed in order."""
     blocks = [range(s, min(s + block_size, count)) for s in range(0, count, block_size)]
     hasher = hashlib.blake2b(digest_size=16)
     with concurrent.futures.ThreadPoolExecutor(STAT_THREADS) as pool:
@@ -198,25 +187,18 @@ def file_sha256(path: str) -> str:
 
 
 def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: str) -> None:
-    """Refuses a shard whose content is not the one `dataset_file` records for it.
-
-    A shard with the recorded size and time costs a `stat`; another (a copy) is read once
-    and, if its SHA-256 matches, remembered in this host's cache (`host_cache`).
-    """
-    cache = os.path.join(
-        host_cache.cache_dir("arrayrecord", os.path.realpath(data_dir)), VERIFIED_FILE
-    )
-    verified = _read_verified(cache)
-    unrecorded = [entry["file"] for entry in entries if "sha256" not in entry]
+    """Refuses a shard whose content is not the one `dataset_file` records for it. One with
+    the recorded size and time costs a `stat`; another (a copy) is read once and, if its
+    SHA-256 matches, remembered in this host's cache (`host_cache`)."""
+    cache = host_cache.cache_dir("arrayrecord", os.path.realpath(data_dir))
+    verified = _read_verified(os.path.join(cache, VERIFIED_FILE))
     newly_verified = {}
     for entry in [entry for entry in entries if "sha256" in entry]:
         path = os.path.join(data_dir, entry["file"])
         stat = os.stat(path)
-        seen = [stat.st_size, stat.st_mtime_ns]
-        if seen == [entry["bytes"], entry["mtime_ns"]]:
-            continue  # As prepare wrote it.
-        if verified.get(entry["file"]) == [*seen, entry["sha256"]]:
-            continue  # Read and found right by an earlier start on this host.
+        seen = [stat.st_size, stat.st_mtime_ns, entry["sha256"]]
+        if seen[:2] == [entry["bytes"], entry["mtime_ns"]] or verified.get(entry["file"]) == seen:
+            continue  # As prepare wrote it, or read and found right before on this host.
         if not newly_verified:
             logging.info(
                 "Reading the shards of %s whose modification time is not the one %s records "
@@ -231,9 +213,10 @@ def verify_shards(data_dir: str, entries: list[dict[str, Any]], dataset_file: st
                 f"{what} differs (replaced by a shard of another conversion, or damaged). Put "
                 "the right shard back, or convert the folder again."
             )
-        newly_verified[entry["file"]] = [*seen, entry["sha256"]]
+        newly_verified[entry["file"]] = seen
     if newly_verified:
-        _record_verified(cache, {**verified, **newly_verified})
+        _record_verified(os.path.join(cache, VERIFIED_FILE), {**verified, **newly_verified})
+    unrecorded = [entry["file"] for entry in entries if "sha256" not in entry]
     if unrecorded:
         logging.warning(
             "%s records no SHA-256 of %d shard(s) (written by an older prepare), e.g. %s: "
