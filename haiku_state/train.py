@@ -4,14 +4,12 @@ r"""The command line: `python -m haiku_state.train`. Flags, the runtime, one-lin
         [--config.steps=2000 --config.optimizer.learning_rate=0.1] [--mode=eval]
     python -m haiku_state.train --config=experiments/resnet.py --helpconfig
 
-Nothing in the library imports this module, and its flags are defined only when
-`main` runs. Exit status: 0 when the run (or evaluation) finished; 128 + the
-signal's number (143 for SIGTERM) when a signal stopped it after saving; 1 with
-a one-line error otherwise (an error that is not one of the package's refusals,
-`errors.Refused`, appends its traceback to WORKDIR/errors.log, and the line names
-it). Multi-process runs: `--coordinator_address=HOST:PORT --num_processes=N
---process_id=K` on every process, or `--multihost` where JAX detects the cluster
-(SLURM, TPU pods).
+Flags are defined only when `main` runs. Exit status: 0 when the run (or evaluation)
+finished; 128 + the signal's number (143 for SIGTERM) when a signal stopped it after
+saving; 1 with a one-line error otherwise (an error that is no `errors.Refused` appends
+its traceback to WORKDIR/errors.log). Multi-process runs: `--coordinator_address=HOST:PORT
+--num_processes=N --process_id=K` on every process, or `--multihost` where JAX detects
+the cluster (SLURM, TPU pods).
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import jax
 from absl import app, flags, logging
@@ -37,146 +34,104 @@ from haiku_state.guards import processes, quiet_logs, signals
 
 __all__ = ["main", "train_and_evaluate"]
 
-
-class _Flags(NamedTuple):
-    """The command line's flags, defined by `_define_flags`."""
-
-    config: flags.FlagHolder
-    workdir: flags.FlagHolder
-    mode: flags.FlagHolder
-    step: flags.FlagHolder
-    allow_config_change: flags.FlagHolder
-    cpu_devices: flags.FlagHolder
-    coordinator_address: flags.FlagHolder
-    num_processes: flags.FlagHolder
-    process_id: flags.FlagHolder
-    multihost: flags.FlagHolder
-    helpconfig: flags.FlagHolder
+# One-line errors: bad input, bad files, a run that cannot go on; anything else is a bug and
+# keeps its traceback. Those that are no `errors.Refused` (JAX's runtime errors, out of memory,
+# a library's ValueError) also keep theirs, in the workdir's ERRORS_FILE.
+_USER_ERRORS = (errors.Refused, ValueError, FloatingPointError, RuntimeError, OSError, MemoryError)
+ERRORS_FILE = "errors.log"
+EXIT_WITHIN_SECS = 10.0  # After a one-line error, the most the process may take to end.
 
 
-def _define_flags() -> _Flags:
-    return _Flags(
-        config=config_flags.DEFINE_config_file(
+def _define_flags() -> dict[str, flags.FlagHolder]:
+    return {
+        "config": config_flags.DEFINE_config_file(
             "config", None, "Path to an experiment file defining get_config().", lock_config=True
         ),
-        workdir=flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics."),
-        mode=flags.DEFINE_enum(
+        "workdir": flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics."),
+        "mode": flags.DEFINE_enum(
             "mode",
             "train",
             ["train", "eval", "eval_follow"],
             "train; eval: evaluate one checkpoint (--step); eval_follow: evaluate every new "
             "checkpoint as a training run beside it saves them, until its last step.",
         ),
-        step=flags.DEFINE_string(
+        "step": flags.DEFINE_string(
             "step", None, "--mode=eval: the step to evaluate, or 'best' (config.keep_best_by)."
         ),
-        allow_config_change=flags.DEFINE_bool(
+        "allow_config_change": flags.DEFINE_bool(
             "allow_config_change",
             False,
             "Resume even if the config differs from the workdir's config.json in a key that "
             "changes the run (model, data, optimizer, ...); the change is recorded.",
         ),
-        cpu_devices=flags.DEFINE_integer(
+        "cpu_devices": flags.DEFINE_integer(
             "cpu_devices",
             None,
             "Number of CPU devices to simulate when running on the CPU (ignored on GPU/TPU).",
             lower_bound=1,
         ),
-        helpconfig=flags.DEFINE_bool(
+        "helpconfig": flags.DEFINE_bool(
             "helpconfig",
             False,
             "List every config key of --config (of every experiment without it): its value, "
             "default, range and what it sets; then exit.",
         ),
-        **_define_process_flags(),
-    )
-
-
-def _define_process_flags() -> dict[str, Any]:
-    """The flags of a multi-process run."""
-    return dict(
-        coordinator_address=flags.DEFINE_string(
+        "coordinator_address": flags.DEFINE_string(
             "coordinator_address",
             None,
             "Multi-process runs: HOST:PORT of process 0, where jax.distributed's coordinator "
             "listens.",
         ),
-        num_processes=flags.DEFINE_integer(
+        "num_processes": flags.DEFINE_integer(
             "num_processes", None, "Multi-process runs: the number of processes.", lower_bound=1
         ),
-        process_id=flags.DEFINE_integer(
+        "process_id": flags.DEFINE_integer(
             "process_id",
             None,
             "Multi-process runs: this process's index in [0, num_processes).",
             lower_bound=0,
         ),
-        multihost=flags.DEFINE_bool(
+        "multihost": flags.DEFINE_bool(
             "multihost",
             False,
             "Call jax.distributed.initialize() and let it detect the cluster (SLURM, TPU pods, "
             "Kubernetes) for whatever --coordinator_address/--num_processes/--process_id omit.",
         ),
-    )
+    }
 
 
-# One-line errors: bad input, bad files, a run that cannot go on. Anything else is a bug
-# and keeps its traceback. Of these, the ones the package did not raise on purpose (JAX's
-# runtime errors, device out of memory, a library's ValueError: not an `errors.Refused`)
-# also keep theirs, in the workdir's ERRORS_FILE.
-_USER_ERRORS = (
-    errors.Refused,
-    ValueError,
-    FileNotFoundError,
-    FloatingPointError,
-    RuntimeError,
-    OSError,
-    MemoryError,
-)
-ERRORS_FILE = "errors.log"
-EXIT_WITHIN_SECS = 10.0  # After a one-line error, the most the process may take to end.
-
-
-def _step_flag(value: str | None) -> int | str | None:
-    return value if value is None or value == "best" else int(value)
-
-
-def _run_mode(command_line: _Flags, config: Any, stop: signals.StopRequest) -> None:
-    workdir = command_line.workdir.value
-    if command_line.mode.value == "eval":
-        step = _step_flag(command_line.step.value)
+def _run_mode(command_line: dict[str, flags.FlagHolder], stop: signals.StopRequest) -> None:
+    config, workdir = command_line["config"].value, command_line["workdir"].value
+    if command_line["mode"].value == "eval":
+        step = command_line["step"].value
+        step = step if step is None or step == "best" else int(step)
         evaluation.evaluate_checkpoint(config, workdir, step=step, stop=stop)
-    elif command_line.mode.value == "eval_follow":
+    elif command_line["mode"].value == "eval_follow":
         evaluation.follow_checkpoints(config, workdir, stop=stop)
     else:
-        train_and_evaluate(
-            config, workdir, stop=stop, allow_config_change=command_line.allow_config_change.value
-        )
+        allow_config_change = command_line["allow_config_change"].value
+        train_and_evaluate(config, workdir, stop=stop, allow_config_change=allow_config_change)
 
 
-def _main(command_line: _Flags, argv: list[str]) -> None:
+def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
     del argv  # Unused: everything comes in flags.
     # First thing: from here to the exit a signal asks for a clean stop.
     stop = signals.StopRequest(take_within_secs=signals.TAKE_WITHIN_SECS).install()
     quiet_logs.keep_the_log_to_this_package()
-    if command_line.cpu_devices.value:
-        jax.config.update("jax_num_cpu_devices", command_line.cpu_devices.value)
+    if command_line["cpu_devices"].value:
+        jax.config.update("jax_num_cpu_devices", command_line["cpu_devices"].value)
+    process_flags = ("coordinator_address", "num_processes", "process_id", "multihost")
     try:
-        processes.initialize_distributed(
-            command_line.coordinator_address.value,
-            command_line.num_processes.value,
-            command_line.process_id.value,
-            command_line.multihost.value,
-        )
+        processes.initialize_distributed(*(command_line[name].value for name in process_flags))
     except ValueError as e:
         sys.exit(f"error: {e}")
     stop.install()  # Again: jax.distributed may have taken SIGTERM for itself.
     if jax.default_backend() == "cpu":
-        # XLA:CPU compiles the partitionable threefry several times slower, and the
-        # parameter initialisers dominate start-up. It changes which random bits are
-        # drawn, not their quality; the per-device keys need no partitioning.
+        # XLA:CPU compiles the partitionable threefry several times slower, and the parameter
+        # initialisers dominate start-up. It changes which random bits are drawn, not their quality.
         jax.config.update("jax_threefry_partitionable", False)
     try:
-        _run_mode(command_line, command_line.config.value, stop)
+        _run_mode(command_line, stop)
     except signals.Stopped as e:  # Not a failure, not a success: a scheduler runs it again.
         logging.warning("%s", e)
         sys.exit(e.exit_code)
@@ -187,7 +142,7 @@ def _main(command_line: _Flags, argv: list[str]) -> None:
         faulthandler.dump_traceback_later(EXIT_WITHIN_SECS, exit=True)
         if isinstance(e, errors.Refused):
             sys.exit(f"error: {e}")  # The one line, on stderr beside the log.
-        where = _write_traceback(e, command_line.workdir.value)
+        where = _write_traceback(e, command_line["workdir"].value)
         sys.exit(f"error: {e} (traceback in {where})")
     finally:
         stop.ignore_until_exit()
@@ -216,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Defines the flags, parses `argv` (default: `sys.argv`) and runs the mode under absl."""
     command_line = _define_flags()
     flags.register_validator(
-        command_line.step, command_line_checks.is_step, message="must be a step number or 'best'"
+        command_line["step"], command_line_checks.is_step, message="must be a step number or 'best'"
     )
     app.run(
         functools.partial(_main, command_line),
