@@ -14,10 +14,9 @@ from haiku_state.guards import config_checks
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, refusing in one line a missing experiment file, an unknown config
-    key (with the nearest one), a bad flag or value, a word that is no flag, a missing
-    --workdir; --helpconfig lists keys. Every refusal is one line on stderr that starts
-    `error: `, as a failed run's is."""
+    """absl's flag parsing, refusing in one line on stderr that starts `error: ` (as a failed
+    run's does) a missing experiment file, an unknown config key (with the nearest one), a bad
+    flag or value, a word that is no flag, a missing --workdir; --helpconfig lists keys."""
     try:
         return _parse_flags(argv)
     except SystemExit as e:
@@ -32,7 +31,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     )
     experiments = config_lib.available_experiments()
     if config_arg is None:
-        _refuse_arguments(_parse_absl_flags(argv))  # --help and --helpfull exit here.
+        _parse_absl_flags(argv)  # --help and --helpfull exit here.
         if flags.FLAGS.helpconfig:
             _print_config_keys(None, None)
         sys.exit(f"--config is required: one of {[f'experiments/{n}.py' for n in experiments]}.")
@@ -56,7 +55,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         # The --config flag loads the file again: it may import the files beside it.
         with config_lib.importable_directory(config_path):
-            rest = _refuse_arguments(_parse_absl_flags(argv))
+            rest = _parse_absl_flags(argv)
     except (AttributeError, KeyError) as e:  # An override the check above let through.
         message = str(e.args[0] if e.args else e).strip("'\"").splitlines()[0]
         sys.exit(f"Bad config override: {message}; --helpconfig lists the keys of {config_arg}.")
@@ -68,16 +67,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _parse_absl_flags(argv: list[str]) -> list[str]:
-    """`flags.FLAGS(argv)`, a bad flag or value refused in one line."""
+    """`flags.FLAGS(argv)`, refusing in one line a bad flag or value and the words that are no
+    flag: a stray word, or the rest of an unquoted value with spaces (`--workdir=runs/my run`)."""
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except flags.Error as e:
         sys.exit(f"{e} (--helpfull lists the flags)")
-
-
-def _refuse_arguments(rest: list[str]) -> list[str]:
-    """`rest` (the program's name alone), else exits naming the words that are no flag: a
-    stray word, or the rest of an unquoted value with spaces (`--workdir=runs/my run`)."""
     if len(rest) > 1:
         words = " ".join(repr(word) for word in rest[1:])
         sys.exit(

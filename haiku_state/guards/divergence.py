@@ -1,15 +1,11 @@
 """A diverging run: telling it from the fetched losses, and which checkpoints it spoiled.
 
-A loss that is not finite, or over `EXPLOSION_FACTOR` x the run's first (and over the
-chance loss, where it is known), explodes. The
-checkpoint of step `s` holds the params step `s + 1`'s loss is computed with, so those
-from the step before the first exploding loss on hold diverged params: while the loss
-explodes the last good one is kept, a non-finite loss sets the diverged ones aside
-(renamed, never deleted), and a loss still exploding at the end is `LossExplodedError`.
-A run can also collapse with a finite loss: `Outcome` judges its end, saved with each
-checkpoint so a resumed run is judged as the uninterrupted one (`EndedWorseError`). Each
-rule asks for a change beyond noise: a loss `LOSS_RISE_MIN` above where it was, an
-accuracy whose fall exceeds what the number of examples it was measured on explains.
+A loss that is not finite, or over `EXPLOSION_FACTOR` x the run's first (and over the chance
+loss), explodes. The checkpoint of step `s` holds the params of step `s + 1`'s loss, so those
+from the step before the first exploding loss on are diverged: a non-finite loss sets them
+aside (renamed, never deleted), a loss still exploding at the end is `LossExplodedError`. A
+run can also collapse with a finite loss: `Outcome`, saved with each checkpoint, judges its
+end (`EndedWorseError`), asking each rule for a change beyond noise.
 """
 
 from __future__ import annotations
@@ -30,24 +26,18 @@ if TYPE_CHECKING:  # The guard is given the run's Checkpointer; it imports no sp
 
 EXPLOSION_FACTOR = 100.0  # A loss this many times the run's first: the run diverges.
 
-# A run ends badly when its last train loss is over LOSS_RISE_FACTOR x its first and
-# LOSS_RISE_MIN above it; when its final eval loss is so over its first evaluation's and over
-# the chance loss, ln(classes) (what a network that rates every class alike scores: not a run
-# that overfits); or when its last accuracy in a split is under COLLAPSE_FRACTION of its best,
-# COLLAPSE_MIN_DROP below it, and further below than chance explains: the accuracies'
-# Wilson intervals at CONFIDENCE_Z standard errors, on the examples each was measured on,
-# do not overlap (10 eval images cannot tell 0.2 from 0.0). A train loss that rose is no
-# problem when the final eval loss did not rise so over the first train loss (a warm start from
-# a converged run: its train loss 0.035 -> 0.167, its final eval loss 0.0041). A final loss
-# (eval, else train) over CHANCE_LOSS_FACTOR x the chance loss, with its accuracy not above
-# chance's 1/classes beyond noise, ended badly even with nothing earlier to compare it with.
+# A run ends badly when a loss ends over LOSS_RISE_FACTOR x its first and LOSS_RISE_MIN above
+# it; when an accuracy ends under COLLAPSE_FRACTION of its best and COLLAPSE_MIN_DROP below it,
+# their Wilson intervals at CONFIDENCE_Z apart (10 images cannot tell 0.2 from 0.0); or when
+# its final loss is over CHANCE_LOSS_FACTOR x the chance loss, ln(classes), with its accuracy
+# not above chance's beyond noise.
 LOSS_RISE_FACTOR = 1.25
 LOSS_RISE_MIN = 0.1
 COLLAPSE_FRACTION = 0.5
 COLLAPSE_MIN_DROP = 0.1
 CONFIDENCE_Z = 3.0
 CHANCE_LOSS_FACTOR = 4.0
-OUTCOME_KEY = "outcome"  # Of the outcome so far in a checkpoint's metadata.
+OUTCOME_KEY = "outcome"  # In a checkpoint's metadata.
 
 
 class LossExplodedError(errors.CannotContinue):
@@ -104,17 +94,15 @@ class Outcome:
         eval_examples: int | None = None,
         chance_loss: float | None = None,
     ) -> list[str]:
-        """One phrase per rule broken, with its figures: the last train loss, or the final
-        eval loss (known `chance_loss`), risen beyond `LOSS_RISE_FACTOR` and `LOSS_RISE_MIN`;
-        the last train (or final eval, on `eval_examples`) accuracy collapsed from its best;
-        the final eval loss (else the last train loss) far over `chance_loss`."""
+        """One phrase per rule broken, with its figures (the module's constants say the rules);
+        `final_eval` is the evaluation of `last_step`, on `eval_examples`."""
         final_loss = final = None
         if "loss" in final_eval:
             final_loss = Figure(last_step, float(final_eval["loss"]))
         if "accuracy" in final_eval:
             final = Figure(last_step, float(final_eval["accuracy"]), eval_examples)
         found = []
-        # The eval loss, where there is one, judges a train loss's rise: no worse than the first.
+        # A train loss's rise (a warm start's) is no problem when the eval loss did not rise.
         if final_loss is None or _rose("", self.first_train_loss, final_loss, ""):
             found += _rose(
                 "train loss", self.first_train_loss, self.last_train_loss, "first logged"
@@ -155,7 +143,7 @@ class Outcome:
 
 
 def _metrics(final: Mapping[str, float]) -> str:
-    """`accuracy 0.5, loss 1.2`: a final evaluation, for a message."""
+    """`accuracy 0.5, loss 1.2`, for a message."""
     return ", ".join(f"{name} {value:.4g}" for name, value in final.items())
 
 
@@ -217,9 +205,8 @@ def _collapsed(split: str, last: Figure | None, best: Figure | None) -> list[str
 
 
 def is_exploding(loss: float, first_loss: float | None, chance_loss: float = 0.0) -> bool:
-    """Whether `loss` is not finite, or over `EXPLOSION_FACTOR` x `first_loss` (the magnitude
-    of the run's first finite loss; None while there is none) and over `chance_loss` (a
-    warm-started run's first loss is tiny: a loss under chance's has not exploded)."""
+    """Whether `loss` is not finite, or over `EXPLOSION_FACTOR` x `first_loss` (the magnitude of
+    the run's first finite loss, if any) and over `chance_loss` (a warm start's is tiny)."""
     if not math.isfinite(loss):
         return True
     if first_loss is None or abs(loss) <= chance_loss:
@@ -235,10 +222,8 @@ def holds_diverged_params(saved_step: int, first_exploding_step: int) -> bool:
 class Monitor:
     """One run's losses and saved steps: whether it diverges, and which checkpoints it spoiled.
 
-    The checkpoint of `resumed_step` is a candidate to keep, never one to set aside. The run's
-    `outcome` (as the checkpoint resumed from recorded it) holds its first loss, which a
-    resumed process compares with. `examples_per_step` (the global batch) and
-    `eval_examples` size the accuracies; `chance_loss`, ln(classes), the losses.
+    The checkpoint of `resumed_step` is kept, never set aside; `outcome` is the one it recorded.
+    `examples_per_step` and `eval_examples` size the accuracies; `chance_loss` is ln(classes).
     """
 
     def __init__(
@@ -255,12 +240,11 @@ class Monitor:
         self._examples_per_step, self._eval_examples = examples_per_step, eval_examples
         self._chance_loss = chance_loss
         self.first_exploding_step: int | None = None
-        self.last_exploding: bool = False  # Whether the latest fetched loss explodes.
+        self.last_exploding = False  # Whether the latest fetched loss explodes.
         self.saved_steps: list[int] = []  # This run's checkpoints, in the order saved.
 
     def _first_loss(self) -> float | None:
-        """The magnitude of the run's first finite loss (before it was recorded, a checkpoint
-        held its first window's mean)."""
+        """The magnitude of the run's first finite loss (older checkpoints: its first window's)."""
         first = self.outcome.first_loss or self.outcome.first_train_loss
         return None if first is None else abs(first.value)
 
@@ -285,8 +269,7 @@ class Monitor:
         self.outcome.log_eval(step, metrics, self._eval_examples)
 
     def check_recovered(self, last_step: int, final: Mapping[str, float]) -> None:
-        """At the end of a run (saved and evaluated): says if the loss exploded; raises
-        `LossExplodedError` if it still explodes."""
+        """At the end of a run: says if the loss exploded; `LossExplodedError` if it still does."""
         first = self.first_exploding_step
         if first is None:
             return
@@ -312,8 +295,8 @@ class Monitor:
     def check_outcome(
         self, last_step: int, final: Mapping[str, float], kept_steps: Sequence[int] = ()
     ) -> None:
-        """At the end of a run (saved and evaluated, `kept_steps` on disk): `EndedWorseError`
-        if it ended far worse than it began or than its best."""
+        """At the end of a run (`kept_steps` on disk): `EndedWorseError` if it ended far worse
+        than it began or than its best."""
         problems = self.outcome.problems(last_step, final, self._eval_examples, self._chance_loss)
         if not problems:
             return
@@ -360,8 +343,8 @@ class Monitor:
 def setting_aside_diverged(
     monitor: Monitor, checkpointer: checkpoint.Checkpointer
 ) -> Iterator[None]:
-    """On a non-finite loss or params (FloatingPointError), sets aside the run's diverged
-    checkpoints and raises it again naming them and the step a rerun resumes from."""
+    """On a FloatingPointError, sets the diverged checkpoints aside and raises it again, naming
+    them and the step a rerun resumes from."""
     try:
         yield
     except FloatingPointError as e:

@@ -1,10 +1,9 @@
 """Processes a run starts exit when the process that started them is killed.
 
-A process killed outright (`kill -9`, the OOM killer) cannot stop its decoding
-workers, which would wait on a queue nobody reads, holding their memory. A worker
-watches its parent twice: from `haiku_state/__init__.py` (`guard_spawned_child`),
-before imports that take seconds, and once grain initialises it, through the pipe
-`multiprocessing` gives each child (which also tells of a parent already gone).
+A process killed outright (`kill -9`, the OOM killer) cannot stop its decoding workers, which
+would wait on a queue nobody reads, holding their memory. A worker watches its parent from
+`haiku_state/__init__.py` (`guard_spawned_child`), before slow imports, and once grain
+initialises it, through the pipe `multiprocessing` gives each child.
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ import sys
 import threading
 import time
 
-# How often a watching thread checks that the parent is still there.
-CHECK_S = 0.25
-# The last argument of every process `multiprocessing` spawns (`spawn.get_command_line`).
-_SPAWNED_FLAG = "--multiprocessing-fork"
+CHECK_S = 0.25  # How often a watching thread checks that the parent is still there.
+_SPAWNED_FLAG = "--multiprocessing-fork"  # The last argument of every spawned process.
 
 
 def exit_with_parent() -> None:

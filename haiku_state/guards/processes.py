@@ -1,8 +1,8 @@
 """The processes of one run: they join, agree, and stop together when one is lost.
 
-Each process beats in the coordinator's key-value store and stops in one line when
-another falls silent, before JAX's own heartbeat aborts every process with a dump of
-every thread; a collective that failed because its other end died is named the same way.
+Each process beats in the coordinator's key-value store and stops in one line when another
+falls silent, before JAX's own heartbeat aborts every process with a dump of every thread; a
+collective that failed because its other end died is named the same way.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from jax.experimental import multihost_utils
 
 from haiku_state import errors
 
-# When JAX's coordinator gives a silent process up and aborts every process: the last
-# resort, well after LOST_AFTER_S (at a shorter timeout a survivor on a loaded machine was
-# once aborted before its beats named the loss).
+# JAX's coordinator aborts every process once one is this silent: the last resort.
 HEARTBEAT_TIMEOUT_S = 30
 # Each process beats every BEAT_S and stops when another's beat is LOST_AFTER_S old.
 BEAT_S = 1.0
 LOST_AFTER_S = 10.0
 _BEATS_KEY = "haiku_state/beats/"
+# How a collective fails when a process at its other end has died (gloo over TCP).
+_LOST_PROCESS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Gloo ")
 
 
 def initialize_distributed(
@@ -37,10 +37,9 @@ def initialize_distributed(
     process_id: int | None,
     auto_detect: bool = False,
 ) -> None:
-    """Joins JAX's multi-process runtime when asked to, before any JAX backend starts: given
-    all three arguments, or with `auto_detect` what the cluster's environment (SLURM, TPU pods)
-    tells. Processes other than 0 then log warnings and errors only. ValueError for an
-    incomplete or inconsistent set of arguments, before anything connects."""
+    """Joins JAX's multi-process runtime, before any backend starts, when given all three
+    arguments or `auto_detect` (SLURM, TPU pods). Processes other than 0 then log warnings and
+    errors only. An incomplete or inconsistent set of arguments is refused before connecting."""
     if not _check_cluster_flags(coordinator_address, num_processes, process_id, auto_detect):
         return
     jax.distributed.initialize(
@@ -52,49 +51,38 @@ def initialize_distributed(
     if jax.process_count() > 1:
         from jax._src import distributed  # Its client: JAX has no public accessor.
 
-        threading.Thread(
-            target=_watch_other_processes,
-            args=(distributed.global_state.client,),
-            name="beats",
-            daemon=True,
-        ).start()
+        client = distributed.global_state.client
+        threading.Thread(target=_beat, args=(client,), name="beats", daemon=True).start()
     if jax.process_index() != 0:
         logging.set_verbosity(logging.WARNING)
     logging.info(
         "Process %d of %d: %d local of %d devices.",
-        jax.process_index(),
-        jax.process_count(),
-        jax.local_device_count(),
-        jax.device_count(),
+        *(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count()),
     )
 
 
 def _check_cluster_flags(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    auto_detect: bool,
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None, auto: bool
 ) -> bool:
     """Whether to join a cluster at all; refuses an incomplete or inconsistent set of flags."""
     names = ("coordinator_address", "num_processes", "process_id")
     explicit = dict(zip(names, (coordinator_address, num_processes, process_id), strict=True))
     given = {name: value for name, value in explicit.items() if value is not None}
-    if not given and not auto_detect:
+    if not given and not auto:
         return False
-    if not auto_detect and len(given) < len(explicit):
+    if not auto and len(given) < len(explicit):
         missing = [f"--{name}" for name in explicit if name not in given]
         raise errors.InvalidValue(
             f"Multi-process flags given ({', '.join(f'--{n}={v}' for n, v in given.items())}) "
             f"but {', '.join(missing)} missing: pass all three, or --multihost to detect "
             "the rest from the cluster (SLURM, TPU pods)."
         )
-    if coordinator_address is not None:
-        host, _, port = coordinator_address.rpartition(":")
-        if not host or not port.isdigit():
-            raise errors.InvalidValue(
-                f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
-                "10.0.0.1:1234 (the address of process 0)."
-            )
+    host, _, port = (coordinator_address or "").rpartition(":")
+    if coordinator_address is not None and not (host and port.isdigit()):
+        raise errors.InvalidValue(
+            f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
+            "10.0.0.1:1234 (the address of process 0)."
+        )
     if num_processes is not None and process_id is not None and process_id >= num_processes:
         raise errors.InvalidValue(
             f"--process_id={process_id} must be in [0, --num_processes={num_processes})."
@@ -102,15 +90,11 @@ def _check_cluster_flags(
     return True
 
 
-# How a collective fails when a process at its other end has died (gloo over TCP).
-_LOST_PROCESS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Gloo ")
-
-
-def _watch_other_processes(client: Any) -> None:
+def _beat(client: Any) -> None:
     """Beats for this process; stops it when another falls silent (a collective whose other
     end died can wait forever). Ends quietly when the runtime shuts down or fails."""
-    me = jax.process_index()
-    others = [str(k) for k in range(jax.process_count()) if k != me]
+    me = str(jax.process_index())
+    others = [str(k) for k in range(jax.process_count()) if str(k) != me]
     last_beat = dict.fromkeys(others, "")
     last_change = dict.fromkeys(others, time.monotonic())  # On this process's clock.
     try:
@@ -119,7 +103,7 @@ def _watch_other_processes(client: Any) -> None:
             now = time.monotonic()
             for key, value in client.key_value_dir_get(_BEATS_KEY):
                 k = key.rpartition("/")[2]
-                if k != str(me) and value != last_beat[k]:
+                if k != me and value != last_beat[k]:
                     last_beat[k], last_change[k] = value, now
             silent = [k for k in others if now - last_change[k] > LOST_AFTER_S]
             if silent:
@@ -131,15 +115,12 @@ def _watch_other_processes(client: Any) -> None:
 
 
 def _exit_lost(lost: str, how: str) -> None:
-    """Exits at once, naming the lost process in one line. JAX's own exit would wait for it
-    at a shutdown barrier, then abort; a checkpoint in flight is complete or ignored on resume."""
+    """Exits at once, naming the lost process in one line (JAX's own exit would wait for it,
+    then abort); a checkpoint in flight is complete or ignored on resume."""
     logging.error(
         "Process %d of %d lost %s: %s. Stopping; run every process again to resume from "
         "the latest checkpoint.",
-        jax.process_index(),
-        jax.process_count(),
-        lost,
-        how,
+        *(jax.process_index(), jax.process_count(), lost, how),
     )
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,9 +1,8 @@
 """Library noise kept off the terminal when the error it echoes is reported once, elsewhere.
 
-Orbax closes its event loop as soon as one array read (or write) fails, while
-TensorStore has others in flight: each then reports late ("Event loop is closed"
-through `sys.unraisablehook`, asyncio's "Task exception was never retrieved"),
-hundreds of lines of tracebacks. And the libraries' INFO chatter.
+Orbax closes its event loop as soon as one array read (or write) fails, while TensorStore has
+others in flight: each then reports late, hundreds of lines of tracebacks. And the libraries'
+INFO chatter.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ def _is_not_a_failed_read_task(record: std_logging.LogRecord) -> bool:
 
 def drop_late_loop_callbacks() -> None:
     """Drops the callbacks that outlive the event loop of a failed read or write; idempotent
-    and process-wide (they come from other threads at any later time)."""
+    and process-wide (they come from other threads, later)."""
     global _next_unraisablehook
     if sys.unraisablehook is not _drop_late_loop_callback:
         _next_unraisablehook = sys.unraisablehook
@@ -62,13 +61,13 @@ def failed_read_kept_quiet(step_dir: str) -> Iterator[None]:
 
 
 def _is_not_a_read_only_note(record: std_logging.LogRecord) -> bool:
+    """Orbax's warning that a directory is read only: evaluation opens it so on purpose."""
     return not str(record.msg).startswith("Given directory is read only")
 
 
 @contextlib.contextmanager
 def read_only_note_kept_quiet() -> Iterator[None]:
-    """Around opening a read-only Checkpointer: Orbax's warning that the directory is read
-    only, which the reader asked for, stays off the log."""
+    """Around opening a read-only Checkpointer: Orbax's note that it is stays off the log."""
     absl_logger = std_logging.getLogger("absl")
     absl_logger.addFilter(_is_not_a_read_only_note)
     try:
@@ -82,23 +81,19 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 
 def keep_the_log_to_this_package() -> None:
     """Keeps the log to this package's lines and the libraries' warnings and errors, but
-    Orbax's "read only" (evaluation reads so on purpose) and its tracebacks of a failed
-    write (the Checkpointer reports it in one line). At INFO, JAX names each backend it
-    could not start, which on a CPU-only machine reads like an error."""
+    Orbax's "read only" note and its tracebacks of a failed write (the Checkpointer reports it
+    in one line); with a short prefix: the level, the time and the module."""
 
     def keep(record) -> bool:
         if os.path.abspath(record.pathname).startswith(_PACKAGE_DIR):
             return True
-        if record.levelno < std_logging.WARNING:
+        if "/orbax/" in record.pathname and (
+            record.exc_info or not _is_not_a_read_only_note(record)
+        ):
             return False
-        if "/orbax/" in record.pathname:
-            read_only = str(record.msg).startswith("Given directory is read only")
-            return not record.exc_info and not read_only
-        return True
+        return record.levelno >= std_logging.WARNING
 
     logging.get_absl_handler().addFilter(keep)
-    # absl's prefix (date, microseconds, thread id, file and line) is 50 characters of each
-    # line; the level, the time and the module tell a run's reader what they need.
     short = std_logging.Formatter("%(levelname).1s %(asctime)s %(module)s] %(message)s", "%H:%M:%S")
     logging.get_absl_handler().setFormatter(short)
     threading.excepthook = functools.partial(_thread_error, threading.excepthook)
@@ -106,7 +101,7 @@ def keep_the_log_to_this_package() -> None:
 
 def _thread_error(previous: Callable[[Any], None], args: Any) -> None:
     """tensorboardX's writer thread failing on a full disk: one line, not its traceback (the
-    run's own error, if the disk stops it, is the one to read); any other thread's as before."""
+    run's own error is the one to read); any other thread's as before."""
     if type(args.thread).__name__ == "_EventLoggerThread" and issubclass(args.exc_type, OSError):
         logging.warning("TensorBoard events cannot be written: %s", args.exc_value)
         return

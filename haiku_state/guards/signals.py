@@ -1,9 +1,8 @@
 """Signals: SIGTERM, SIGINT or SIGHUP at any moment ends a run in a saved step and one line.
 
-Python runs a signal's handler in the main thread, between two bytecodes: a main thread stuck
-in native code (a wait on a device result that never comes) never takes it. With
-`take_within_secs` a watchdog thread learns of each signal as it arrives and, should the main
-thread not take it in that time, ends the process without saving, in one line.
+Python runs a handler in the main thread, between bytecodes: a main thread stuck in native code
+never takes it. With `take_within_secs`, a watchdog thread learns of each signal as it arrives
+and ends the process, in one line and without saving, if the main thread has not taken it.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ TAKE_WITHIN_SECS = 10.0  # The command line's bound on a signal the main thread 
 
 
 class Stopped(Exception):
-    """A signal stopped a run or an evaluation after it saved what it had, as its message says.
-    `exit_code`: 128 + the signal's number, as a shell says it, so a scheduler runs it again."""
+    """A signal stopped a run or an evaluation after it saved what it had, as its message says;
+    `exit_code` is 128 + the signal's number, as a shell's, so a scheduler runs it again."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -34,11 +33,8 @@ class Stopped(Exception):
 class StopRequest:
     """Turns SIGTERM/SIGINT/SIGHUP into a decision the loop reads between steps.
 
-    Installed for the whole life of a run; further signals are only recorded. A signal may
-    reach only some processes, but all must stop at the same step (the save is collective):
-    they vote on whether any was signalled where `agreement` (the run's `loop.Every`; None:
-    at every step) has them vote. `take_within_secs`: a signal the main thread has not taken
-    by then ends the process (see the module).
+    A signal may reach only some processes, but all must stop at the same step (the save is
+    collective): they vote where `agreement` (the run's `loop.Every`; None: every step) says.
     """
 
     def __init__(self, *, take_within_secs: float | None = None):
@@ -65,8 +61,8 @@ class StopRequest:
         return self.signal_name is not None
 
     def stopped(self, what: str) -> Stopped:
-        """The `Stopped` error to raise: `what` (where it stopped, what was saved), and why.
-        A collective: every process names the signal one of them received, and its code."""
+        """The `Stopped` to raise: `what` (where it stopped, what was saved), and why. A
+        collective: every process names the signal one of them received, and its code."""
         signum = max_over_processes(self.signum)
         if self.signum:
             why = f"{self.signal_name} received"
@@ -81,7 +77,7 @@ class StopRequest:
 
     def install(self) -> StopRequest:
         """Makes this the handler of `SIGNALS`, again if something replaced it (as
-        `jax.distributed.initialize`'s preemption notifier does); starts the watchdog once."""
+        `jax.distributed.initialize` does); starts the watchdog once."""
         for signum in SIGNALS:
             previous = signal.signal(signum, self._handle)
             self._previous.setdefault(signum, previous)
@@ -94,8 +90,8 @@ class StopRequest:
         return self
 
     def ignore_until_exit(self) -> None:
-        """Ignores further signals once a run is over: Python puts the default handlers back at
-        shutdown (ignored ones stay ignored), which would kill a process that finished cleanly."""
+        """Ignores further signals once a run is over: the default handlers Python puts back at
+        shutdown would kill a process that finished cleanly."""
         for signum in SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
 
@@ -119,17 +115,14 @@ class StopRequest:
                 while self._taken < received and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if self._taken < received:
-                    self._exit_untaken(signal.Signals(signum))
-
-    def _exit_untaken(self, signum: signal.Signals) -> None:
-        logging.warning(
-            "%s received, and not taken in %g s: the main thread is stuck in native code (a "
-            "wait for a device that will never answer, or a compilation). Exiting without "
-            "saving; a rerun resumes from the latest complete checkpoint.",
-            signum.name,
-            self._take_within_secs,
-        )
-        os._exit(128 + signum)
+                    logging.warning(
+                        "%s received, and not taken in %g s: the main thread is stuck in native "
+                        "code (a wait for a device that will never answer, or a compilation). "
+                        "Exiting without saving; a rerun resumes from the latest complete "
+                        "checkpoint.",
+                        *(signal.Signals(signum).name, self._take_within_secs),
+                    )
+                    os._exit(128 + signum)
 
     def __exit__(self, *exc_info) -> None:
         for signum, handler in self._previous.items():

@@ -64,13 +64,11 @@ def check_ema(train_state: Any, ema_decay: float | None, where: str) -> None:
 
 def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout: Any) -> None:
     """Refuses what is not a `kind` (TrainState) in `layout`, a batch not per device, or a train
-    state donated before."""
+    state donated before (its buffers are gone: jax 0.10 aborts on it)."""
     if not isinstance(train_state, kind):
         raise TypeError(f"{where}: expected a {kind.__name__}, got {type(train_state).__name__}.")
     replication.check_batch(batch, where)
-    # A train state passed to update before: its buffers are gone (jax 0.10 aborts on it).
-    # Donation deletes every leaf of a state at once: the first leaf of each field tells,
-    # and the scan names it.
+    # Donation deletes every leaf at once: the first of each field tells, the scan names it.
     firsts = [leaves[0] for field in train_state if (leaves := jax.tree.leaves(field))]
     if any(is_deleted(leaf) for leaf in firsts):
         for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):

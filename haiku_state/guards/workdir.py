@@ -2,8 +2,7 @@
 
     WORKDIR/
       lock              host and pid of the run training here (held with flock)
-      config.json       the resolved config (the keys it reads) and the data as read, written
-                        once the run resumed
+      config.json       the resolved config (the keys it reads) and the data as read
       checkpoints/      haiku_state.checkpoint
       metrics.jsonl, tensorboard/, curves.png   haiku_state.summaries
       profile/          jax.profiler traces (config.profile_steps)
@@ -46,9 +45,7 @@ class WorkdirError(errors.InvalidValue):
     """The workdir cannot be used as asked: locked, unwritable, or trained with another config."""
 
 
-# The longest path a checkpoint writes below the workdir, with room to spare: Orbax's
-# `checkpoints/<step>.orbax-checkpoint-tmp-<time>/train_state.orbax-checkpoint-tmp-<time>/
-# ocdbt.process_<k>/d/<32 hex digits>`.
+# The longest path Orbax writes below the workdir (its temporary step folders), with room.
 CHECKPOINT_PATH_ROOM = 200
 
 
@@ -66,8 +63,7 @@ def check_usable(workdir: str) -> None:
     for folder in (existing, os.path.join(workdir, "checkpoints")):
         if os.path.isdir(folder):
             try:
-                with tempfile.TemporaryFile(dir=folder):  # O_TMPFILE: nothing appears there.
-                    pass
+                tempfile.TemporaryFile(dir=folder).close()  # O_TMPFILE: nothing appears there.
             except OSError as e:
                 raise WorkdirError(
                     f"--workdir={workdir}: {folder} is not writable ({e.strerror}); a run could "
@@ -110,15 +106,13 @@ def exclusive_lock(workdir: str) -> Iterator[None]:
     path = os.path.join(workdir, LOCK_FILE)
     try:
         os.makedirs(workdir, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # E.g. a read-only filesystem, where access() said yes.
+        lock = open(path, "a+")  # noqa: SIM115 (closed below; closing releases the flock)
+    except OSError as e:  # E.g. a read-only filesystem.
         raise WorkdirError(f"--workdir={workdir} cannot be written: {e}") from None
-    try:
+    with lock:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             raise WorkdirError(
                 f"{workdir} is being trained by another run ({_read_holder(path)}); one run "
                 "per workdir. Wait for it, stop it, or pick another --workdir. "
@@ -128,15 +122,14 @@ def exclusive_lock(workdir: str) -> Iterator[None]:
         if previous != "nobody":
             logging.warning("Taking over the lock of a run that is gone (%s).", previous)
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": _stamp(iso=True)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        os.fsync(fd)
+        lock.truncate(0)
+        lock.write(json.dumps(holder) + "\n")
+        lock.flush()
+        os.fsync(lock.fileno())
         try:
             yield
         finally:
-            os.ftruncate(fd, 0)  # Released cleanly: nobody holds it.
-    finally:
-        os.close(fd)  # Also releases the flock.
+            lock.truncate(0)  # Released cleanly: nobody holds it.
 
 
 def _read_holder(path: str) -> str:
@@ -156,8 +149,7 @@ def _as_json(config: Any) -> dict[str, Any]:
 
 
 def recorded_config(config: Any) -> dict[str, Any]:
-    """The config as `config.json` records it: the keys its combination reads (the synthetic
-    data's shape is no key of a run on the digits), as JSON gives them back."""
+    """The config as `config.json` records it: the keys its combination reads, as JSON."""
     record = _as_json(config)
     for name in config_lib.ignored_keys(config_lib.flatten(record)):
         *parents, leaf = name.split(".")
@@ -171,15 +163,15 @@ def recorded_config(config: Any) -> dict[str, Any]:
 
 
 def network_record(path: str) -> dict[str, str]:
-    """What a run records of its own network's file at `path` (`config.model.network`): its
-    absolute path and the SHA-256 of its source; {} for no path or a file not there."""
+    """The absolute path and SHA-256 of a run's own network's file (`config.model.network`);
+    {} for no path or a file not there."""
     if not path or not os.path.isfile(path):
         return {}
     with open(path, "rb") as f:
         return {"file": os.path.abspath(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
 
 
-@functools.cache  # Once a process: the record is read more than once for a run.
+@functools.cache  # Once a process: a run reads its record more than once.
 def _warn_network_changed(path: str, recorded: str, now: str, workdir: str) -> None:
     logging.warning(
         "%s changed since the run in %s recorded it (sha256 %s... -> %s...): its network is "
@@ -191,8 +183,7 @@ def _warn_network_changed(path: str, recorded: str, now: str, workdir: str) -> N
 def check_network_source(
     recorded: Mapping[str, Any], network: Mapping[str, str], workdir: str
 ) -> None:
-    """Warns when the run's own network as it is now (`network_record`) is not the source the
-    run `recorded` (`RunRecord.network`)."""
+    """Warns when the run's own network (`network_record`) is not the one it `recorded`."""
     if recorded.get("sha256") and network and network["sha256"] != recorded["sha256"]:
         _warn_network_changed(network["file"], recorded["sha256"], network["sha256"], workdir)
 
@@ -220,7 +211,7 @@ def _changes(
 @dataclasses.dataclass(frozen=True)
 class ConfigRecord:
     """The `config.json` a checked run writes once it has resumed: its `record`, the allowed
-    `changes` it makes, and why the file there now is set aside rather than replaced."""
+    `changes`, and why the file there now is set aside (not replaced), if it is."""
 
     path: str
     record: dict[str, Any]
@@ -237,8 +228,7 @@ class ConfigRecord:
             logging.warning("Resuming with a changed config: %s", "; ".join(self.changes))
         temporary = f"{self.path}.tmp-{os.getpid()}"
         with open(temporary, "w") as f:
-            json.dump(self.record, f, indent=2)
-            f.write("\n")
+            f.write(json.dumps(self.record, indent=2) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, self.path)
@@ -246,25 +236,22 @@ class ConfigRecord:
 
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
-    """What a run recorded of itself (`run_record`): its `config` (None: nothing records it),
-    its `data` (`data_identity.identity`; {} if unknown) and the `changes` allowed on its
-    resumes; `source` names where the config was read, `problem` why `config.json` was not."""
+    """What a run recorded of itself: its `config` (None: nothing records it), `data`
+    (`data_identity.identity`), the `changes` allowed on its resumes, and its `network`;
+    `source` names where the config was read, `problem` why `config.json` was not."""
 
     config: dict[str, Any] | None
     data: dict[str, Any]
     changes: list[Any]
     source: str
     problem: str = ""
-    network: dict[str, str] = dataclasses.field(default_factory=dict)  # `network_record`'s.
+    network: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def run_record(workdir: str, metadata: Mapping[str, Any] | None = None) -> RunRecord:
-    """The record of the run in `workdir`, for its resume, evaluation and `load_run`:
-    `config.json`, and what it lacks (the file missing or unreadable, or of a version that
-    recorded no data) from `metadata`, a checkpoint step's run metadata. The file comes first:
-    each resume rewrites it, so it holds the changes allowed since the last save and what every
-    earlier run recorded of the data; a step's metadata is what one save knew. A
-    `keep_best_mode` recorded without `keep_best_by` (it once defaulted to max) is read as none."""
+    """The record of the run in `workdir`: `config.json` (each resume rewrites it, so it holds
+    every allowed change), and what it lacks from `metadata`, a checkpoint's run metadata. A
+    `keep_best_mode` recorded without `keep_best_by` (an old default) is read as none."""
     path, file, problem = os.path.join(workdir, CONFIG_FILE), None, ""
     try:
         with open(path) as f:
@@ -292,7 +279,7 @@ def run_record(workdir: str, metadata: Mapping[str, Any] | None = None) -> RunRe
         config["keep_best_mode"] = ""
     data = dict(file.get("data") or saved.get("data") or {})
     network = dict(file.get("network") or {})
-    if network.get("file"):  # The recorded file as it is now: changed since?
+    if network.get("file"):
         check_network_source(network, network_record(network["file"]), workdir)
     changes = list(file.get("changes", []))
     return RunRecord(config, data, changes, source, problem, network)
@@ -307,11 +294,9 @@ def check_config(
     has_checkpoint: bool = True,
     checkpoint_metadata: Mapping[str, Any] | None = None,
 ) -> ConfigRecord:
-    """Checks `config` and `data` (`data_identity.identity`) against the run's record
-    (`run_record`, with the latest checkpoint's metadata); writes nothing. A workdir without a
-    checkpoint binds nothing. Returns the record to `write()` once the run resumed (keeping the
-    digests earlier runs recorded that this one did not take); WorkdirError for a change of the
-    trajectory unless `allow_change`."""
+    """Checks `config` and `data` against the run's record (`run_record`); writes nothing, and
+    a workdir without a checkpoint binds nothing. Returns the record to `write()` once the run
+    resumed; WorkdirError for a change of the trajectory unless `allow_change`."""
     path, data = os.path.join(workdir, CONFIG_FILE), dict(data or {})
     model = config.get("model", {})
     network = network_record(model.get("network", "") if model.get("name") is None else "")
@@ -344,9 +329,8 @@ def check_config(
 
 
 def _listing(changes: list[str], budget: int = 160) -> str:
-    """The changes one after the other, the first whole and the others while they fit in
-    `budget` characters; the rest named by their keys (a new run in another run's workdir
-    changes everything, its data too)."""
+    """The changes, the first whole and the others while they fit in `budget` characters; the
+    rest named by their keys."""
     shown = changes[:1]
     while len(shown) < len(changes) and len("; ".join(changes[: len(shown) + 1])) <= budget:
         shown.append(changes[len(shown)])
@@ -357,14 +341,11 @@ def _listing(changes: list[str], budget: int = 160) -> str:
 def _changes_since(
     previous: RunRecord, config: Any, data: dict[str, Any]
 ) -> tuple[list[str], dict[str, Any]]:
-    """What changes the run between the record `previous` and `config` with `data`, and, on
-    the same data, the digests the record knows and `data` does not (`data.verify=content`'s
-    of an earlier run). The same data (by `data_identity`, both splits' digests known) at
-    another `data.dir` resumes."""
+    """The changes from the record `previous` to `config` with `data`, and, on the same data,
+    the digests the record knows and `data` does not. The same data (both splits' digests
+    equal) at another `data.dir` resumes."""
     recorded_data = previous.data
-    # The batch order depends on the data as read: compared like trajectory keys.
-    data_changes = data_identity.identity_changes(recorded_data, data)
-    # No data.dir (a run on the digits records none) is the empty one.
+    data_changes = data_identity.identity_changes(recorded_data, data)  # They change the order.
     old_dir = config_lib.flatten(previous.config).get("data.dir") or ""
     new_dir = config_lib.flatten(_as_json(config)).get("data.dir") or ""
     moved = (
@@ -379,13 +360,11 @@ def _changes_since(
         logging.info(
             "The data moved: data.dir was %r, now %r, and is the data %s records (the same "
             "classes, files and content); resuming on it.",
-            old_dir,
-            new_dir,
-            previous.source,
+            *(old_dir, new_dir, previous.source),
         )
     changes = trajectory_changes(previous.config, config, ("data.dir",) if moved else ())
     changes += data_changes
-    if data_changes:  # On other data, a digest only one side knows is no sign of an older record.
+    if data_changes:  # On other data, a digest one side lacks is no sign of an older record.
         return changes, {}
     unchecked = data_identity.unchecked_keys(recorded_data, data)
     unrecorded = [key for key in unchecked if recorded_data.get(key) is None]
@@ -393,8 +372,7 @@ def _changes_since(
         logging.warning(
             "%s records no %s of the data (written by an older version, or not known then): "
             "not checked on this resume; the record written now holds what is known.",
-            previous.source,
-            ", ".join(f"dataset.{key}" for key in unrecorded),
+            *(previous.source, ", ".join(f"dataset.{key}" for key in unrecorded)),
         )
     known = {key: recorded_data[key] for key in unchecked if data.get(key) is None}
     return changes, known
@@ -425,8 +403,8 @@ def with_recorded(
 
 
 def with_legacy_values(config: Any, recorded: Mapping[str, Any], source: str) -> Any:
-    """`config` with what a run recorded before some of its keys existed ran with
-    (`config.legacy_values`), said in a line: it resumes or is evaluated as it was trained."""
+    """`config` with the values a run recorded before some keys existed ran with
+    (`config.legacy_values`), said in a line: it goes on as it was trained."""
     legacy = config_lib.legacy_values(config_lib.flatten(recorded), config)
     if not legacy:
         return config
@@ -435,8 +413,7 @@ def with_legacy_values(config: Any, recorded: Mapping[str, Any], source: str) ->
         _set(config, key, value)
     logging.info(
         "%s predates %s: the run goes on as it was trained, with %s.",
-        source,
-        ", ".join(f"config.{key}" for key in legacy),
+        *(source, ", ".join(f"config.{key}" for key in legacy)),
         ", ".join(f"{key}={value!r}" for key, value in legacy.items()),
     )
     return config
@@ -450,8 +427,7 @@ def _set(config: Any, key: str, value: Any) -> None:
 
 
 def recorded_config_of(workdir: str, config: Any) -> Any:
-    """`config` with the legacy values (`with_legacy_values`) of the run `config.json` records,
-    if there is one: what a resume builds its network of."""
+    """`config` with the legacy values of the run `config.json` records, if any."""
     record = run_record(workdir)
     if record.config is None:
         return config
@@ -463,16 +439,13 @@ def _stamp(iso: bool = False) -> str:
     return now.isoformat(timespec="seconds") if iso else now.strftime("%Y%m%dT%H%M%SZ")
 
 
-# Every process of a run: one config, one writer.
-
-# Keys that say where this host finds things or how hard it works, not what the run
-# computes: hosts may differ in them (another mount point, another core count).
+# Where a host finds things or how hard it works, not what the run computes: hosts may differ.
 PER_HOST_KEYS = ("compilation_cache_dir", "data.dir", "data.workers", "data.prefetch")
 
 
 def check_same_config_on_every_process(config: Any) -> None:
     """Refuses processes started with different configs (`PER_HOST_KEYS` aside), naming the
-    keys and the processes, by comparing digests; else the replicas would drift apart."""
+    keys and the processes: their replicas would drift apart."""
     if jax.process_count() == 1:
         return
     flat = {
