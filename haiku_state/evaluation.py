@@ -1,10 +1,9 @@
 """Evaluation: exact metrics over a split, of one checkpoint or of each as training saves it.
 
-`evaluate_checkpoint` is `--mode=eval`; `follow_checkpoints` is `--mode=eval_follow`,
-beside a training run, evaluating each new complete checkpoint until the last step's.
-Both read the checkpoints without touching them, write to `metrics.jsonl` (split
-`eval`, marked `"separate": true`) and TensorBoard's `eval` run, and evaluate the
-run as it was trained: its recorded config but `EVALUATOR_KEYS`.
+`evaluate_checkpoint` (`--mode=eval`) and `follow_checkpoints` (`--mode=eval_follow`, beside
+a training run until its last step) read the checkpoints without touching them, write
+`metrics.jsonl` (split `eval`, `"separate": true`) and TensorBoard's `eval` run, and evaluate
+the run as it was trained: its recorded config but `EVALUATOR_KEYS`.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, Updater, step_of
 
 FOLLOW_POLL_SECS = 1.0
+_Evaluate = Callable[[TrainState], dict[str, float] | None]
 # The keys the evaluating process chooses for itself; every other comes from the run's record.
 EVALUATOR_KEYS = (
     "eval_batch_size",
@@ -65,12 +65,9 @@ def evaluate_split(
     finally:
         batches.close()
     per_batch = jax.device_get(per_batch)
-    total_weight = sum(float(m["weight"]) for m in per_batch)
-    return {
-        name: sum(float(m[name]) for m in per_batch) / total_weight
-        for name in per_batch[0]
-        if name != "weight"
-    }
+    totals = {name: sum(float(m[name]) for m in per_batch) for name in per_batch[0]}
+    weight = totals.pop("weight")
+    return {name: total / weight for name, total in totals.items()}
 
 
 def evaluate_test_split(
@@ -87,38 +84,6 @@ def evaluate_test_split(
         batch_size,
         options=experiment.input_options,
         stop=stop,
-    )
-
-
-def _prepare(
-    config: Any, workdir: str, *, wait: signals.StopRequest | None = None
-) -> tuple[Any, Experiment, TrainState, str]:
-    """The run's config, the experiment, a train state to restore into, the checkpoint
-    directory; with `wait`, once the run's record appears (a training run about to start)."""
-    directory = os.path.join(workdir, "checkpoints")
-    if wait is not None and not _recorded(workdir):
-        logging.info("Waiting for %s to hold a run's record (a training run to start).", workdir)
-    while wait is not None and not _recorded(workdir):
-        if wait.should_stop_now():
-            raise wait.stopped(f"stopped while waiting for a run in {workdir}; nothing evaluated.")
-        time.sleep(FOLLOW_POLL_SECS)
-    if not os.path.isdir(directory):
-        raise errors.MissingFile(f"No checkpoints in {workdir} ({directory} does not exist).")
-    config = run_config(config, workdir)
-    config_checks.validate_config(config, jax.device_count(), jax.process_count())
-    compilation_cache.enable(config.compilation_cache_dir)
-    experiment = build_experiment(config)
-    config = experiment.config  # Its defaults that follow the data fitted to it.
-    like = experiment.updater.abstract_init(
-        placeholder_batch(experiment.dataset, config.batch_size)
-    )
-    return config, experiment, like, directory
-
-
-def _recorded(workdir: str) -> bool:
-    """Whether a training run has recorded its config or saved a checkpoint there."""
-    return os.path.exists(os.path.join(workdir, workdir_lib.CONFIG_FILE)) or bool(
-        checkpoint.complete_steps(os.path.join(workdir, "checkpoints"))
     )
 
 
@@ -178,10 +143,11 @@ def evaluate_checkpoint(
 ) -> dict[str, float]:
     """Evaluates one checkpoint of `workdir` (`step`, "best" by `config.keep_best_by`, or
     None: the latest) on the test split and records it; `stop` raises `signals.Stopped`."""
-    config, experiment, like, directory = _prepare(config, workdir)
-    with _reading(config, workdir, experiment, stop) as (checkpointer, evaluate):
+    directory = os.path.join(workdir, "checkpoints")
+    with _reading(config, workdir, stop) as (experiment, like, checkpointer, evaluate):
         if step == "best":
-            if not config.keep_best_by:
+            keep_best_by = experiment.config.keep_best_by
+            if not keep_best_by:
                 raise errors.InvalidValue(
                     f"--step=best: no keep_best_by was configured for the run in {workdir}, so "
                     "no step is ranked. Pass --step=<a step> (complete steps: "
@@ -192,7 +158,7 @@ def evaluate_checkpoint(
             if step is None:
                 raise errors.MissingFile(
                     f"No checkpoint in {directory} has the eval metric "
-                    f"config.keep_best_by={config.keep_best_by!r}."
+                    f"config.keep_best_by={keep_best_by!r}."
                 )
         train_state = _restore(checkpointer, like, step)
         metrics = evaluate(train_state)
@@ -235,68 +201,84 @@ def follow_checkpoints(
     One gone (retention deleted it) or damaged by the time it is read is skipped with
     a warning, unless it is the last step's; an unread format version stops it.
     """
-    config, experiment, like, directory = _prepare(config, workdir, wait=stop)
     results: dict[int, dict[str, float]] = {}
     skipped: dict[int, str] = {}  # Why each step without metrics was skipped.
-    with _reading(config, workdir, experiment, stop) as (checkpointer, evaluate):
-        done = False
-        while not done and not stop.should_stop_now():
-            new_steps = [s for s in checkpointer.all_steps() if s > max(results, default=-1)]
+    seen = -1  # The newest step evaluated or skipped.
+    with _reading(config, workdir, stop, wait=True) as (experiment, like, checkpointer, evaluate):
+        while seen < experiment.total_steps and not stop.should_stop_now():
+            new_steps = [s for s in checkpointer.all_steps() if s > seen]
             if not new_steps:
                 time.sleep(poll_secs)
-                continue
             for step in new_steps:
                 try:
                     train_state = checkpointer.restore(like, step)
                 except checkpoint.UnsupportedFormatError as e:
                     raise checkpoint.UnsupportedFormatError(
                         f"eval_follow cannot evaluate step {step} (evaluated steps "
-                        f"{_evaluated(results) or 'none'}): {e}"
+                        f"{sorted(results) or 'none'}): {e}"
                     ) from None
                 except (FileNotFoundError, ValueError) as e:
                     logging.warning("Skipping checkpoint step %d: %s", step, e)
-                    results[step], skipped[step] = {}, str(e)
-                    continue
-                metrics = evaluate(train_state)
-                if metrics is None:
-                    break
-                results[step] = metrics
-            done = max(results, default=-1) >= experiment.total_steps
-    evaluated = _evaluated(results)
-    if not done:
+                    skipped[step] = str(e)
+                else:
+                    metrics = evaluate(train_state)
+                    if metrics is None:
+                        break
+                    results[step] = metrics
+                seen = step
+    evaluated = sorted(results) or "none"
+    if seen < experiment.total_steps:
         raise stop.stopped(
-            f"stopped following {directory} before its step {experiment.total_steps}; "
-            f"evaluated steps {evaluated or 'none'}."
+            f"stopped following {os.path.join(workdir, 'checkpoints')} before its step "
+            f"{experiment.total_steps}; evaluated steps {evaluated}."
         )
-    last = max(results)
-    if last in skipped:
+    if seen in skipped:
         raise errors.InvalidValue(
-            f"eval_follow could not evaluate the run's last step {last} (evaluated steps "
-            f"{evaluated or 'none'}): {skipped[last]}"
+            f"eval_follow could not evaluate the run's last step {seen} (evaluated steps "
+            f"{evaluated}): {skipped[seen]}"
         )
-    return {step: results[step] for step in evaluated}
+    return dict(sorted(results.items()))
 
 
-def _evaluated(results: dict[int, dict[str, float]]) -> list[int]:
-    return sorted(step for step, metrics in results.items() if metrics)
+def _recorded(workdir: str) -> bool:
+    """Whether a training run has recorded its config or saved a checkpoint there."""
+    return os.path.exists(os.path.join(workdir, workdir_lib.CONFIG_FILE)) or bool(
+        checkpoint.complete_steps(os.path.join(workdir, "checkpoints"))
+    )
 
 
 @contextlib.contextmanager
 def _reading(
-    config: Any, workdir: str, experiment: Experiment, stop: signals.StopRequest | None
-) -> Iterator[tuple[checkpoint.Checkpointer, Callable[[TrainState], dict[str, float] | None]]]:
-    """A read-only Checkpointer (that knows which step is best), and `evaluate`: a train
-    state's metrics on the test split, recorded (None if `stop` interrupted them)."""
-    best = {
-        "keep_best_by": config.keep_best_by,
-        "keep_best_mode": config_lib.keep_best_mode(config),
-    }
-    enabled = jax.process_index() == 0
+    config: Any, workdir: str, stop: signals.StopRequest | None, *, wait: bool = False
+) -> Iterator[tuple[Experiment, TrainState, checkpoint.Checkpointer, _Evaluate]]:
+    """The run's experiment (its recorded config), a train state to restore into, a read-only
+    Checkpointer that knows the best step, and `evaluate`: a train state's metrics on the test
+    split, recorded (None if `stop` interrupted them). `wait`: for the run's record to appear."""
+    directory = os.path.join(workdir, "checkpoints")
+    if wait and not _recorded(workdir):
+        logging.info("Waiting for %s to hold a run's record (a training run to start).", workdir)
+        while not _recorded(workdir):
+            if stop.should_stop_now():
+                raise stop.stopped(
+                    f"stopped while waiting for a run in {workdir}; nothing evaluated."
+                )
+            time.sleep(FOLLOW_POLL_SECS)
+    if not os.path.isdir(directory):
+        raise errors.MissingFile(f"No checkpoints in {workdir} ({directory} does not exist).")
+    config = run_config(config, workdir)
+    config_checks.validate_config(config, jax.device_count(), jax.process_count())
+    compilation_cache.enable(config.compilation_cache_dir)
+    experiment = build_experiment(config)
+    config = experiment.config  # Its defaults that follow the data fitted to it.
+    like = experiment.updater.abstract_init(
+        placeholder_batch(experiment.dataset, config.batch_size)
+    )
+    best_mode = config_lib.keep_best_mode(config)
     with (
         checkpoint.Checkpointer(
-            os.path.join(workdir, "checkpoints"), read_only=True, **best
+            directory, read_only=True, keep_best_by=config.keep_best_by, keep_best_mode=best_mode
         ) as checkpointer,
-        summaries.MetricWriter(workdir, config.steps, enabled=enabled) as writer,
+        summaries.MetricWriter(workdir, config.steps, enabled=jax.process_index() == 0) as writer,
     ):
 
         def evaluate(train_state: TrainState) -> dict[str, float] | None:
@@ -305,4 +287,4 @@ def _reading(
                 writer.write(step_of(train_state), "eval", metrics, marks={"separate": True})
             return metrics
 
-        yield checkpointer, evaluate
+        yield experiment, like, checkpointer, evaluate

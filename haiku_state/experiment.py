@@ -1,7 +1,5 @@
-"""What a config turns into: the data, the pieces of the training step, and their Updater.
-
-The one place a config becomes a model, for the driver, the evaluation and the benchmarks.
-"""
+"""What a config turns into, for the driver, the evaluation and the benchmarks: the data,
+the pieces of the training step, and their Updater."""
 
 from __future__ import annotations
 
@@ -74,7 +72,6 @@ def build_experiment(config: Any) -> Experiment:
         network,
         optimizer,
         loss_fn,
-        axis_name=replication.DEFAULT_AXIS_NAME,
         augment_fn=augment_fn,
         loss_scale=loss_scale,
         backend=config.backend,
@@ -88,18 +85,15 @@ def build_experiment(config: Any) -> Experiment:
     return Experiment(*pieces, total_steps, input_options, config, chosen)
 
 
-# What `steps_per_call(config)` chooses for config.steps_per_call=0 (measured in
-# benchmarks/README.md): several steps a call where a step is short enough for the call's
-# dispatch to show (the small ResNet on a TPU); one where it is not (ResNet-50), and on a CPU,
-# whose XLA runs a loop's convolutions slower than the same step called alone.
+# For config.steps_per_call=0: several steps a call where a step is short enough for the call's
+# dispatch to show; one on a CPU, whose loop of convolutions is slower (benchmarks/README.md).
 AUTO_MAX_STEPS_PER_CALL = 8
 SHORT_STEP_INPUT_VALUES = 2**20  # Per device and step: 128 digits are 8,192, one ImageNet 150,528.
 
 
 def steps_per_call(config: Any, image_shape: tuple[int, ...], platform: str) -> int:
-    """`config.steps_per_call`, or for 0 the choice for the model's input and the platform:
-    on a GPU or TPU with at most `SHORT_STEP_INPUT_VALUES` input values per device and step, the
-    largest divisor of the cadences (`config_checks.STEP_CADENCES`) up to 8; else 1."""
+    """`config.steps_per_call`, or for 0: on a GPU or TPU with at most `SHORT_STEP_INPUT_VALUES`
+    input values per device and step, the largest divisor of the cadences up to 8; else 1."""
     if config.steps_per_call:
         return config.steps_per_call
     per_device_batch = config.batch_size // jax.device_count()
@@ -112,9 +106,7 @@ def steps_per_call(config: Any, image_shape: tuple[int, ...], platform: str) -> 
 
 def make_network(config: Any, dataset: data.Dataset) -> hk.TransformedWithState:
     """The network `config.model` names. BatchNorm's statistics are the global batch's: the
-    per-device backends reduce over the device axis; under `jit` XLA does, the network binds none
-    (an own network is given the axis to bind, `cross_replica_axis`).
-    """
+    per-device backends reduce over the device axis; under `jit` XLA does (no axis bound)."""
     axis = None if config.backend == "jit" else replication.DEFAULT_AXIS_NAME
     return network_of(config, dataset.num_classes, dataset.mean, dataset.std, axis)
 
@@ -134,8 +126,15 @@ def network_of(
         # it a BatchNorm's statistics are each device's, its moving averages still averaged.
         takes_axis = len(inspect.signature(network).parameters) >= 3
         axis = (cross_replica_axis,) if takes_axis else ()
-        own = network(config, num_classes, *axis)
-        return hk.transform_with_state(_standardizing(own, image_mean, image_std))
+        forward = network(config, num_classes, *axis)
+        if image_mean is None:
+            return hk.transform_with_state(forward)
+
+        def standardized(batch: Any, is_training: bool) -> jax.Array:
+            image = models.standardize_images(batch["image"], image_mean, image_std)
+            return forward({**batch, "image": image}, is_training)
+
+        return hk.transform_with_state(standardized)
     model_options = {k: v for k, v in config.model.items() if k not in ("name", "network")}
     return models.make_network(
         config.model.name,
@@ -169,23 +168,6 @@ def network_function(path: str) -> Callable[..., Callable[..., jax.Array]]:
             f"config.model.network: {path} defines no function network(config, num_classes)."
         )
     return module.network
-
-
-def _standardizing(
-    forward: Callable[..., jax.Array],
-    image_mean: tuple[float, ...] | None,
-    image_std: tuple[float, ...] | None,
-) -> Callable[..., jax.Array]:
-    """`forward(batch, is_training)` given `batch["image"]` standardised, as a built-in model
-    standardises it (float32; data stored standardised, as it is)."""
-    if image_mean is None:
-        return forward
-
-    def standardized(batch: Any, is_training: bool) -> jax.Array:
-        image = models.standardize_images(batch["image"], image_mean, image_std)
-        return forward({**batch, "image": image}, is_training)
-
-    return standardized
 
 
 def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:

@@ -55,10 +55,8 @@ def tensorboard_command() -> str:
     Python's, else the one beside this Python (a virtualenv's, e.g. `.venv/bin/tensorboard`,
     relative to the working directory when under it), else `tensorboard`."""
     beside = os.path.join(os.path.dirname(sys.executable), "tensorboard")
-    if not os.path.isfile(beside):
-        return "tensorboard"
     on_path = shutil.which("tensorboard")
-    if on_path is not None and os.path.samefile(on_path, beside):
+    if not os.path.isfile(beside) or (on_path and os.path.samefile(on_path, beside)):
         return "tensorboard"
     relative = os.path.relpath(beside)
     return beside if relative.startswith(os.pardir) else relative
@@ -194,33 +192,28 @@ def _locked(path: str) -> Iterator[None]:
         os.close(fd)  # Also releases the lock.
 
 
-def _check_metrics_file(path: str, fd: int) -> int:
-    """The size of the open metrics file `fd`; refused in one line unless it is a regular file
-    of at most `MAX_METRICS_BYTES`."""
+def _check_metrics_file(path: str, fd: int, size: int | None = None) -> int:
+    """The size of the open metrics file `fd` (`size`: of what was read of it); refused in one
+    line unless it is a regular file of at most `MAX_METRICS_BYTES`."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         raise errors.InvalidValue(
             f"{path} is not a regular file (a FIFO, a device, a link to one?): not read or "
             "written; move it aside."
         )
-    if info.st_size > MAX_METRICS_BYTES:
-        raise _too_large(path)
-    return info.st_size
-
-
-def _too_large(path: str) -> errors.InvalidValue:
-    return errors.InvalidValue(
-        f"{path} is over {MAX_METRICS_BYTES >> 20} MiB, more than a run's metrics: not read; "
-        "move it aside."
-    )
+    size = info.st_size if size is None else size
+    if size > MAX_METRICS_BYTES:
+        raise errors.InvalidValue(
+            f"{path} is over {MAX_METRICS_BYTES >> 20} MiB, more than a run's metrics: not read; "
+            "move it aside."
+        )
+    return size
 
 
 def _append_record(path: str, record: Mapping[str, Any]) -> None:
     """Appends one line to `path`, first dropping a last line a kill cut short."""
     with _locked(path):
-        fd = os.open(
-            path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_NONBLOCK", 0), 0o644
-        )
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o644)
         try:
             size = _check_metrics_file(path, fd)
             if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -237,14 +230,12 @@ def _append_record(path: str, record: Mapping[str, Any]) -> None:
 def _parse_records(path: str) -> tuple[list[dict[str, Any]], list[int], int]:
     """The records of a metrics file, the numbers of its other lines, and of its last line."""
     records, bad, last = [], [], 0
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # A FIFO: no wait.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # A FIFO: no wait.
     with open(fd, "rb") as f:
         _check_metrics_file(path, fd)
         content = f.read(MAX_METRICS_BYTES + 1)  # Bounded: the file may grow as it is read.
-    if len(content) > MAX_METRICS_BYTES:  # It grew past the bound as it was read.
-        raise _too_large(path)
-    lines = content.split(b"\n")
-    for number, line in enumerate(lines, 1):
+        _check_metrics_file(path, fd, len(content))
+    for number, line in enumerate(content.split(b"\n"), 1):
         if not line.strip():
             continue
         last = number
@@ -331,13 +322,10 @@ def curves_figure(records: list[dict[str, Any]], title: str) -> Any:
     for axis, (metric, label) in zip(axes, _CURVES, strict=True):
         scale = 100.0 if metric in PERCENT_METRICS else 1.0
         for split, style in (("train", "-"), ("eval", "o-")):
-            points = [
-                (r["step"], scale * r[metric])
-                for r in records
-                if r["split"] == split and metric in r
-            ]
-            if points:
-                axis.plot(*zip(*points, strict=True), style, label=split)
+            rows = [r for r in records if r["split"] == split and metric in r]
+            if rows:
+                steps, values = [r["step"] for r in rows], [scale * r[metric] for r in rows]
+                axis.plot(steps, values, style, label=split)
         axis.set(xlabel="step", ylabel=label)
         axis.grid(alpha=0.3)
         if axis.lines:
