@@ -1,24 +1,18 @@
 """JAX's persistent compilation cache: a repeated or resumed run loads its programs, not compiles.
 
-Process 0 writes entries, every process reads them. A directory this process cannot use
-turns the cache off with one warning that says why; the run goes on, compiling.
-
-An entry that does not hold what JAX wrote under its name (truncated, overwritten, or swapped
-with another valid entry) is removed before JAX reads it, said in one line, and the program
-compiled instead is written in its place (JAX never replaces an entry that exists). What JAX
-wrote is known from `MANIFEST` in the directory: the size, times, inode and SHA-256 of each
-entry as it was seen good, recorded by process 0 as it leaves a directory (or exits) for the
-entries written meanwhile. At `enable`, an entry whose stat still matches its record is taken
-as it is (a stat per entry); one whose stat changed is hashed, and removed unless it hashes as
-recorded; one with no record (a cache written before this check, or by a run that was killed)
-is kept and recorded if it decompresses into a program of the name its file carries, else
-removed. JAX itself is not changed: a damage that comes after `enable`, or an unrecorded entry
-swapped with another of the same program name, is JAX's own warning, or error, when read.
+Process 0 writes entries, every process reads them; a directory this process cannot use turns the
+cache off with one warning that says why. At `enable`, an entry that does not hold what JAX wrote
+under its name (truncated, overwritten, swapped) is removed, said in one line, and its program
+compiled and written anew (JAX never replaces an entry). `MANIFEST` records the size, times, inode
+and SHA-256 of each entry process 0 saw good: an entry whose stat changed must hash as recorded,
+one without a record must decompress into a program of its file's name. Damage after `enable` is
+JAX's own warning or error.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +28,17 @@ ENTRY_SUFFIX = "-cache"  # Of an entry's file after its key (JAX's `lru_cache`).
 MANIFEST = "haiku_state-entries.json"  # {entry: [size, mtime_ns, ctime_ns, inode, sha256]}.
 _TIME_BYTES = 4  # JAX's entry: the compile time, then the serialized program, compressed.
 _active: dict = {"directory": None, "writer": False}  # The directory in use; process 0's?
+
+# The compressions JAX writes: zstd if installed, else zlib.
+_DECOMPRESSORS = [zlib.decompress]
+with contextlib.suppress(ImportError):
+    from compression import zstd  # Python 3.14.
+
+    _DECOMPRESSORS.append(zstd.decompress)
+with contextlib.suppress(ImportError):
+    import zstandard
+
+    _DECOMPRESSORS.append(zstandard.ZstdDecompressor().decompress)
 
 
 def default_directory() -> str:
@@ -190,26 +195,6 @@ def _fits(name: str, data: bytes) -> bool:
             continue
         return len(program) > _TIME_BYTES and program_name in program
     return False
-
-
-def _decompressors() -> list:
-    found = [zlib.decompress]
-    try:
-        from compression import zstd  # Python 3.14.
-
-        found.append(zstd.decompress)
-    except ImportError:
-        pass
-    try:
-        import zstandard
-
-        found.append(zstandard.ZstdDecompressor().decompress)
-    except ImportError:
-        pass
-    return found
-
-
-_DECOMPRESSORS = _decompressors()
 
 
 def _read_manifest(directory: str) -> dict[str, list]:
