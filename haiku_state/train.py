@@ -76,6 +76,13 @@ def _define_flags() -> dict[str, flags.FlagHolder]:
             "List every config key of --config (of every experiment without it): its value, "
             "default, range and what it sets; then exit.",
         ),
+        **_define_process_flags(),
+    }
+
+
+def _define_process_flags() -> dict[str, flags.FlagHolder]:
+    """The flags of a multi-process run."""
+    return {
         "coordinator_address": flags.DEFINE_string(
             "coordinator_address",
             None,
