@@ -3,14 +3,10 @@ r"""Using a trained run: `load_run(workdir)`, and `python -m haiku_state.predict
     python -m haiku_state.predict --workdir=runs/photos photo.jpg more_photos/ [--top=3]
     python -m haiku_state.predict --workdir=runs/photos --export=runs/photos/model.npz
 
-`load_run` reads one checkpoint step of a run as training leaves it, whatever backend and
-device count trained it: the run's record (`config.json`, else the step's metadata) names
-the network and the data, and the step gives the params and state (the moving averages, when
-the run kept them, as evaluation uses them), unreplicated, on one device. `predict` gives class
-probabilities; `read_image` makes an image file what the run's data holds (the evaluation's
-crop); `export` writes params, state and what a plain Haiku script needs to a `.npz`.
-Exit status of the command: 0; 1 with an `error:` line for each image or input at fault; 130
-on Ctrl-C, with one line.
+`load_run` reads one checkpoint step of a run, whatever backend and device count trained it:
+the run's record names the network and the data, the step gives the params and state (its
+moving averages, if kept, as evaluation uses them) on one device. The command exits 0; 1 with
+an `error:` line for each image or input at fault; 130 on Ctrl-C, with one line.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ from haiku_state.guards import workdir as workdir_lib
 
 EXPORT_FORMAT = "haiku_state-export-1"  # The `format` in an export's metadata.
 PREDICT_BATCH = 256  # Images per forward pass (and per batch of files decoded).
-# The largest image file read: over twice a 100-megapixel camera's JPEG, and Pillow refuses an
-# image of over 2 x 89 M pixels whatever its file; a disk image or a video named .jpg is
-# refused before it is read into memory.
+# The largest image file read (twice a 100-megapixel camera's JPEG): a disk image or a video
+# named .jpg is refused before it is read into memory.
 MAX_IMAGE_BYTES = 128 << 20
 READ_ATTEMPTS = 5  # Reads of the newest step, each deleted by a training run's retention.
 DELETION_SECS = 0.5  # Time for a deletion under way to remove a step's commit marker.
@@ -89,17 +84,12 @@ class TrainedModel:
                 f"predict takes images [N, {', '.join(map(str, self.image_shape))}] (the run's "
                 f"{self.config.data.name} images); got shape {images.shape}."
             )
-        probabilities = [
-            jax.nn.softmax(self._logits(images[start : start + PREDICT_BATCH]).astype(np.float32))
-            for start in range(0, len(images), PREDICT_BATCH)
-        ]
-        if not probabilities:
-            return np.zeros((0, self.num_classes), np.float32)
+        probabilities = [np.zeros((0, self.num_classes), np.float32)]
+        for start in range(0, len(images), PREDICT_BATCH):
+            batch = {"image": images[start : start + PREDICT_BATCH]}
+            logits, _ = self._apply(self.params, self.state, None, batch)
+            probabilities.append(jax.nn.softmax(logits.astype(np.float32)))
         return np.concatenate(jax.device_get(probabilities))
-
-    def _logits(self, images: np.ndarray) -> jax.Array:
-        logits, _ = self._apply(self.params, self.state, None, {"image": images})
-        return logits
 
     def read_image(self, path: str) -> np.ndarray:
         """The image file at `path` as the run's data holds an image, for `predict`: the
@@ -270,8 +260,6 @@ def _check_fits(model: TrainedModel, what: str) -> None:
 
 # The command line.
 
-_USER_ERRORS = (ValueError, FileNotFoundError, OSError)
-
 
 def _image_bytes(path: str) -> bytes:
     """The bytes of the regular file at `path` (or its symlink's), `MAX_IMAGE_BYTES` at most:
@@ -368,7 +356,7 @@ def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
         if export:
             model.export(export)
             print(f"Exported step {model.step} to {export}.", flush=True)
-    except _USER_ERRORS as e:
+    except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     sys.exit(1 if failed else 0)
 

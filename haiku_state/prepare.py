@@ -11,26 +11,17 @@ The sources (--from):
   cifar10:DIR      the cifar-10-batches-py folder of CIFAR-10's python release
   digits           scikit-learn's 8x8 handwritten digits, embedded in the package
 
-Train on OUT with `--config.data.name=arrayrecord --config.data.dir=OUT`: the
-source's examples in its order (an ImageFolder tree and its shards give identical
-batches), in a few large files, which a network filesystem reads fast. Images keep
-the source's encoding (CIFAR-10 and the digits as lossless PNG) or, with
---short_side=N, are re-encoded with their short side at most N pixels (JPEG
-quality 95, PNG stays PNG): every epoch decodes fewer pixels. Smaller images and
-undecodable files are stored as they are. A run on the shards of one short_side
-refuses to resume on another's.
+Train on OUT with `--config.data.name=arrayrecord --config.data.dir=OUT`: the source's
+examples in its order, in a few large files a network filesystem reads fast. Images keep the
+source's encoding (CIFAR-10 and the digits as PNG) or, with --short_side=N, are re-encoded
+with their short side at most N pixels (JPEG quality 95, PNG stays PNG); smaller images and
+undecodable files are stored as they are.
 
-OUT/dataset.json, written last, marks the conversion complete. It records the
-classes, each shard's record count, size, modification time and SHA-256 (a shard
-replaced later is refused), and the mean and
-std the network standardises the images with, per RGB channel: measured over the
-centre crops of at most 1,000 training images spread over the split (the digits
-and CIFAR-10 keep the exact statistics of their training split). An ImageFolder
-tree trained on directly is standardised with the same numbers.
-
-A rerun resumes: it keeps the complete shards (reading them once, for their
-SHA-256), and OUT/prepare.json records what the conversion is of, so a rerun with
-another source or layout is refused instead of mixing the two.
+OUT/dataset.json, written last, marks the conversion complete: the classes, each shard's
+record count, size, modification time and SHA-256, and the per-channel mean and
+std the network standardises with (over the centre crops of at most 1,000 training images,
+or the exact ones of the digits and CIFAR-10). A rerun keeps the complete shards;
+OUT/prepare.json refuses a rerun with another source or layout.
 """
 
 from __future__ import annotations
@@ -51,8 +42,7 @@ from haiku_state import errors
 from haiku_state.data import arrayrecord, imagefolder, in_memory, preprocess
 from haiku_state.data.splits import DataError, Split
 
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer")
-CIFAR10_CLASSES += ("dog", "frog", "horse", "ship", "truck")
+CIFAR10_CLASSES = tuple("airplane automobile bird cat deer dog frog horse ship truck".split())
 PLAN_FILE = "prepare.json"
 SHORT_SIDE_QUALITY = 95
 
@@ -74,6 +64,7 @@ class Source(NamedTuple):
 
 
 def open_source(spec: str) -> Source:
+    """The source `--from` names: imagefolder:DIR, cifar10:DIR or digits."""
     kind, _, path = spec.partition(":")
     if kind == "imagefolder":
         tree = imagefolder.index_tree(path)

@@ -269,7 +269,7 @@ def test_a_damaged_step_that_cannot_be_moved_aside_says_both(tmp_path, monkeypat
     def read_only(self, step, reason):
         raise OSError(errno.EROFS, "Read-only file system", str(self.step_dir(step)))
 
-    monkeypatch.setattr(damaged_steps.StepDirectories, "_rename_aside", read_only)
+    monkeypatch.setattr(damaged_steps.StepDirectories, "set_aside", read_only)
     steps = damaged_steps.StepDirectories(epath.Path(tmp_path))
     with pytest.raises(OSError, match=r"/2 is damaged \(bad checksum\) and cannot be moved aside"):
         steps.set_aside_damaged(2, "bad checksum")

@@ -1,10 +1,9 @@
 """The `Checkpointer`: asynchronous saves of a `TrainState`, exact resumes, safe fallbacks.
 
-One Orbax step directory per step (its format: `step_format`; which to keep: `retention`).
-`save` copies the state to host memory and returns; a thread of the Checkpointer's own
-writes and commits the copy with Orbax's synchronous save, one step at a time: the next
-`save` (or `wait_until_finished`, `restore`, `close`) waits for it and raises a failed
-write's error, once. Every process calls `save` and `restore` at the same steps.
+One Orbax step directory per step (format: `step_format`; which to keep: `retention`). `save`
+copies the state to host memory and returns; the Checkpointer's own thread writes and commits
+it, one step at a time; the next `save` (or `wait_until_finished`, `restore`, `close`) waits for
+it and raises a failed write's error, once. Every process calls `save` and `restore` alike.
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ class Checkpointer:
         )
         self._manager = step_format.orbax_manager(self.directory, self.retention, read_only)
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
-        # One writer thread: a step is written after the one before it, never beside it. With
-        # several processes Orbax's save syncs them by device collectives, which must not run
-        # beside the training thread's: there it writes in the calling thread.
+        # One writer thread: steps are written in turn. With several processes Orbax's save syncs
+        # them by device collectives, which must not run beside the training thread's.
         in_background = async_save and jax.process_count() == 1
         self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if in_background else None
         self._in_flight: tuple[int, futures.Future] | None = None  # The step being written.
@@ -108,16 +106,14 @@ class Checkpointer:
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> None:
-        """Starts writing `train_state` (donatable once this returns: it blocks for the copy
-        to host memory) with JSON `metadata` and eval `metrics`. A complete step is never
-        rewritten: its step raises Orbax's `StepAlreadyExistsError` (one set aside as damaged
-        or unfinished is free again)."""
+        """Starts writing `train_state` (donatable once this returns) with JSON `metadata` and
+        eval `metrics`. A complete step is never rewritten (Orbax's `StepAlreadyExistsError`)."""
         if self._steps.read_only:
             raise PermissionError(f"Checkpointer of {self.directory} is read-only.")
         _check_layout(train_state, "save")
         encoded = step_format.encode(train_state)
-        metadata_item = step_format.metadata_item(encoded, metadata, metrics)
-        self.wait_until_finished()  # Now the disk is current.
+        metadata_item = step_format.metadata_item(metadata, metrics)
+        self.wait_until_finished()
         self._steps.claim(encoded.step)
         self.retention.record(encoded.step, metadata_item["metrics"])
         quiet_logs.drop_late_loop_callbacks()  # A failed write is reported once, below.
@@ -140,8 +136,9 @@ class Checkpointer:
         if step is None:
             damaged: list[tuple[int, Exception]] = []
             read = functools.partial(self._restore_step, like)
-            damage = step_format.DamagedCheckpointError
-            found = self.newest_readable(read, past=damage, failures=damaged)
+            found = self.newest_readable(
+                read, past=step_format.DamagedCheckpointError, failures=damaged
+            )
             self._steps.after_fallback(damaged, None if found is None else found[0])
             self._steps.set_aside_incomplete()
             return None if found is None else found[1]
@@ -197,19 +194,17 @@ class Checkpointer:
         self.close()
 
     def _write(self, encoded: step_format.Encoded, metadata_item: dict[str, Any]) -> None:
-        args = step_format.save_args(encoded, metadata_item)
+        args = step_format.save_args(encoded, metadata_item)  # Fetches the fingerprints.
         self._manager.save(encoded.step, args=args, force=True)  # Committed when it returns.
 
     @contextlib.contextmanager
     def _reporting_a_full_disk(self, step: int) -> Iterator[None]:
-        """Around a write and its wait: a write that failed for want of space is one
-        `OSError` saying what to do; any other failure is raised as it is. Either way the
-        steps on disk stay Orbax's to keep or delete."""
+        """A write that failed for want of space raises one `OSError` saying what to do; any
+        other failure as it is."""
         try:
             yield
         except Exception as e:
-            # Orbax forgot the older steps it was to delete once this one was committed.
-            self._manager.reload()
+            self._manager.reload()  # Orbax forgot the older steps it was to delete.
             self._steps.raise_if_disk_full(e, step)
             raise
 
@@ -228,8 +223,7 @@ class Checkpointer:
 
 
 def _check_layout(train_state: TrainState, where: str) -> None:
-    """A per-device train state must have its device axis, unless it is global arrays on a
-    mesh (jit; `hs.unreplicate` of a per-device one has no mesh)."""
+    """A train state must have its device axis unless it is global arrays on a mesh (jit)."""
     on_a_mesh = all(
         isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
         and isinstance(leaf.sharding, jax.sharding.NamedSharding)

@@ -35,19 +35,21 @@ def locate(path: str) -> tuple[str, int | None]:
     return path, None
 
 
+def _named_leaves(tree: str, source: Any) -> dict[str, Any]:
+    """The leaves of `source` by their names in a train state (`params/logits/w`)."""
+    leaves = jax.tree_util.tree_leaves_with_path(source)
+    return {f"{tree}/{leaf_name(path)}": leaf for path, leaf in leaves}
+
+
 def _merge(
     fresh: Any, saved: Any, tree: str, skip: re.Pattern | None, problems: list, skipped: list
 ) -> Any:
     """`fresh` with every leaf not skipped from `saved`; notes mismatches and skipped names."""
-    saved_leaves = {
-        leaf_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(saved)
-    }
-    fresh_names = set()
+    saved_leaves = _named_leaves(tree, saved)
 
     def take(path, leaf):
         name = f"{tree}/{leaf_name(path)}"
-        fresh_names.add(name)
-        value = saved_leaves.get(leaf_name(path))
+        value = saved_leaves.pop(name, None)
         if skip is not None and skip.search(name):
             skipped.append(name)
         elif value is None:
@@ -61,27 +63,10 @@ def _merge(
         return leaf
 
     merged = jax.tree_util.tree_map_with_path(take, fresh)
-    for name in saved_leaves:
-        full = f"{tree}/{name}"
-        if full not in fresh_names and not (skip is not None and skip.search(full)):
-            problems.append(f"{full}: in the checkpoint but not in the model")
+    for name in saved_leaves:  # Those the model has not taken.
+        if not (skip is not None and skip.search(name)):
+            problems.append(f"{name}: in the checkpoint but not in the model")
     return merged
-
-
-def _check_skip_matches(pattern: re.Pattern, train_state: TrainState, saved: Any, path: str):
-    """Refuses a `skip` matching no leaf of the model or the checkpoint: it would skip nothing."""
-    names = []
-    for tree in WARM_STARTED_TREES:
-        for source in (getattr(train_state, tree), saved[tree]):
-            names += [
-                f"{tree}/{leaf_name(p)}" for p, _ in jax.tree_util.tree_leaves_with_path(source)
-            ]
-    if not any(pattern.search(name) for name in names):
-        raise errors.InvalidValue(
-            f"config.init_skip={pattern.pattern!r} matches none of the leaves of the model or of "
-            f"config.init_from={path}, so it would skip nothing; the leaves are "
-            f"{_listed(sorted(set(names)), 6)}. Correct the regex, or leave init_skip empty."
-        )
 
 
 def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) -> TrainState:
@@ -96,15 +81,21 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
     pattern = re.compile(skip) if skip else None
     problems: list[str] = []
     skipped: list[str] = []
+    names: set[str] = set()  # Of the leaves of the model and the checkpoint.
     global_layout = sharding.is_global(train_state)
     trees = {}
     for tree in WARM_STARTED_TREES:
         current = getattr(train_state, tree)
         # Only the shapes and dtypes of a jit train state's global arrays are compared.
         fresh = current if global_layout else jax.device_get(replication.unreplicate(current))
+        names |= _named_leaves(tree, fresh).keys() | _named_leaves(tree, saved[tree]).keys()
         trees[tree] = _merge(fresh, saved[tree], tree, pattern, problems, skipped)
-    if pattern is not None:
-        _check_skip_matches(pattern, train_state, saved, path)
+    if pattern is not None and not any(pattern.search(name) for name in names):
+        raise errors.InvalidValue(
+            f"config.init_skip={skip!r} matches none of the leaves of the model or of "
+            f"config.init_from={path}, so it would skip nothing; the leaves are "
+            f"{_listed(sorted(names), 6)}. Correct the regex, or leave init_skip empty."
+        )
     if problems:
         raise errors.InvalidValue(
             f"config.init_from={path} (step {step}) does not fit the model: "
@@ -125,6 +116,7 @@ def warm_start(train_state: TrainState, path: str, skip: str, axis_name: str) ->
 
 
 def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list[str]) -> None:
+    """Logs how many leaves were loaded, and which were skipped; warns if none were loaded."""
     if len(skipped) == leaves:
         logging.warning(
             "Warm start from %s step %d loaded nothing: config.init_skip=%r matches all %d "
@@ -148,12 +140,14 @@ def _log_loaded(directory: str, step: int, skip: str, leaves: int, skipped: list
 
 
 def _listed(names: list[str], shown: int, sep: str = ", ", more: str = " and") -> str:
+    """The first `shown` of `names`, and how many more."""
     rest = len(names) - shown
     return sep.join(names[:shown]) + (f"{more} {rest} more" if rest > 0 else "")
 
 
 def _place_like(value: Any, fresh: jax.Array) -> jax.Array:
-    """A saved host value in the sharding of the fresh global array it replaces (or `fresh`)."""
+    """A saved host value in the sharding of the fresh global array it replaces; a skipped
+    leaf (the fresh array itself) as it is."""
     if not isinstance(value, np.ndarray):
-        return fresh  # Skipped: the fresh initialisation.
+        return fresh
     return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])

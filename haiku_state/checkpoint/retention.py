@@ -1,10 +1,9 @@
 """Which checkpoints to keep: the newest, milestones, and the best by an eval metric.
 
-An Orbax preservation policy of our own, as Orbax's count every step it lists: here
-only the step being saved and complete steps of a format version read here count,
-ranked by our `metadata` item's metrics; any other step is always preserved. Orbax asks
-it in `CheckpointManager.save`, in the caller's thread, and deletes what it does not keep
-once the new step is committed.
+An Orbax preservation policy of our own (Orbax's count every step it lists): only the step
+being saved and complete steps of a readable format version count, ranked by our `metadata`
+item's metrics; any other step is preserved. Orbax deletes what it does not keep once the
+new step is committed.
 """
 
 from __future__ import annotations
@@ -92,6 +91,7 @@ class Retention:
         return max(ranked)[1] if ranked else None
 
     def _is_countable(self, step: int) -> bool:
+        """Whether retention may delete `step`: the one being saved, or a readable complete one."""
         if step == self._being_saved:
             return True
         if not self._is_complete(step):
@@ -100,6 +100,7 @@ class Retention:
         return step not in self._unsupported
 
     def _metric_of(self, step: int) -> Metrics | None:
+        """The recorded eval metrics of `step`, read once."""
         if step not in self._metrics:
             try:
                 self._metrics[step] = self._read_metrics(step)

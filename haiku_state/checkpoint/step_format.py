@@ -1,24 +1,15 @@
 """The on-disk format of a checkpoint step and its `FORMAT_VERSION`: the one module that knows it.
 
-A step is `<directory>/<step>/`, complete once it holds Orbax's commit marker. Its JSON
-item `step` (file `step/metadata`) holds `format_version` (none: 1); a version not in
-`READABLE_FORMAT_VERSIONS` is refused (`UnsupportedFormatError`) before anything else is read.
-
-Version 3 (written): `train_state`, one Orbax pytree (one item: per-item handlers are the
-cost of a small save) of `{"params", "state", "opt_state", "rng": {"key_data"}}`, and
-`"ema": {"params", "state"}` when the run keeps moving averages, all but `rng`
-unreplicated (per-device: one replica and every device's key; `jit`: global arrays and the
-one key); `step`, JSON `{"format_version", "step", "key_impl", "key_layout",
-"fingerprints"}`; `metadata`, JSON with `package_versions`, `device_count`, eval `metrics`
-and the caller's extras. JSON items are files of their own, not Orbax's `custom_metadata`
-(which it may rewrite). Version 2: version 3 without `ema`. Version 1 (written 2026-12-03 to
-12-04): version 2 of a per-device state without `key_layout`, with CRC-32 `checksums` for
-`fingerprints`, verified on the host. A step without `ema` restored into a train state that
-keeps one starts its averages from the restored params and state; one with `ema` restored
-into a train state without drops them; a step of version 1 or 2 with `ema` is damaged.
-
-A `jit` key is the base key per-device backends fold each global device index into; a
-`jit` run resumed from per-device keys takes global device 0's.
+A step is `<directory>/<step>/`, complete once it holds Orbax's commit marker. Version 3
+(written) has three items: `train_state`, one Orbax pytree of `{"params", "state",
+"opt_state", "rng": {"key_data"}}` (and `"ema": {"params", "state"}` when the run keeps moving
+averages), all but `rng` unreplicated; `step`, JSON `{"format_version", "step", "key_impl",
+"key_layout", "fingerprints"}`; `metadata`, JSON with package versions, device count, eval
+`metrics` and the caller's extras. Version 2 is version 3 without `ema`; version 1, version 2
+of a per-device state without `key_layout`, with CRC-32 `checksums` for `fingerprints`. A
+version not in `READABLE_FORMAT_VERSIONS` is refused (`UnsupportedFormatError`) before
+anything else is read. A `jit` key is the base key per-device backends fold each global
+device index into; a `jit` run resumed from per-device keys takes global device 0's.
 """
 
 from __future__ import annotations
@@ -66,18 +57,19 @@ class Encoded(NamedTuple):
 
     trees: dict[str, PyTree]  # numpy (per-device) or global arrays in host memory (jit).
     step: int
-    key_impl: str  # e.g. "threefry2x32".
+    key_impl: str
     key_layout: str  # PER_DEVICE or GLOBAL.
     fingerprints: dict[str, PyTree]  # Device scalars, dispatched: `save_args` fetches them.
-    device_count: int  # Of the run that saved it.
 
 
-class StepHeader(NamedTuple):  # What a step says about itself, read before its arrays.
+class StepHeader(NamedTuple):
+    """What a step says about itself, read before its arrays."""
+
     version: int
     step: int
     key_impl: str
-    key_layout: str  # PER_DEVICE or GLOBAL.
-    integrity: dict[str, int]  # By leaf name: fingerprints (version 2) or CRC-32s (version 1).
+    key_layout: str
+    integrity: dict[str, int]  # By leaf name: fingerprints, or CRC-32s (version 1).
     trees: dict[str, PyTree]  # Shapes and dtypes; the keys without their device axis.
     saved: dict[str, PyTree]  # Shapes and dtypes as saved.
 
@@ -114,25 +106,21 @@ def orbax_manager(
 
 
 def encode(train_state: TrainState) -> Encoded:
-    """Copies of `train_state` in host memory (donatable once this returns), and its
-    fingerprints, dispatched after the copy (so as not to slow it; fetched by `save_args`).
-
-    Per-device: device 0's replica and every device's key, gathered. `jit`: its
-    global arrays copied shard by shard. Every process calls it.
-    """
+    """Copies of `train_state` in host memory (donatable once this returns: per-device,
+    device 0's replica and every device's key; `jit`, its global arrays shard by shard), and
+    its fingerprints, dispatched after the copy so as not to slow it. Every process calls it."""
     key_impl = str(jax.random.key_impl(train_state.rng))
     step = step_of(train_state)
     if sharding.is_global(train_state):
         trees = _trees(train_state, jax.random.key_data(train_state.rng))
         host_trees = jax.block_until_ready(jax.tree.map(_to_host_memory, trees))
         fingerprints = checkpoint_integrity.device_fingerprints(trees)
-        return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints, jax.device_count())
+        return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints)
     # Device 0's replica, `[1, ...]` (the same fingerprint as without its leading axis).
     first_replica = jax.tree.map(lambda leaf: leaf.addressable_data(0), train_state)
     trees = _trees(first_replica, replication.global_key_data(train_state.rng))
     host = jax.device_get(trees)  # One batched transfer.
-    # A view of the device buffer where device_get gives one, which the caller may donate:
-    # copied. Elsewhere the host arrays are the copy (a scalar leaf becomes a 0-d array).
+    # Where device_get gives views of the buffers the caller may donate, they are copied.
     own = np.array if device_get_gives_views() else np.asarray
     host_trees = {
         name: jax.tree.map(lambda x: own(x[0]), tree)
@@ -140,9 +128,8 @@ def encode(train_state: TrainState) -> Encoded:
         if name != "rng"
     }
     host_trees["rng"] = {"key_data": own(host["rng"]["key_data"])}
-    key_count = host_trees["rng"]["key_data"].shape[0]
     fingerprints = checkpoint_integrity.device_fingerprints(trees)
-    return Encoded(host_trees, step, key_impl, PER_DEVICE, fingerprints, key_count)
+    return Encoded(host_trees, step, key_impl, PER_DEVICE, fingerprints)
 
 
 def device_get_gives_views() -> bool:
@@ -159,11 +146,6 @@ def _trees(train_state: TrainState, key_data: Any) -> dict[str, PyTree]:
     return trees
 
 
-def _with_ema_like_params(trees: dict[str, PyTree]) -> dict[str, PyTree]:
-    """`trees` (shapes or shardings, without `ema`) with an `ema` laid out as params and state."""
-    return {**trees, EMA: {"params": trees["params"], "state": trees["state"]}}
-
-
 def _to_host_memory(leaf: jax.Array) -> jax.Array:
     """A copy of a global array in host memory (else on the devices), shard by shard."""
     device = next(iter(leaf.sharding.device_set))
@@ -173,13 +155,13 @@ def _to_host_memory(leaf: jax.Array) -> jax.Array:
 
 
 def metadata_item(
-    encoded: Encoded, metadata: Mapping[str, Any] | None, metrics: Mapping[str, float] | None
+    metadata: Mapping[str, Any] | None, metrics: Mapping[str, float] | None
 ) -> dict[str, Any]:
     """The `metadata` item: package versions, device count, the caller's extras, eval metrics.
     TypeError if `metadata` is not JSON-serialisable."""
     item = {
         "package_versions": package_versions(),
-        "device_count": encoded.device_count,
+        "device_count": jax.device_count(),
         **(metadata or {}),
     }
     try:
@@ -211,8 +193,8 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
     )
 
 
-# Reading. Each reader checks the format version first (`_read_step_item`), so each raises
-# `UnsupportedFormatError` for a version not read here and `DamagedCheckpointError` for damage.
+# Each reader checks the format version first (`_read_step_item`): `UnsupportedFormatError`
+# for a version not read here, then `DamagedCheckpointError` for damage.
 
 
 def read_metadata(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -227,10 +209,11 @@ def restore_step(
     """Restores one step as a `TrainState` in the layout and shardings of `like`.
     ValueError if it does not fit `like` (nothing is read)."""
     header = read_header(manager, step)
-    expected = _expected_trees(like)
-    placements = _target_shardings(like, axis_name)
-    if EMA in header.trees:  # Read (and checked) even when `like` drops it.
-        expected, placements = map(_with_ema_like_params, (expected, placements))
+    expected, placements = _expected_trees(like), _target_shardings(like, axis_name)
+    if EMA in header.trees:  # Read (and checked) as params and state, even if `like` drops it.
+        expected, placements = (
+            {**t, EMA: {k: t[k] for k in ("params", "state")}} for t in (expected, placements)
+        )
     model_opt_state, saved_opt_state = expected["opt_state"], header.trees["opt_state"]
     # Of the same arrays, it is read in its saved structure, then given the model's: a
     # transform without state (clipping, weight decay) changes the one, not the other.
@@ -412,15 +395,15 @@ def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
 
 
 def _read_json(manager: ocp.CheckpointManager, step: int, item: str) -> dict[str, Any]:
+    """A JSON item; unreadable JSON is damage, whatever the format version."""
     try:
         return dict(json.loads((_step_dir(manager, step) / item / _JSON_FILE).read_text()))
-    except Exception as e:  # Unreadable JSON is damage, whatever the format version.
+    except Exception as e:
         raise DamagedCheckpointError(_reason(e)) from e
 
 
 def _reason(error: BaseException) -> str:
-    """Why a read failed, in one line (`damaged_steps.one_line`: the innermost error, not the
-    store's spec it is wrapped in), cut at `_MAX_REASON_CHARS`: every message of the damage."""
+    """Why a read failed, in one line (`damaged_steps.one_line`), cut at `_MAX_REASON_CHARS`."""
     text = damaged_steps.one_line(error)
     if not (error.__cause__ or error.__context__):
         text = f"{type(error).__name__}: {text}"
@@ -429,7 +412,7 @@ def _reason(error: BaseException) -> str:
 
 def _expected_trees(like: TrainState) -> dict[str, PyTree]:
     """The shapes and dtypes a checkpoint of `like`'s model holds (keys without device axis),
-    but `ema` (`restore_step` expects it as the step has it)."""
+    but `ema`."""
     per_device = not sharding.is_global(like)
 
     def saved_shape(x):
@@ -441,8 +424,7 @@ def _expected_trees(like: TrainState) -> dict[str, PyTree]:
 
 
 def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
-    """Where each saved array goes (`ema` aside): by the leaves of `like` (jit), or every local
-    device."""
+    """Where each saved array goes (`ema` aside): as `like`'s leaves (jit), or every device."""
     without = like._replace(rng=(), ema=None)
     if sharding.is_global(like):
         return _trees(jax.tree.map(lambda x: x.sharding, without), like.rng.sharding)
@@ -478,10 +460,7 @@ def _decode(
         rng = _device_keys(key_data, header, axis_name)
         steps = np.full((jax.local_device_count(),), header.step, like.step.dtype)
         step = jax.device_put(steps, replication.device_axis_sharding(axis_name))
-    train_state = TrainState(**fields, rng=rng, step=step, ema=ema)
-    if jax.tree.structure(train_state) != jax.tree.structure(like):
-        raise AssertionError("restored TrainState does not have the structure of `like`.")
-    return train_state
+    return TrainState(**fields, rng=rng, step=step, ema=ema)
 
 
 def _ema(trees: dict[str, PyTree], header: StepHeader, like: TrainState) -> Ema | None:
@@ -508,12 +487,8 @@ def _ema(trees: dict[str, PyTree], header: StepHeader, like: TrainState) -> Ema 
         header.step,
         written,
     )
-    return Ema(*jax.tree.map(_copy, (trees["params"], trees["state"])))
-
-
-def _copy(array: jax.Array) -> jax.Array:
-    """`array` in new buffers, with its sharding."""
-    return jax.device_put(array, array.sharding, may_alias=False)
+    copy = functools.partial(jax.device_put, may_alias=False)
+    return Ema(*jax.tree.map(lambda x: copy(x, x.sharding), (trees["params"], trees["state"])))
 
 
 def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sharding) -> jax.Array:

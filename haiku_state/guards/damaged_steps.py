@@ -20,9 +20,8 @@ from haiku_state import errors
 
 
 def one_line(reason: object) -> str:
-    """Why a step is damaged, in one line: an error as the innermost one it was raised from
-    (TensorStore's names the array and bytes it misread; the error it is wrapped in adds the
-    store's spec over dozens of lines), its first line."""
+    """Why a step is damaged, in one line: the first line of the innermost error it was raised
+    from (TensorStore's names the array it misread; its wrapper adds the store's spec)."""
     text = str(reason)
     while isinstance(reason, BaseException) and (reason.__cause__ or reason.__context__):
         reason = reason.__cause__ or reason.__context__
@@ -49,12 +48,10 @@ class StepDirectories:
         """Every directory named like a step, complete or not, ascending."""
         if not self.directory.exists():
             return []
-        return sorted(
-            meta.step for meta in ocp.path.step.standard_name_format().find_all(self.directory)
-        )
+        found = ocp.path.step.standard_name_format().find_all(self.directory)
+        return sorted(meta.step for meta in found)
 
     def complete_steps(self) -> list[int]:
-        """The complete steps, ascending."""
         return [step for step in self.named_steps() if self.is_complete(step)]
 
     def claim(self, step: int) -> None:
@@ -70,9 +67,17 @@ class StepDirectories:
 
     def set_aside(self, step: int, reason: str) -> epath.Path | None:
         """Renames `step` to `<step>.<reason>-<time>` (process 0 of a writer); the new path."""
-        moved = self._rename_aside(step, reason)
+        target = None
+        if not self.read_only and jax.process_index() == 0 and self.step_dir(step).exists():
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+            target = self.directory / f"{step}.{reason}-{stamp}"
+            suffix = 1
+            while target.exists():
+                target = self.directory / f"{step}.{reason}-{stamp}-{suffix}"
+                suffix += 1
+            self.step_dir(step).rename(target)
         self.on_set_aside()
-        return moved
+        return target
 
     def set_aside_damaged(self, step: int, reason: object, then: str = "") -> None:
         """Sets a damaged step aside with a warning naming both paths, then `then`."""
@@ -86,10 +91,8 @@ class StepDirectories:
 
     def set_aside_incomplete(self) -> None:
         """Sets aside every step without its commit marker (called by the workdir's writer)."""
-        for step in self.named_steps():
-            if not self.is_complete(step):
-                reason = "it has no commit marker: it never finished"
-                self._set_aside_saying(step, "incomplete", reason)
+        for step in [step for step in self.named_steps() if not self.is_complete(step)]:
+            self._set_aside_saying(step, "incomplete", "it has no commit marker: it never finished")
 
     def after_fallback(self, damaged: list[tuple[int, Exception]], restored: int | None) -> None:
         """Sets aside the `damaged` steps newer than the `restored` one; with none restored,
@@ -147,15 +150,3 @@ class StepDirectories:
             f"; moved aside to {moved}, not deleted" if moved else "",
             f"; {then}" if then else "",
         )
-
-    def _rename_aside(self, step: int, reason: str) -> epath.Path | None:
-        if self.read_only or jax.process_index() != 0 or not self.step_dir(step).exists():
-            return None
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-        target = self.directory / f"{step}.{reason}-{stamp}"
-        suffix = 1
-        while target.exists():
-            target = self.directory / f"{step}.{reason}-{stamp}-{suffix}"
-            suffix += 1
-        self.step_dir(step).rename(target)
-        return target
