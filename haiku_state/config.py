@@ -450,12 +450,9 @@ def fit_to_data(config: Any, num_train_examples: int, num_devices: int) -> tuple
 
 
 def training_steps(config: Any, num_train_examples: int) -> int:
-    """The run's length: `config.steps`, or `num_epochs` epochs (each drops its remainder)."""
-    steps_per_epoch = num_train_examples // config.batch_size
-    if steps_per_epoch < 1:  # `fit_to_data` refuses it first; a caller without it, here.
-        raise errors.InvalidValue(
-            f"config.batch_size={config.batch_size} is larger than the {num_train_examples} "
-            "training examples: an epoch holds no step."
-        )
+    """The run's length: `config.steps`, or `num_epochs` epochs (each drops its remainder), of
+    a config `fit_to_data` returned (a batch no larger than the training split)."""
     num_epochs = config.get("num_epochs")
-    return config.steps if num_epochs is None else num_epochs * steps_per_epoch
+    if num_epochs is None:
+        return config.steps
+    return num_epochs * (num_train_examples // config.batch_size)

@@ -18,7 +18,7 @@ from absl import logging
 
 from haiku_state import config as config_lib
 from haiku_state import data, errors, losses
-from haiku_state.config import Key, value_of
+from haiku_state.config import Key
 
 
 def validate_config(config: Any, num_devices: int, num_processes: int = 1) -> None:
@@ -60,13 +60,11 @@ def _problems(checks: Any) -> list[str]:
 def ignored_settings(config: Any) -> list[str]:
     """A line for each key set away from its default that the others make ignored
     (`config.IGNORED_WHEN`), so that none is ignored silently."""
-    lines = []
+    flat, lines = config_lib.flatten(config), []
     for names, ignored, why in config_lib.IGNORED_WHEN:
-        for name in names:
-            value = value_of(config, name)
-            value = tuple(value) if isinstance(value, list) else value
-            default = config_lib.KEYS[name].default
-            if ignored(lambda key: value_of(config, key)) and value != default:
+        for name in names if ignored(flat.get) else ():
+            value = tuple(flat[name]) if isinstance(flat[name], list) else flat[name]
+            if value != config_lib.KEYS[name].default:
                 lines.append(f"config.{name}={value!r} is ignored: {why}.")
     return lines
 
