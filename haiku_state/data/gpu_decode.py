@@ -175,9 +175,8 @@ class DeviceDecoder:
             side = _side(batch, chunk[-1])
             regions.update({i: (*region(batch["box"][i])[:2], side, side) for i in chunk})
         encoded = [batch["encoded"][i] for i in todo]
-        decoded = dict(
-            zip(todo, self._regions(encoded, list(regions.values()), device), strict=True)
-        )
+        decoded = self._regions(encoded, [regions[i] for i in todo], device)
+        decoded = dict(zip(todo, decoded, strict=True))
         parts, order = [], {}  # The resized chunks, and where each row lies in them.
         for chunk in chunks:
             kept = [i for i in chunk if decoded[i] is not None]

@@ -179,8 +179,11 @@ def _decode(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box
     if size is None:
         return _decode_pil(data, crop, image_size)
     box = crop(*size)
+    scale = _dct_scale(box, image_size)
     try:
-        pixels = _decode_turbo(data, size, box, image_size)
+        pixels = simplejpeg.decode_jpeg(
+            data, colorspace="RGB", min_height=-(-size[1] // scale), min_width=-(-size[0] // scale)
+        )
     except ValueError:  # A defect libjpeg-turbo refuses (strictly): PIL decides, same box.
         return _decode_pil(data, lambda width, height: box, image_size)
     return pixels, _scaled(box, size, pixels)
@@ -189,14 +192,6 @@ def _decode(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box
 def _scaled(box: Box, size: tuple[int, int], pixels: np.ndarray) -> Box:
     sx, sy = pixels.shape[1] / size[0], pixels.shape[0] / size[1]
     return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-
-
-def _decode_turbo(data: bytes, size: tuple[int, int], box: Box, image_size: int) -> np.ndarray:
-    width, height = size
-    scale = _dct_scale(box, image_size)
-    return simplejpeg.decode_jpeg(
-        data, colorspace="RGB", min_height=-(-height // scale), min_width=-(-width // scale)
-    )
 
 
 def _decode_pil(data: bytes, crop: CropFn, image_size: int) -> tuple[np.ndarray, Box]:
