@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -24,7 +23,6 @@ from haiku_state import (
     compilation_cache,
     data,
     loop,
-    replication,
     sharding,
     summaries,
 )
@@ -126,7 +124,7 @@ def _train(
         window = loop.MetricWindow(start_step, monitor)
         evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
-        logger = loop.MetricLogger(window, writer, experiment.learning_rate, config.batch_size)
+        logger = loop.MetricLogger(window, writer, _logged_rate(experiment), config.batch_size)
         evaluate = _saving_on_data_error(evaluator, saver)
         actions = _actions(config, experiment.steps_per_call, logger, evaluate, saver, profiler)
         # Processes vote on a signal where they fetch the metrics (a lone one, at every step).
@@ -149,6 +147,11 @@ def _train(
                 saver(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
+
+
+def _logged_rate(experiment: Experiment) -> Callable[[int], Any] | None:
+    """The schedule for the log to evaluate, or None where the logged steps report their own."""
+    return None if experiment.updater.learning_rate else experiment.learning_rate
 
 
 def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries.MetricWriter:
@@ -416,13 +419,12 @@ def _compile_steps_ahead(experiment: Experiment, config: Any, train_state: Train
     program itself, and says what is wrong."""
     updater, steps_per_call = experiment.updater, experiment.steps_per_call
 
-    def like(x: Any, steps: int | None = None) -> jax.ShapeDtypeStruct:
-        shape = x.shape if steps is None else (x.shape[0], steps, *x.shape[1:])
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+    def like(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
-    batch = placeholder_batch(experiment.dataset, config.batch_size)
-    steps = steps_per_call if steps_per_call > 1 else None
-    batch = jax.tree.map(functools.partial(like, steps=steps), batch)
+    batch = jax.tree.map(like, placeholder_batch(experiment.dataset, config.batch_size))
+    if steps_per_call > 1:
+        batch = [batch] * steps_per_call  # As the loop hands them: a list, stacked in the step.
     state = jax.tree.map(like, train_state)
 
     def compile_ahead(with_global_norms: bool) -> None:
@@ -444,8 +446,7 @@ def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:
         logged = log.is_due(step, last_step)
         if len(batches) == 1:
             return updater.update(train_state, batches[0], with_global_norms=logged)
-        steps = replication.stack_steps(batches, updater.axis_name)
-        return updater.update_steps(train_state, steps, with_global_norms=logged)
+        return updater.update_steps(train_state, list(batches), with_global_norms=logged)
 
     return step_fn
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import haiku as hk
@@ -124,10 +124,13 @@ def initial_params_and_state(
     batch: Mapping[str, Any],
     *,
     axis_name: str | None = None,
+    key_of: Callable[[Any], jax.Array] | None = None,
 ) -> tuple[hk.Params, hk.State]:
     """The params and state to start training from, as numpy arrays, for a typed `key` and one
     device's shard of `batch` (read only if a parameter is computed from it). `axis_name`: the
-    network's BatchNorm axis, bound over this shard (NameError if it needs one and None)."""
+    network's BatchNorm axis, bound over this shard (NameError if it needs one and None).
+    `key_of`: the typed key is `key_of(key)`, derived in the same program (from a seed, say)."""
+    key_of = key_of or (lambda key: key)
     draws: dict[str, _Draw] = {}  # In creation order: the order of the flat draws.
 
     def drawn_later(next_creator, shape, dtype, init, context):
@@ -138,19 +141,20 @@ def initial_params_and_state(
         return next_creator(shape, dtype, jnp.zeros)  # A stand-in: its value is drawn below.
 
     with jax.threefry_partitionable(True):
-        closed, shapes = _trace_init(forward, key, batch, axis_name, drawn_later)
+        typed_key = jax.eval_shape(key_of, key)
+        closed, shapes = _trace_init(forward, typed_key, batch, axis_name, drawn_later)
         num_params = len(jax.tree.leaves(shapes[0]))
         from_input = _depends_on(closed, [False] + [True] * len(jax.tree.leaves(batch)))
         if any(from_input[:num_params]):  # forward.init as it is, forward pass and all.
             draws.clear()
-            closed, shapes = _trace_init(forward, key, batch, axis_name, creator=None)
-            values = _run_on_host(closed, key, jax.tree.leaves(batch), draws, shapes)[0]
+            closed, shapes = _trace_init(forward, typed_key, batch, axis_name, creator=None)
+            values = _run_on_host(closed, (key, key_of), jax.tree.leaves(batch), draws, shapes)[0]
         else:
             # Neither what reads the input nor the drawn parameters' stand-ins are computed.
             drawn = [f"{module}/{name}" in draws for module, name in _param_names(shapes[0])]
             drawn += [False] * (len(from_input) - len(drawn))  # The state's leaves.
             skip = [reads or stand_in for reads, stand_in in zip(from_input, drawn, strict=True)]
-            values, flat_draws = _run_on_host(closed, key, None, draws, shapes, skip=skip)
+            values, flat_draws = _run_on_host(closed, (key, key_of), None, draws, shapes, skip)
     leaves, tree = jax.tree.flatten(shapes)
     values = [
         np.zeros(leaf.shape, leaf.dtype) if value is None else np.asarray(value)
@@ -206,9 +210,10 @@ def _trace_init(forward, key, batch, axis_name, creator):
     return jax.make_jaxpr(flat_run, return_shape=True)(key, *leaves)
 
 
-def _run_on_host(closed, key, batch_leaves, draws, shapes, skip=None):
-    """Runs the traced init on the host device: its outputs (None where `skip`), and the draws.
-    Without `batch_leaves` the input is zeros, dead code where `skip` marks what reads it.
+def _run_on_host(closed, key_and_key_of, batch_leaves, draws, shapes, skip=None):
+    """Runs the traced init on the host device, its key `key_of(key)`: its outputs (None where
+    `skip`), and the draws. Without `batch_leaves` the input is zeros, dead code where `skip`
+    marks what reads it.
     `HostMemoryError`, naming the largest of `shapes`, if the program cannot fit."""
     skip = skip or [False] * len(closed.jaxpr.outvars)
     sizes: dict[tuple, int] = {}  # Of each distribution's flat draw, in order of first use.
@@ -216,8 +221,10 @@ def _run_on_host(closed, key, batch_leaves, draws, shapes, skip=None):
         sizes[draw.distribution] = sizes.get(draw.distribution, 0) + int(np.prod(draw.shape))
     batch_avals = closed.in_avals[1:]
 
+    key, key_of = key_and_key_of
+
     def program(key, batch_leaves):
-        init_key, draw_key = jax.random.split(key)
+        init_key, draw_key = jax.random.split(key_of(key))
         if batch_leaves is None:
             batch_leaves = [jnp.zeros(aval.shape, aval.dtype) for aval in batch_avals]
         outputs = jax_core.jaxpr_as_fun(closed)(init_key, *batch_leaves)

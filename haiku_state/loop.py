@@ -132,25 +132,31 @@ def _per_step(blocks: Sequence[tuple[int, int, Any]]) -> list[tuple[int, dict[st
 
 
 class MetricLogger:
-    """Fetches the window's metrics and writes their means, throughput and learning rate."""
+    """Fetches the window's metrics and writes their means, throughput and learning rate: the
+    schedule `learning_rate` at the logged step, or (None) the step's own `learning_rate` metric
+    (`Updater(learning_rate=...)`: no program of its own)."""
 
     def __init__(
         self,
         window: MetricWindow,
         writer: summaries.MetricWriter,
-        learning_rate: Callable[[int], Any],
+        learning_rate: Callable[[int], Any] | None,
         batch_size: int,
     ):
         self._window, self._writer, self._batch_size = window, writer, batch_size
-        self._learning_rate = jax.jit(learning_rate)
-        self._learning_rate(window.start_step)  # Compiled now, not at the first log.
+        self._learning_rate = learning_rate and jax.jit(learning_rate)
+        if self._learning_rate:
+            self._learning_rate(window.start_step)  # Compiled now, not at the first log.
 
     def __call__(self, step: int, train_state: TrainState) -> None:
         del train_state  # Unused.
         summary = self._window.fetch(step)
         scalars = dict(summary.metrics)
+        rate = scalars.pop("learning_rate", None)
         scalars["examples_per_s"] = summary.steps * self._batch_size / summary.seconds
-        scalars["learning_rate"] = float(self._learning_rate(step - 1))
+        if self._learning_rate:
+            rate = self._learning_rate(step - 1)
+        scalars["learning_rate"] = float(rate)
         self._writer.write(step, "train", scalars)
 
 

@@ -108,6 +108,8 @@ def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0)
 
 
 NORMS = ("l2_grads", "l2_params", "l2_updates")
+# What a logged step reports of itself alone: the norms and, given a schedule, the learning rate.
+LOGGED_ONLY = (*NORMS, "learning_rate")
 
 
 def global_norms(*trees: Any) -> Metrics:
@@ -206,9 +208,11 @@ def train_step(
     accumulation_steps: int = 1,
     batch_shards: int = 1,
     ema_decay: float | None = None,
+    learning_rate: optax.Schedule | None = None,
 ) -> tuple[TrainState, Metrics]:
     """One step on one device's shard (averaged over `axis_name`) or on the global batch (None),
-    in `accumulation_steps` micro-batches (`accumulated_gradients`); `ema_decay` with `ema`."""
+    in `accumulation_steps` micro-batches (`accumulated_gradients`); `ema_decay` with `ema`.
+    `with_global_norms` and a `learning_rate` schedule: its value at the step, for the log."""
     params, state, opt_state, rng, step, ema = train_state
     rng, step_key = jax.random.split(rng)
     augment_key, apply_key = jax.random.split(step_key)
@@ -229,6 +233,8 @@ def train_step(
     # Only the logged steps' programs compute the norms: the norms cost time in every step, and
     # a `lax.cond` that skips them costs more (it keeps `updates` whole): benchmarks/README.md.
     norms = global_norms(grads, new_params, updates) if with_global_norms else {}
+    if with_global_norms and learning_rate is not None:  # No program of its own for the log.
+        norms["learning_rate"] = jnp.asarray(learning_rate(step), jnp.float32)
     metrics = {"loss": loss, **metrics, **norms}
     new_opt_state = new_optimizer_state
     if scaled:  # A step with non-finite gradients is skipped, and the scale adjusted.
@@ -248,8 +254,8 @@ def train_steps(
     train_state: TrainState, batches: Batch, *, with_global_norms: bool, step_fn: Callable[..., Any]
 ) -> tuple[TrainState, Metrics]:
     """`step_fn` (a `train_step`) over the leading axis of `batches`, in one `lax.scan`: several
-    steps in one call. Each metric comes back per step (that axis first), the norms of the last
-    step alone, which runs apart when asked for them."""
+    steps in one call. Each metric comes back per step (that axis first), the norms (and
+    learning rate) of the last step alone, which runs apart when asked for them."""
     num_steps = jax.tree.leaves(batches)[0].shape[0]
 
     def scanned_step(carry: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -265,7 +271,7 @@ def train_steps(
         per_step.append(metrics)
     last = jax.tree.map(lambda x: x[-1], batches)
     train_state, metrics = step_fn(train_state, last, with_global_norms=True)
-    norms = {name: metrics.pop(name) for name in NORMS}
+    norms = {name: metrics.pop(name) for name in LOGGED_ONLY if name in metrics}
     per_step.append(jax.tree.map(lambda x: x[None], metrics))
     per_step = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_step)
     return train_state, {**per_step, **norms}
@@ -336,6 +342,25 @@ def _typed_key(key: jax.Array) -> jax.Array:
     return key if replication.is_key(key) else jax.random.wrap_key_data(key)
 
 
+def _as_seed(seed: int | jax.Array) -> Any:
+    """An int seed as the integer array `jax.random.PRNGKey` makes of it (int32 unless x64 is
+    on); a key, typed or raw, as it is."""
+    if isinstance(seed, (int, np.integer)):
+        return np.int64(seed).astype(jax.dtypes.canonicalize_dtype(np.int64))
+    return seed
+
+
+def _keys_of_seed(seed: Any, *, partitionable: bool) -> tuple[jax.Array, jax.Array]:
+    """The init and run keys, typed: the first two of `hk.PRNGSequence(seed)` for an integer
+    seed or a key, split with `jax_threefry_partitionable` as the caller had it. Called while
+    a program is traced, so the keys cost no program of their own."""
+    with jax.threefry_partitionable(partitionable):
+        if jnp.ndim(seed) == 0 and jnp.issubdtype(jnp.result_type(seed), jnp.integer):
+            seed = jax.random.PRNGKey(seed)
+        sequence = hk.PRNGSequence(seed)
+        return _typed_key(next(sequence)), _typed_key(next(sequence))
+
+
 def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
     """FloatingPointError naming the first step of an update (one or several) whose loss is not
     finite: a host sync."""
@@ -344,18 +369,36 @@ def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
     replicas.check_finite_losses([(first + i, {"loss": x}) for i, x in enumerate(losses)])
 
 
+def _first_shard_on_host(x: Any) -> np.ndarray:
+    """The first local device's shard of a sharded batch leaf, copied to the host: a slice of
+    a device array would be a program of its own per leaf shape."""
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)[0]
+
+
 METHODS = ("update", "update_steps", "evaluate")  # The Updater's calls, a program each.
 
 
 def _pure_function(
-    method: str, step_fn: Callable, eval_fn: Callable, with_global_norms: bool
+    method: str, step_fn: Callable, eval_fn: Callable, with_global_norms: bool, listed: bool
 ) -> Callable[..., Any]:
-    """The pure function behind an Updater method: `train_step`, `train_steps` or `eval_step`."""
+    """The pure function behind an Updater method: `train_step`, `train_steps` or `eval_step`;
+    `listed`: `train_steps` of a list of batches, stacked first."""
     if method == "evaluate":
         return eval_fn
     if method == "update_steps":
         step_fn = functools.partial(train_steps, step_fn=step_fn)
-    return functools.partial(step_fn, with_global_norms=with_global_norms)
+    step_fn = functools.partial(step_fn, with_global_norms=with_global_norms)
+    if not listed:
+        return step_fn
+
+    def on_listed_batches(train_state: TrainState, batches: list[Batch]):
+        return step_fn(train_state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
+
+    return on_listed_batches
+
+
+def _is_list(batches: Any) -> bool:
+    return isinstance(batches, (list, tuple))
 
 
 class Updater:
@@ -369,7 +412,8 @@ class Updater:
     logs steps (a host sync per call). `loss_scale`: a `jmp` scale (float16), kept in
     `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`. `accumulation_steps`: each
     step's gradients are the mean over that many micro-batches of every device's shard.
-    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses.
+    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses. `learning_rate`: the
+    optimizer's schedule, whose value the steps with the global norms report, `learning_rate`.
     """
 
     def __init__(
@@ -386,12 +430,14 @@ class Updater:
         param_sharding: str = "replicated",
         accumulation_steps: int = 1,
         ema_decay: float | None = None,
+        learning_rate: optax.Schedule | None = None,
     ):
         updater_arguments.check_backend(backend, param_sharding)
         updater_arguments.check_step_options(accumulation_steps, ema_decay)
         self.layout = sharding.layout(backend, axis_name, param_sharding)
         self.axis_name, self.backend, self.param_sharding = axis_name, backend, param_sharding
         self.ema_decay = ema_decay or None
+        self.learning_rate = learning_rate
         self._forward, self._check_finite = forward, check_finite
         self._programs: dict[tuple, Callable[..., Any]] = {}  # By method, norms, state shape.
         self._initial = functools.partial(
@@ -406,21 +452,34 @@ class Updater:
             accumulation_steps=accumulation_steps,
             batch_shards=self.layout.batch_shards,
             ema_decay=self.ema_decay,
+            learning_rate=learning_rate,
             **common,
         )
         self._eval_step = functools.partial(eval_step, **common)
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
         """The first `TrainState`, params and state drawn on the host from `seed` (int or key);
-        of the sharded `batch` only shapes matter, unless a parameter is computed from it."""
+        of the sharded `batch` only shapes matter, unless a parameter is computed from it.
+        The keys of `seed` are split inside the two programs that use them: none of their own."""
         with self.layout.random_bits():  # The keys are split under it too.
-            sequence = hk.PRNGSequence(seed)
-            init_key, run_key = (_typed_key(next(sequence)) for _ in range(2))
-        initial = initialization.initial_params_and_state
-        params, state = self._params_and_state(initial, init_key, batch, "init")
-        key_data = np.asarray(jax.device_get(jax.random.key_data(run_key)))
-        place = functools.partial(self._initial, key_impl=str(jax.random.key_impl(run_key)))
-        return self.layout.place(place, params, state, key_data)
+            keys_of = functools.partial(
+                _keys_of_seed, partitionable=jax.config.jax_threefry_partitionable
+            )
+        seed = _as_seed(seed)
+        initial = functools.partial(
+            initialization.initial_params_and_state, key_of=lambda s: keys_of(s)[0]
+        )
+        params, state = self._params_and_state(initial, seed, batch, "init")
+        place = functools.partial(self._initial_from_seed, keys_of)
+        return self.layout.place(place, params, state, seed)
+
+    def _initial_from_seed(
+        self, keys_of: Callable, params: hk.Params, state: hk.State, seed: Any, **devices: Any
+    ) -> TrainState:
+        """`initial_train_state` with the run key of `seed` (traced: drawn where it is placed)."""
+        run_key = keys_of(seed)[1]
+        key_impl = str(jax.random.key_impl(run_key))
+        return self._initial(params, state, jax.random.key_data(run_key), key_impl, **devices)
 
     def abstract_init(self, batch: Batch) -> TrainState:
         """What `init` would give, as sharded `jax.ShapeDtypeStruct`s: what a restore reads into."""
@@ -443,9 +502,10 @@ class Updater:
         self, train_state: TrainState, batches: Batch, *, with_global_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
         """`n` steps in one call (a `lax.scan`), on batches stacked after the device axis
-        (`[devices, n, per_device_batch, ...]`, as `replication.stack_steps` makes them): the
-        same keys and updates as `n` calls of `update`, one dispatch. Each metric comes back per
-        step, `[n]`; `with_global_norms`, the norms of the last step (scalars)."""
+        (`[devices, n, per_device_batch, ...]`, as `replication.stack_steps` makes them), or a
+        list of the `n` sharded batches (stacked inside the program: no program of their own):
+        the same keys and updates as `n` calls of `update`, one dispatch. Each metric comes back
+        per step, `[n]`; `with_global_norms`, the norms of the last step (scalars)."""
         return self._call("update_steps", train_state, batches, with_global_norms)
 
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
@@ -476,7 +536,7 @@ class Updater:
         """`initial(forward, key, first device's shard)`: the network's params and state."""
         replication.check_batch(batch, where)
         with updater_arguments.unbound_axis_refused(where, self.axis_name):
-            shard = replication.unreplicate(batch)
+            shard = jax.tree.map(_first_shard_on_host, batch)
             return initial(self._forward, key, shard, axis_name=self.layout.collective_axis)
 
     def _call(self, method: str, train_state: TrainState, batch: Batch, with_global_norms: bool):
@@ -496,12 +556,14 @@ class Updater:
         updater_arguments.check_method(method, METHODS)
         updater_arguments.check_arguments(train_state, batch, method, TrainState, self.layout)
         updater_arguments.check_ema(train_state, self.ema_decay, method)
-        if method == "update_steps":
+        listed = method == "update_steps" and _is_list(batch)
+        if method == "update_steps" and not listed:
             replication.check_stacked_batches(batch, method)
-        key = (method, with_global_norms, self.layout.signature(train_state))
+        key = (method, with_global_norms, listed, self.layout.signature(train_state))
         if key not in self._programs:
-            fn = _pure_function(method, self._step, self._eval_step, with_global_norms)
+            fn = _pure_function(method, self._step, self._eval_step, with_global_norms, listed)
+            stacked = method == "update_steps" and not listed
             self._programs[key] = self.layout.program(
-                fn, train_state, updates=method != "evaluate", steps_axis=method == "update_steps"
+                fn, train_state, updates=method != "evaluate", steps_axis=stacked
             )
         return self._programs[key], self.layout.view(batch)

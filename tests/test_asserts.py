@@ -75,7 +75,7 @@ class AssertReplicasIdenticalTest(chex.TestCase):
         perturbed["half"][1] = np.array([1, 2], jnp.bfloat16)
         for candidate in (tree, perturbed):
             leaves = jax.tree.leaves(candidate)
-            expected = jax.device_get(replicas._replica_mismatch(leaves))
+            expected = jax.device_get(replicas._replica_mismatch(leaves)[0])
             got = jax.device_get(replicas._global_replica_mismatch(leaves))
             for want, have in zip(expected, got, strict=True):
                 np.testing.assert_array_equal(have, want)

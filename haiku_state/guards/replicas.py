@@ -48,15 +48,16 @@ def _leaf_bits(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _replica_mismatch(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Per leaf, per device: does this replica differ bitwise from replica 0?"""
+def _replica_mismatch(leaves: list[jax.Array], finite: PyTree = ()) -> tuple[list, jax.Array]:
+    """Per leaf, per device: does this replica differ bitwise from replica 0? And whether every
+    leaf of `finite` is finite: the save's two checks in one program."""
 
     def differs(x):
         bits = _leaf_bits(x)
         return jnp.any((bits != bits[:1]).reshape(bits.shape[0], -1), axis=1)
 
     # A flat list: rebuilding custom pytree nodes from booleans could trip their checks.
-    return [differs(x) for x in leaves]
+    return [differs(x) for x in leaves], jmp.all_finite(finite)
 
 
 _CHECK_AXIS = "replicas"
@@ -86,14 +87,25 @@ _global_replica_mismatch = jax.pmap(
 def assert_replicas_identical(tree: PyTree) -> None:
     """Asserts that all replicas (slices along the leading axis) are bit-identical, compared on
     device (with device 0 of process 0): cheap enough every few hundred steps."""
+    _replicas_identical_and_finite(tree, ())
+
+
+def _replicas_identical_and_finite(tree: PyTree, finite: PyTree) -> jax.Array | bool:
+    """`assert_replicas_identical(tree)`, and whether every leaf of `finite` is finite (a device
+    boolean), in one program on a single process."""
     leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return  # An empty tree (a stateless model's state) has nothing to differ.
+    if not leaves:  # An empty tree (a stateless model's state) has nothing to differ.
+        return all_finite(finite) if jax.tree.leaves(finite) else True
     if not np.ndim(leaves[0]):
         raise errors.InvalidValue("assert_replicas_identical: leaves have no leading device axis.")
     chex.assert_tree_shape_prefix(tree, (np.shape(leaves[0])[0],))
-    mismatch_fn = _global_replica_mismatch if jax.process_count() > 1 else _replica_mismatch
-    _raise_first_mismatch(_named_leaves(tree), mismatch_fn(leaves), lambda leaf: leaf)
+    if jax.process_count() > 1:
+        mismatch = _global_replica_mismatch(leaves)
+        is_finite = all_finite(finite) if jax.tree.leaves(finite) else True
+    else:
+        mismatch, is_finite = _replica_mismatch(leaves, finite)
+    _raise_first_mismatch(_named_leaves(tree), mismatch, lambda leaf: leaf)
+    return is_finite
 
 
 def _named_leaves(tree: PyTree) -> list[tuple[str, Any]]:
@@ -147,6 +159,12 @@ def assert_keys_distinct(keys: jax.Array) -> None:
 def assert_global_layout(tree: PyTree) -> None:
     """Asserts that every leaf of the jit layout lives on every device, its copies bit-identical
     (replicated) or its shards tiling it exactly, each the block its sharding assigns."""
+    _global_layout_whole_and_finite(tree, ())
+
+
+def _global_layout_whole_and_finite(tree: PyTree, finite: PyTree) -> jax.Array | bool:
+    """`assert_global_layout(tree)`, and whether every leaf of `finite` is finite (a device
+    boolean), in one program."""
     all_devices = set(jax.devices())
     replicated = []
     for name, leaf in _named_leaves(tree):
@@ -167,14 +185,15 @@ def assert_global_layout(tree: PyTree) -> None:
                 f"Shards of leaf {name} do not tile its shape {leaf.shape}: {problem}"
             )
     if not replicated:
-        return
+        return all_finite(finite) if jax.tree.leaves(finite) else True
 
     def copies_of(leaf):
         copies = {shard.device: shard.data for shard in leaf.addressable_shards}
         return [copies[device] for device in jax.devices()]
 
-    mismatch = _copies_mismatch([_copies(leaf) for _, leaf in replicated])
+    mismatch, is_finite = _copies_mismatch([_copies(leaf) for _, leaf in replicated], finite)
     _raise_first_mismatch(replicated, mismatch, copies_of)
+    return is_finite
 
 
 Block = tuple[tuple[int, int], ...]  # (start, stop) along every axis.
@@ -242,24 +261,32 @@ def _copies(leaf: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _copies_mismatch(copies: list[jax.Array]) -> list[jax.Array]:
-    """Per leaf of `_copies`: `[global_devices]` booleans, does this copy differ from device 0's?"""
-    return jax.shard_map(
+def _copies_mismatch(copies: list[jax.Array], finite: PyTree = ()) -> tuple[list, jax.Array]:
+    """Per leaf of `_copies`: `[global_devices]` booleans, does this copy differ from device 0's?
+    And whether every leaf of `finite` is finite."""
+    mismatch = jax.shard_map(
         _differs_from_global_device_0,
         mesh=replication.global_mesh(_CHECK_AXIS),
         in_specs=PartitionSpec(_CHECK_AXIS),
         out_specs=PartitionSpec(),
         check_vma=False,  # The comparison is of copies that claim to be equal.
     )(copies)
+    return mismatch, jmp.all_finite(finite)
 
 
 def assert_train_state_invariants(train_state: Any) -> None:
     """The replica and key invariants of a `TrainState` of either layout (`sharding.is_global`)."""
+    _invariants_and_finite_params(train_state)
+
+
+def _invariants_and_finite_params(train_state: Any) -> jax.Array | bool:
+    """`assert_train_state_invariants`, and whether the params are finite: one program, the
+    same for the periodic check and every save."""
     if sharding.is_global(train_state):
-        assert_global_layout(train_state)
-        return
-    assert_replicas_identical(train_state._replace(rng=()))
+        return _global_layout_whole_and_finite(train_state, train_state.params)
+    is_finite = _replicas_identical_and_finite(train_state._replace(rng=()), train_state.params)
     assert_keys_distinct(train_state.rng)
+    return is_finite
 
 
 def check_invariants(step: int, train_state: Any) -> None:
@@ -271,6 +298,5 @@ def check_invariants(step: int, train_state: Any) -> None:
 def check_savable(train_state: Any, step: int) -> None:
     """What a checkpoint of `train_state` must be: replicas and keys whole, params finite
     (FloatingPointError naming `step` otherwise)."""
-    assert_train_state_invariants(train_state)
-    if not bool(all_finite(train_state.params)):
+    if not bool(_invariants_and_finite_params(train_state)):
         raise errors.NonFinite(f"Non-finite params at step {step}.")
