@@ -22,12 +22,13 @@ _DURATIONS = {
 
 
 class CompileEvents:
-    """Counts the compiles between `__enter__` and `__exit__`; `figures()` sums them up."""
+    """Counts the compiles between `__enter__` and `__exit__`, and `programs` by name;
+    `figures()` sums them up."""
 
     def __init__(self):
         self._events: collections.Counter[str] = collections.Counter()
         self._seconds: dict[str, float] = dict.fromkeys(_DURATIONS.values(), 0.0)
-        self._compiles = 0
+        self.programs: collections.Counter[str] = collections.Counter()  # By name: "jit(step)".
 
     def _on_event(self, event: str, **kwargs: Any) -> None:
         self._events[event] += 1
@@ -35,7 +36,8 @@ class CompileEvents:
     def _on_duration(self, event: str, duration: float, **kwargs: Any) -> None:
         if event in _DURATIONS:
             self._seconds[_DURATIONS[event]] += duration
-            self._compiles += event.endswith("backend_compile_duration")
+            if event.endswith("backend_compile_duration"):
+                self.programs[kwargs.get("fun_name", "?")] += 1
 
     def __enter__(self) -> CompileEvents:
         jax.monitoring.register_event_listener(self._on_event)
@@ -50,7 +52,7 @@ class CompileEvents:
         """`programs` compiled or loaded, `cache_hits` (loaded), `cache_writes`, and the
         seconds of tracing, lowering and compiling (loads included)."""
         return {
-            "programs": self._compiles,
+            "programs": self.programs.total(),
             "cache_hits": self._events[_HIT],
             "cache_writes": self._events[_WRITE],
             **self._seconds,

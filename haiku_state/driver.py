@@ -124,7 +124,9 @@ def _train(
         window = loop.MetricWindow(start_step, monitor)
         evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
-        logger = loop.MetricLogger(window, writer, _logged_rate(experiment), config.batch_size)
+        # The logged steps report the learning rate: the log compiles no program for it.
+        experiment.updater.learning_rate = experiment.learning_rate
+        logger = loop.MetricLogger(window, writer, None, config.batch_size)
         evaluate = _saving_on_data_error(evaluator, saver)
         actions = _actions(config, experiment.steps_per_call, logger, evaluate, saver, profiler)
         # Processes vote on a signal where they fetch the metrics (a lone one, at every step).
@@ -147,11 +149,6 @@ def _train(
                 saver(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
-
-
-def _logged_rate(experiment: Experiment) -> Callable[[int], Any] | None:
-    """The schedule for the log to evaluate, or None where the logged steps report their own."""
-    return None if experiment.updater.learning_rate else experiment.learning_rate
 
 
 def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries.MetricWriter:

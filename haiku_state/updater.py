@@ -412,8 +412,9 @@ class Updater:
     logs steps (a host sync per call). `loss_scale`: a `jmp` scale (float16), kept in
     `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`. `accumulation_steps`: each
     step's gradients are the mean over that many micro-batches of every device's shard.
-    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses. `learning_rate`: the
-    optimizer's schedule, whose value the steps with the global norms report, `learning_rate`.
+    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses. `learning_rate` (an
+    attribute too, read as a program is built): the optimizer's schedule, whose value the steps
+    with the global norms report as the metric `learning_rate`.
     """
 
     def __init__(
@@ -452,7 +453,6 @@ class Updater:
             accumulation_steps=accumulation_steps,
             batch_shards=self.layout.batch_shards,
             ema_decay=self.ema_decay,
-            learning_rate=learning_rate,
             **common,
         )
         self._eval_step = functools.partial(eval_step, **common)
@@ -559,9 +559,11 @@ class Updater:
         listed = method == "update_steps" and _is_list(batch)
         if method == "update_steps" and not listed:
             replication.check_stacked_batches(batch, method)
-        key = (method, with_global_norms, listed, self.layout.signature(train_state))
+        rate = self.learning_rate
+        key = (method, with_global_norms, listed, rate, self.layout.signature(train_state))
         if key not in self._programs:
-            fn = _pure_function(method, self._step, self._eval_step, with_global_norms, listed)
+            step = functools.partial(self._step, learning_rate=rate)
+            fn = _pure_function(method, step, self._eval_step, with_global_norms, listed)
             stacked = method == "update_steps" and not listed
             self._programs[key] = self.layout.program(
                 fn, train_state, updates=method != "evaluate", steps_axis=stacked

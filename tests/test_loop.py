@@ -99,6 +99,18 @@ def test_metric_logger_writes_the_window_means_throughput_and_the_learning_rate_
     assert record["examples_per_s"] > 0
 
 
+def test_metric_logger_without_a_schedule_writes_the_learning_rate_the_step_reported(tmp_path):
+    window = loop.MetricWindow(start_step=0)
+    with summaries.MetricWriter(str(tmp_path), 10, enabled=True) as writer:
+        logger = loop.MetricLogger(window, writer, None, batch_size=32)
+        window.append(1, {"loss": jnp.float32(1.0)})
+        window.append(2, {"loss": jnp.float32(3.0), "learning_rate": jnp.float32(0.25)})
+        logger(2, train_state=None)
+    [record] = summaries.read_metrics(str(tmp_path))
+    assert (record["loss"], record["learning_rate"]) == (2.0, 0.25)
+    assert list(record).index("learning_rate") > list(record).index("examples_per_s")
+
+
 def test_profiler_traces_its_steps_and_resumes_a_trace_inside_them(tmp_path):
     with loop.Profiler((), str(tmp_path / "none"), start_step=0) as never:
         never(20, jnp.zeros(()))  # Its cadence's last step: nothing to end.

@@ -84,6 +84,28 @@ def test_metrics_come_per_step_and_the_norms_of_the_last_step_alone(one_and_seve
         np.testing.assert_allclose(second[name], one_metrics[-1][name], rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["pmap", "jit"])
+def test_a_list_of_batches_is_stacked_in_the_step_as_stack_steps_stacks_them(backend):
+    updater = _updater(backend)
+    batches = [hs.shard(host_batch(seed)) for seed in range(3)]
+    stacked = updater.update_steps(updater.init(0, batches[0]), replication.stack_steps(batches))
+    listed = updater.update_steps(updater.init(0, batches[0]), batches)
+    assert_trees_bit_equal(to_host(listed), to_host(stacked))
+
+
+def test_the_logged_steps_report_the_learning_rate_of_the_updaters_schedule():
+    updater = _updater("pmap")
+    updater.learning_rate = optax.linear_schedule(0.5, 0.0, 10)  # 0.5 - 0.05 * step.
+    batches = [hs.shard(host_batch(seed)) for seed in range(3)]
+    train_state, metrics = updater.update(updater.init(0, batches[0]), batches[0])
+    assert float(metrics["learning_rate"]) == pytest.approx(0.5)  # Step 0's: the one it used.
+    train_state, unlogged = updater.update(train_state, batches[1], with_global_norms=False)
+    assert "learning_rate" not in unlogged
+    _, metrics = updater.update_steps(train_state, batches[1:])
+    assert metrics["learning_rate"].shape == () and metrics["loss"].shape == (2,)
+    assert float(metrics["learning_rate"]) == pytest.approx(0.35)  # Step 3's, the last.
+
+
 def test_update_steps_refuses_batches_without_a_steps_axis():
     updater = _updater("pmap")
     batch = hs.shard(host_batch(0))
