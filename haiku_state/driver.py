@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -51,8 +52,20 @@ def train_and_evaluate(
 
     `stop` is the process's signal handler (None: one for this call). A signal
     saves the step reached and raises `signals.Stopped`; call again to resume.
-    `allow_config_change` resumes a run whose config changed its trajectory.
+    `allow_config_change` resumes a run whose config changed its trajectory. Where the start
+    went is logged in one line after the first step (`StartUp`).
     """
+    with StartUp() as startup:
+        return _train_and_evaluate(config, workdir, stop, allow_config_change, startup)
+
+
+def _train_and_evaluate(
+    config: Any,
+    workdir: str,
+    stop: signals.StopRequest | None,
+    allow_config_change: bool,
+    startup: StartUp,
+) -> dict[str, float]:
     config_checks.validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
@@ -61,7 +74,9 @@ def train_and_evaluate(
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
+    startup.ended("experiment")
     first_state = _first_train_state(experiment, config, workdir)
+    startup.ended("init")
     data_record = data_identity.identity(experiment.dataset, config.data.verify == "content")
 
     with (
@@ -72,8 +87,9 @@ def train_and_evaluate(
         train_state = _resume(
             first_state, experiment, config, checkpointer, data_record, allow_config_change
         )
+        startup.ended("restore")
         end, evaluator, monitor = _train(
-            experiment, config, workdir, train_state, checkpointer, data_record, stop
+            experiment, config, workdir, train_state, checkpointer, data_record, stop, startup
         )
         final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
         saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
@@ -109,6 +125,7 @@ def _train(
     checkpointer: checkpoint.Checkpointer,
     data_record: dict[str, Any],
     stop: signals.StopRequest,
+    startup: StartUp,
 ) -> tuple[loop.LoopEnd, Evaluator, divergence.Monitor]:
     """The loop from the resumed step to the last, with its actions; saves where a signal
     stopped it."""
@@ -133,6 +150,7 @@ def _train(
         stop.agreement = loop.Every(agree_every=config.log_every if jax.process_count() > 1 else 1)
         if start_step < experiment.total_steps:
             _compile_steps_ahead(experiment, config, train_state)
+        startup.ended("compile")
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
                 _step_fn(experiment, actions[0].every),  # The logger's cadence.
@@ -144,6 +162,7 @@ def _train(
                 actions=actions,
                 stop=stop,
                 steps_per_call=experiment.steps_per_call,
+                first_call_done=startup.first_step_done,
             )
             if end.stopped and end.step > start_step:
                 saver(end.step, end.train_state)
@@ -446,6 +465,69 @@ def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:
         return updater.update_steps(train_state, list(batches), with_global_norms=logged)
 
     return step_fn
+
+
+class StartUp:
+    """Where a run's start went: the phases from the process's start to the first step's end,
+    timed where the run passes from one to the next, and the programs compiled or loaded from
+    the compilation cache meanwhile (JAX's monitoring events); one line, logged once."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        before = _seconds_since_process_start()
+        if before is not None:  # Imports, flags and the backend's start, before the driver.
+            self.phases["backend"] = before
+        self.programs, self.cache_hits = 0, 0
+        self._mark, self._listening = time.perf_counter(), False
+
+    def __enter__(self) -> StartUp:
+        jax.monitoring.register_event_listener(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        self._listening = True
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._listening:
+            jax.monitoring.unregister_event_listener(self._on_event)
+            jax.monitoring.unregister_event_duration_listener(self._on_duration)
+            self._listening = False
+
+    def _on_event(self, event: str, **kwargs: Any) -> None:
+        self.cache_hits += event == "/jax/compilation_cache/cache_hits"
+
+    def _on_duration(self, event: str, duration: float, **kwargs: Any) -> None:
+        self.programs += event == "/jax/core/compile/backend_compile_duration"
+
+    def ended(self, phase: str) -> None:
+        """The phase since the previous one's end ends now."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._mark
+        self._mark = now
+
+    def first_step_done(self) -> None:
+        """Logs the line: `Start-up 23.4 s: backend 10.5 s, ..., first step 1.1 s (8 programs,
+        5 from the cache)`; later programs are not counted."""
+        self.ended("first step")
+        self.__exit__()
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+        logging.info(
+            "Start-up %.1f s: %s (%d programs, %d from the cache).",
+            sum(self.phases.values()),
+            phases,
+            self.programs,
+            self.cache_hits,
+        )
+
+
+def _seconds_since_process_start() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+    since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return max(0.0, since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class Evaluator:

@@ -215,6 +215,7 @@ def run(
     actions: Sequence[PeriodicAction],
     stop: signals.StopRequest,
     steps_per_call: int = 1,
+    first_call_done: Callable[[], None] | None = None,
 ) -> LoopEnd:
     """Runs steps `first_step + 1 .. last_step`, `steps_per_call` in each call of `step_fn`
     (a call ends at each multiple of it, and at the last step), the due actions after each call.
@@ -225,6 +226,8 @@ def run(
     `jax.profiler`. When `stop` asks for it, the loop ends before the next call,
     leaving the saving to the caller. Actions are asked at the steps calls end at: their
     cadences are multiples of `steps_per_call` (`config_checks` holds them to it).
+    `first_call_done` is called once the first call's outputs are ready (where the loop waits
+    for them anyway, or at its end).
     """
     in_flight, step = None, first_step
     while step < last_step:
@@ -236,10 +239,16 @@ def run(
             train_state, metrics = step_fn(train_state, call_batches, end)
         if in_flight is not None:
             jax.block_until_ready(in_flight)
+            if first_call_done is not None:
+                first_call_done()
+                first_call_done = None
         in_flight = metrics
         window.append(end, metrics, end - step)
         step = end
         for action in actions:
             if action.is_due(step, last_step):
                 action.run(step, train_state)
+    if in_flight is not None and first_call_done is not None:  # A run of one call.
+        jax.block_until_ready(in_flight)
+        first_call_done()
     return LoopEnd(train_state, max(first_step, last_step), stopped=False)

@@ -1,4 +1,5 @@
-"""How many programs a run compiles (issue 40): one per job, not per leaf, shape or key.
+"""How many programs a run compiles (issue 40): one per job, not per leaf, shape or key; and
+the line that says where its start went.
 
 Each program costs a trace, a lowering and a cache read even when cached, so the start of a
 run grows with their number. Counted from JAX's monitoring events (`CompileEvents`), which see
@@ -8,6 +9,10 @@ counted again, so the bound holds the more.
 
 from __future__ import annotations
 
+import logging
+import re
+
+import pytest
 from configs import mlp_config
 
 from benchmarks.compiles import CompileEvents
@@ -20,11 +25,45 @@ PROGRAMS_OF_A_RUN = 8
 STEP_PROGRAMS = "jit(_fun)"  # The Updater's: the steps and the evaluation, alike named.
 
 
-def test_a_run_compiles_a_program_per_job(tmp_path):
-    """Several steps a call (their batches stacked inside the step), a check, an evaluation and
-    saves: at most `PROGRAMS_OF_A_RUN`, none but the Updater's twice."""
-    with CompileEvents() as events:
-        driver.train_and_evaluate(mlp_config(steps_per_call=5), str(tmp_path))
-    programs = events.programs
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run of several steps a call (their batches stacked inside the step), a check, an
+    evaluation and saves: the programs it compiled, and its log lines."""
+    lines, absl_logger = _Lines(), logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.addHandler(lines)
+    absl_logger.setLevel(logging.INFO)
+    try:
+        with CompileEvents() as events:
+            workdir = str(tmp_path_factory.mktemp("programs"))
+            driver.train_and_evaluate(mlp_config(steps_per_call=5), workdir)
+    finally:
+        absl_logger.removeHandler(lines)
+        absl_logger.setLevel(level)
+    return events.programs, lines.lines
+
+
+def test_a_run_compiles_a_program_per_job(run):
+    programs, _ = run
     assert programs.total() <= PROGRAMS_OF_A_RUN, programs
     assert all(n == 1 for name, n in programs.items() if name != STEP_PROGRAMS), programs
+
+
+def test_the_start_is_logged_once_by_phase_with_its_programs(run):
+    _, lines = run
+    [line] = [line for line in lines if line.startswith("Start-up ")]
+    phases = r"backend [\d.]+ s, experiment [\d.]+ s, init [\d.]+ s, restore [\d.]+ s, "
+    phases += r"compile [\d.]+ s, first step [\d.]+ s"
+    assert re.fullmatch(
+        rf"Start-up [\d.]+ s: {phases} \(\d+ programs, \d+ from the cache\)\.", line
+    )
+    assert int(re.search(r"\((\d+) programs", line).group(1)) <= PROGRAMS_OF_A_RUN
