@@ -74,6 +74,8 @@ def _train_and_evaluate(
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
+    # The logged steps report the learning rate: the log compiles no program for it.
+    experiment.updater.learning_rate = experiment.learning_rate
     startup.ended("experiment")
     first_state = _first_train_state(experiment, config, workdir)
     startup.ended("init")
@@ -141,8 +143,6 @@ def _train(
         window = loop.MetricWindow(start_step, monitor)
         evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
-        # The logged steps report the learning rate: the log compiles no program for it.
-        experiment.updater.learning_rate = experiment.learning_rate
         logger = loop.MetricLogger(window, writer, None, config.batch_size)
         evaluate = _saving_on_data_error(evaluator, saver)
         actions = _actions(config, experiment.steps_per_call, logger, evaluate, saver, profiler)

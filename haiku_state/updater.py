@@ -120,6 +120,19 @@ def global_norms(*trees: Any) -> Metrics:
     }
 
 
+def _logged_only(trees: tuple | None, learning_rate: optax.Schedule | None, step: jax.Array):
+    """A logged step's own metrics: the `global_norms` of `trees` (None: not logged) and, given
+    a schedule, the `learning_rate` the step used (no program of its own for the log). Only the
+    logged steps' programs compute the norms: they cost time in every step, and a `lax.cond`
+    that skips them costs more (it keeps `updates` whole): benchmarks/README.md."""
+    if trees is None:
+        return {}
+    metrics = global_norms(*trees)
+    if learning_rate is not None:
+        metrics["learning_rate"] = jnp.asarray(learning_rate(step), jnp.float32)
+    return metrics
+
+
 def micro_batches(x: jax.Array, steps: int, shards: int) -> jax.Array:
     """`[shards * b, ...] -> [steps, shards * b // steps, ...]`: micro-batch `i` is the `i`-th
     of `steps` equal parts of each of the `shards` blocks the batch is laid out in (the devices
@@ -230,12 +243,8 @@ def train_step(
     updates, new_optimizer_state = optimizer.update(grads, optimizer_state, params)
     new_params = optax.apply_updates(params, updates)
     new_ema = None if ema is None else ema_update(ema, new_params, new_state, ema_decay)
-    # Only the logged steps' programs compute the norms: the norms cost time in every step, and
-    # a `lax.cond` that skips them costs more (it keeps `updates` whole): benchmarks/README.md.
-    norms = global_norms(grads, new_params, updates) if with_global_norms else {}
-    if with_global_norms and learning_rate is not None:  # No program of its own for the log.
-        norms["learning_rate"] = jnp.asarray(learning_rate(step), jnp.float32)
-    metrics = {"loss": loss, **metrics, **norms}
+    logged = (grads, new_params, updates) if with_global_norms else None
+    metrics = {"loss": loss, **metrics, **_logged_only(logged, learning_rate, step)}
     new_opt_state = new_optimizer_state
     if scaled:  # A step with non-finite gradients is skipped, and the scale adjusted.
         grads_finite = jmp.all_finite(grads)  # Averaged: every device decides alike.
@@ -369,6 +378,16 @@ def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
     replicas.check_finite_losses([(first + i, {"loss": x}) for i, x in enumerate(losses)])
 
 
+def _initial_from_seed(
+    initial: Callable, keys_of: Callable, params: hk.Params, state: hk.State, seed: Any, **devices
+) -> TrainState:
+    """`initial` (an `initial_train_state`) with the run key of `seed`, traced: drawn where the
+    train state is placed."""
+    run_key = keys_of(seed)[1]
+    key_impl = str(jax.random.key_impl(run_key))
+    return initial(params, state, jax.random.key_data(run_key), key_impl, **devices)
+
+
 def _first_shard_on_host(x: Any) -> np.ndarray:
     """The first local device's shard of a sharded batch leaf, copied to the host: a slice of
     a device array would be a program of its own per leaf shape."""
@@ -397,6 +416,20 @@ def _pure_function(
     return on_listed_batches
 
 
+def _layout_program(layout: Any, fn: Callable, train_state: Any, method: str, listed: bool):
+    """The layout's program of `fn`, the pure function of `method` (`listed`: batches in a
+    list, stacked inside `fn`, not by the layout)."""
+    stacked = method == "update_steps" and not listed
+    return layout.program(fn, train_state, updates=method != "evaluate", steps_axis=stacked)
+
+
+def _keys_split_as(layout: Any) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
+    """`_keys_of_seed`, splitting as `layout.random_bits()` has it (the keys' own context)."""
+    with layout.random_bits():
+        partitionable = jax.config.jax_threefry_partitionable
+    return functools.partial(_keys_of_seed, partitionable=partitionable)
+
+
 def _is_list(batches: Any) -> bool:
     return isinstance(batches, (list, tuple))
 
@@ -412,9 +445,8 @@ class Updater:
     logs steps (a host sync per call). `loss_scale`: a `jmp` scale (float16), kept in
     `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`. `accumulation_steps`: each
     step's gradients are the mean over that many micro-batches of every device's shard.
-    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses. `learning_rate` (an
-    attribute too, read as a program is built): the optimizer's schedule, whose value the steps
-    with the global norms report as the metric `learning_rate`.
+    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses. `learning_rate` (also an
+    attribute, read as each program is built): a schedule whose value the logged steps report.
     """
 
     def __init__(
@@ -437,8 +469,7 @@ class Updater:
         updater_arguments.check_step_options(accumulation_steps, ema_decay)
         self.layout = sharding.layout(backend, axis_name, param_sharding)
         self.axis_name, self.backend, self.param_sharding = axis_name, backend, param_sharding
-        self.ema_decay = ema_decay or None
-        self.learning_rate = learning_rate
+        self.ema_decay, self.learning_rate = ema_decay or None, learning_rate
         self._forward, self._check_finite = forward, check_finite
         self._programs: dict[tuple, Callable[..., Any]] = {}  # By method, norms, state shape.
         self._initial = functools.partial(
@@ -461,33 +492,21 @@ class Updater:
         """The first `TrainState`, params and state drawn on the host from `seed` (int or key);
         of the sharded `batch` only shapes matter, unless a parameter is computed from it.
         The keys of `seed` are split inside the two programs that use them: none of their own."""
-        with self.layout.random_bits():  # The keys are split under it too.
-            keys_of = functools.partial(
-                _keys_of_seed, partitionable=jax.config.jax_threefry_partitionable
-            )
-        seed = _as_seed(seed)
+        seed, keys_of = _as_seed(seed), _keys_split_as(self.layout)
         initial = functools.partial(
             initialization.initial_params_and_state, key_of=lambda s: keys_of(s)[0]
         )
         params, state = self._params_and_state(initial, seed, batch, "init")
-        place = functools.partial(self._initial_from_seed, keys_of)
+        place = functools.partial(_initial_from_seed, self._initial, keys_of)
         return self.layout.place(place, params, state, seed)
-
-    def _initial_from_seed(
-        self, keys_of: Callable, params: hk.Params, state: hk.State, seed: Any, **devices: Any
-    ) -> TrainState:
-        """`initial_train_state` with the run key of `seed` (traced: drawn where it is placed)."""
-        run_key = keys_of(seed)[1]
-        key_impl = str(jax.random.key_impl(run_key))
-        return self._initial(params, state, jax.random.key_data(run_key), key_impl, **devices)
 
     def abstract_init(self, batch: Batch) -> TrainState:
         """What `init` would give, as sharded `jax.ShapeDtypeStruct`s: what a restore reads into."""
-        key = jax.random.key(0)
+        key = jax.eval_shape(jax.random.key, 0)  # Its shape and type: no program.
         initial = initialization.initial_shapes
         params, state = self._params_and_state(initial, key, batch, "abstract_init")
         key_data = jax.eval_shape(jax.random.key_data, key)
-        place = functools.partial(self._initial, key_impl=str(jax.random.key_impl(key)))
+        place = functools.partial(self._initial, key_impl=replication.key_impl_name(key))
         return self.layout.abstract(place, params, state, key_data)
 
     def update(
@@ -501,9 +520,8 @@ class Updater:
     def update_steps(
         self, train_state: TrainState, batches: Batch, *, with_global_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
-        """`n` steps in one call (a `lax.scan`), on batches stacked after the device axis
-        (`[devices, n, per_device_batch, ...]`, as `replication.stack_steps` makes them), or a
-        list of the `n` sharded batches (stacked inside the program: no program of their own):
+        """`n` steps in one call (a `lax.scan`) on the list of their `n` sharded batches, or them
+        stacked after the device axis (`[devices, n, per_device_batch, ...]`, `stack_steps`):
         the same keys and updates as `n` calls of `update`, one dispatch. Each metric comes back
         per step, `[n]`; `with_global_norms`, the norms of the last step (scalars)."""
         return self._call("update_steps", train_state, batches, with_global_norms)
@@ -559,13 +577,10 @@ class Updater:
         listed = method == "update_steps" and _is_list(batch)
         if method == "update_steps" and not listed:
             replication.check_stacked_batches(batch, method)
-        rate = self.learning_rate
-        key = (method, with_global_norms, listed, rate, self.layout.signature(train_state))
+        kind = (method, with_global_norms, listed, self.learning_rate)
+        key = (*kind, self.layout.signature(train_state))
         if key not in self._programs:
-            step = functools.partial(self._step, learning_rate=rate)
+            step = functools.partial(self._step, learning_rate=self.learning_rate)
             fn = _pure_function(method, step, self._eval_step, with_global_norms, listed)
-            stacked = method == "update_steps" and not listed
-            self._programs[key] = self.layout.program(
-                fn, train_state, updates=method != "evaluate", steps_axis=stacked
-            )
+            self._programs[key] = _layout_program(self.layout, fn, train_state, method, listed)
         return self._programs[key], self.layout.view(batch)
