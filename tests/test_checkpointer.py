@@ -24,6 +24,7 @@ from checkpoint_helpers import (
     host_copy,
     largest_file,
     listing,
+    make_jit_updater,
     make_setup,
     save_steps,
     set_aside_dirs,
@@ -32,6 +33,7 @@ from checkpoint_helpers import (
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 import haiku_state as hs
+from benchmarks.compiles import CompileEvents
 from haiku_state import checkpoint
 from haiku_state.checkpoint import Checkpointer
 
@@ -129,6 +131,19 @@ def test_async_save_is_unaffected_by_donating_the_state_right_after(setup, tmp_p
         checkpointer.wait_until_finished()
         restored = checkpointer.restore(setup.init(seed=1), step=1)
     assert_bit_identical(restored, expected)
+
+
+@pytest.mark.parametrize("backend", ["pmap", "jit"])
+def test_a_save_compiles_no_program(setup, tmp_path, backend):
+    # A save's fingerprints are of its host copies: no program to compile in the loop's
+    # thread (a large state's took seconds on a TPU, at the run's first save).
+    setup = setup if backend == "pmap" else make_setup(make_jit_updater())
+    train_state = setup.train(setup.init(), setup.batches[:1])
+    with CompileEvents() as events, Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(train_state)
+    assert events.figures()["programs"] == 0, events.programs
+    with Checkpointer(tmp_path) as checkpointer:
+        assert_bit_identical(checkpointer.restore(train_state), host_copy(train_state))
 
 
 # Partial and damaged checkpoints.

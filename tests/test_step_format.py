@@ -2,6 +2,7 @@
 trips, fingerprints and checksums, shape mismatches, other device counts, meshes and
 backends."""
 
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 import haiku_state as hs
 from haiku_state import checkpoint, losses, models, sharding
 from haiku_state.checkpoint import FORMAT_VERSION, Checkpointer, package_versions
+from haiku_state.guards import checkpoint_integrity
 from haiku_state.guards.checkpoint_integrity import fingerprint, leaf_name
 from haiku_state.updater import Ema, LossScaledOptState, per_device_keys
 
@@ -550,6 +552,32 @@ def test_fingerprints_are_the_same_on_any_sharding_and_catch_paired_changes():
     signs[9, 1] *= -1
     for changed in (swapped, signs):  # (Shapes are checked against the saved metadata.)
         assert int(fingerprint(changed)) != int(fingerprint(values))
+
+
+def test_host_fingerprints_match_the_devices_to_the_bit(monkeypatch):
+    # A save fingerprints its host copies; a restore, the arrays on the devices.
+    rng = np.random.RandomState(0)
+    trees = {
+        "params": {
+            "f32": rng.randn(33, 17).astype(np.float32),
+            "bf16": rng.randn(5, 7).astype(jnp.bfloat16),
+            "f16": rng.randn(9).astype(np.float16),
+            "i8": rng.randint(-128, 127, (6, 3)).astype(np.int8),
+            "flag": np.array([True, False, True]),
+            "scalar": np.float32(2.5),
+        },
+        "rng": {
+            "key_data": np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 4)))
+        },
+    }
+    on_devices = checkpoint_integrity.named_values(
+        checkpoint_integrity.device_fingerprints(jax.tree.map(jnp.asarray, trees)), int
+    )
+    assert checkpoint_integrity.host_fingerprints(trees) == on_devices
+    # In chunks: the flat index runs on across them.
+    small_chunks = functools.partial(checkpoint_integrity._host_fingerprint, chunk=16)
+    monkeypatch.setattr(checkpoint_integrity, "_host_fingerprint", small_chunks)
+    assert checkpoint_integrity.host_fingerprints(trees) == on_devices
 
 
 def test_a_jit_checkpoint_resumes_exactly_with_every_leaf_in_its_sharding(jit_setup, tmp_path):

@@ -55,11 +55,11 @@ class DamagedCheckpointError(Exception):
 class Encoded(NamedTuple):
     """A `TrainState` as it is written: host copies, and what a restore needs besides them."""
 
-    trees: dict[str, PyTree]  # numpy (per-device) or global arrays in host memory (jit).
+    trees: dict[str, PyTree]  # numpy, or global arrays in host memory (several processes).
     step: int
     key_impl: str
     key_layout: str  # PER_DEVICE or GLOBAL.
-    fingerprints: dict[str, PyTree]  # Device scalars, dispatched: `save_args` fetches them.
+    fingerprints: dict[str, PyTree] | None  # Device scalars, dispatched; None: of `trees`.
 
 
 class StepHeader(NamedTuple):
@@ -107,29 +107,35 @@ def orbax_manager(
 
 def encode(train_state: TrainState) -> Encoded:
     """Copies of `train_state` in host memory (donatable once this returns: per-device,
-    device 0's replica and every device's key; `jit`, its global arrays shard by shard), and
-    its fingerprints, dispatched after the copy so as not to slow it. Every process calls it."""
+    device 0's replica and every device's key; `jit`, its global arrays), in one batched
+    transfer. Every process calls it.
+
+    The fingerprints are computed from these copies in the writer's thread
+    (`save_args`), so a save dispatches and compiles no program. Only global arrays
+    spread over several processes are copied shard by shard and fingerprinted where
+    their shards are."""
     key_impl = str(jax.random.key_impl(train_state.rng))
     step = step_of(train_state)
     if sharding.is_global(train_state):
         trees = _trees(train_state, jax.random.key_data(train_state.rng))
-        host_trees = jax.block_until_ready(jax.tree.map(_to_host_memory, trees))
-        fingerprints = checkpoint_integrity.device_fingerprints(trees)
-        return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints)
-    # Device 0's replica, `[1, ...]` (the same fingerprint as without its leading axis).
+        if not all(leaf.is_fully_addressable for leaf in jax.tree.leaves(trees)):
+            host_trees = jax.block_until_ready(jax.tree.map(_to_host_memory, trees))
+            fingerprints = checkpoint_integrity.device_fingerprints(trees)
+            return Encoded(host_trees, step, key_impl, GLOBAL, fingerprints)
+        return Encoded(_host_copy(trees), step, key_impl, GLOBAL, None)
+    # Device 0's replica, `[1, ...]`, saved without its leading axis.
     first_replica = jax.tree.map(lambda leaf: leaf.addressable_data(0), train_state)
-    trees = _trees(first_replica, replication.global_key_data(train_state.rng))
-    host = jax.device_get(trees)  # One batched transfer.
-    # Where device_get gives views of the buffers the caller may donate, they are copied.
+    host_trees = _host_copy(_trees(first_replica, replication.global_key_data(train_state.rng)))
+    for name in host_trees.keys() - {"rng"}:
+        host_trees[name] = jax.tree.map(lambda x: x.reshape(x.shape[1:]), host_trees[name])
+    return Encoded(host_trees, step, key_impl, PER_DEVICE, None)
+
+
+def _host_copy(trees: PyTree) -> PyTree:
+    """numpy copies of `trees` in memory of their own, in one batched transfer (where
+    `jax.device_get` gives views of buffers the caller may donate, they are copied)."""
     own = np.array if device_get_gives_views() else np.asarray
-    host_trees = {
-        name: jax.tree.map(lambda x: own(x[0]), tree)
-        for name, tree in host.items()
-        if name != "rng"
-    }
-    host_trees["rng"] = {"key_data": own(host["rng"]["key_data"])}
-    fingerprints = checkpoint_integrity.device_fingerprints(trees)
-    return Encoded(host_trees, step, key_impl, PER_DEVICE, fingerprints)
+    return jax.tree.map(own, jax.device_get(trees))
 
 
 def device_get_gives_views() -> bool:
@@ -182,7 +188,11 @@ def save_args(encoded: Encoded, metadata: dict[str, Any]) -> ocp.args.Composite:
         "step": encoded.step,
         "key_impl": encoded.key_impl,
         "key_layout": encoded.key_layout,
-        "fingerprints": checkpoint_integrity.named_values(encoded.fingerprints, int),
+        "fingerprints": (
+            checkpoint_integrity.host_fingerprints(encoded.trees)
+            if encoded.fingerprints is None
+            else checkpoint_integrity.named_values(encoded.fingerprints, int)
+        ),
     }
     return ocp.args.Composite(
         **{
