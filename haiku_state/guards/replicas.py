@@ -27,6 +27,11 @@ PyTree = Any
 all_finite = jax.jit(jmp.all_finite)
 
 
+def _all_finite(tree: PyTree) -> jax.Array | bool:
+    """`all_finite(tree)`; True for an empty tree, which needs no program."""
+    return all_finite(tree) if jax.tree.leaves(tree) else True
+
+
 def check_finite_losses(step_metrics: Iterable[tuple[int, Mapping[str, Any]]]) -> None:
     """Raises FloatingPointError at the first of `(step, host metrics)` with a non-finite loss."""
     for step, metrics in step_metrics:
@@ -95,13 +100,13 @@ def _replicas_identical_and_finite(tree: PyTree, finite: PyTree) -> jax.Array | 
     boolean), in one program on a single process."""
     leaves = jax.tree.leaves(tree)
     if not leaves:  # An empty tree (a stateless model's state) has nothing to differ.
-        return all_finite(finite) if jax.tree.leaves(finite) else True
+        return _all_finite(finite)
     if not np.ndim(leaves[0]):
         raise errors.InvalidValue("assert_replicas_identical: leaves have no leading device axis.")
     chex.assert_tree_shape_prefix(tree, (np.shape(leaves[0])[0],))
     if jax.process_count() > 1:
         mismatch = _global_replica_mismatch(leaves)
-        is_finite = all_finite(finite) if jax.tree.leaves(finite) else True
+        is_finite = _all_finite(finite)
     else:
         mismatch, is_finite = _replica_mismatch(leaves, finite)
     _raise_first_mismatch(_named_leaves(tree), mismatch, lambda leaf: leaf)
@@ -185,7 +190,7 @@ def _global_layout_whole_and_finite(tree: PyTree, finite: PyTree) -> jax.Array |
                 f"Shards of leaf {name} do not tile its shape {leaf.shape}: {problem}"
             )
     if not replicated:
-        return all_finite(finite) if jax.tree.leaves(finite) else True
+        return _all_finite(finite)
 
     def copies_of(leaf):
         copies = {shard.device: shard.data for shard in leaf.addressable_shards}
