@@ -118,7 +118,7 @@ def host_device() -> jax.Device:
         return jax.local_devices()[0]
 
 
-def initial_params_and_state(
+def init(
     forward: hk.TransformedWithState,
     key: jax.Array,
     batch: Mapping[str, Any],
@@ -173,14 +173,14 @@ def _param_names(params: hk.Params) -> list[tuple[str, str]]:
     ]
 
 
-def initial_shapes(
+def abstract_init(
     forward: hk.TransformedWithState,
     key: jax.Array,
     batch: Mapping[str, Any],
     *,
     axis_name: str | None = None,
 ) -> tuple[hk.Params, hk.State]:
-    """The shapes and dtypes `initial_params_and_state` gives, traced: what a restore reads into."""
+    """The shapes and dtypes `init` gives, traced, nothing run: what a restore reads into."""
     return _trace_init(forward, key, batch, axis_name, creator=None)[1]
 
 
@@ -255,15 +255,11 @@ def _check_fits_in_host_memory(memory: Any, shapes: tuple[hk.Params, hk.State]) 
     headroom = host_memory_headroom()
     if memory is None or headroom is None:
         return
-    needed = memory.output_size_in_bytes + memory.temp_size_in_bytes
-    available, bound = headroom
-    if needed <= available:
-        return
-    raise _refusal(
+    _refuse_beyond(
+        memory.output_size_in_bytes + memory.temp_size_in_bytes,
+        headroom,
         f"The initial params and state take {_gib(memory.output_size_in_bytes)} and drawing "
         f"them {_gib(memory.temp_size_in_bytes)} more",
-        available,
-        bound,
         shapes,
     )
 
@@ -286,29 +282,30 @@ def _check_run_fits_in_address_space(shapes: tuple[hk.Params, hk.State]) -> None
     state_bytes = sum(_bytes(leaf) for leaf in jax.tree.leaves(shapes))
     devices = jax.local_device_count()
     needed = run_address_space_needs(state_bytes, devices)
-    available, bound = headroom
-    if needed <= available:
-        return
-    raise _refusal(
+    _refuse_beyond(
+        needed,
+        headroom,
         f"The initial params and state take {_gib(state_bytes)} and drawing and training them "
         f"here about {_gib(needed)} more ({RUN_STATE_COPIES + devices}x them on {devices} CPU "
         f"device(s) and {_gib(RUN_FIXED_BYTES)} for XLA and its compiles, with a "
         f"{RUN_MARGIN - 1:.0%} margin)",
-        available,
-        bound,
         shapes,
     )
 
 
-def _refusal(
-    needs: str, available: int, bound: str, shapes: tuple[hk.Params, hk.State]
-) -> HostMemoryError:
-    """The one-line refusal: what is needed, the headroom and its bound, the largest leaf."""
+def _refuse_beyond(
+    needed: int, headroom: tuple[int, str], needs: str, shapes: tuple[hk.Params, hk.State]
+) -> None:
+    """`HostMemoryError` if `needed` bytes exceed the `headroom`, in one line: what is needed
+    (`needs`, in words), the headroom and its bound, the largest leaf of `shapes`."""
+    available, bound = headroom
+    if needed <= available:
+        return
     leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
     path, largest = max(leaves, key=lambda named: _bytes(named[1]))
     name = "/".join(str(getattr(part, "key", part)) for part in path[1:])
     shape = "x".join(map(str, largest.shape))
-    return HostMemoryError(
+    raise HostMemoryError(
         f"{needs}, beyond the {_gib(max(available, 0))} this process may still allocate on "
         f"the host ({bound}). The largest: {name}, {shape} {largest.dtype} "
         f"({_gib(_bytes(largest))}); a smaller model or input (data.image_size) fits."

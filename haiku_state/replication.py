@@ -261,21 +261,14 @@ class PerDeviceLayout:
     def shardings(self, train_state: Any) -> None:
         return None
 
-    def initial(self, initial_fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`initial_fn(params, state, key_data, num_devices, first_index)` for this process's
-        devices: their keys are those of their global indices."""
-        num_devices = jax.local_device_count()
-        first_index = jax.process_index() * num_devices
-        return functools.partial(initial_fn, num_devices=num_devices, first_index=first_index)
-
-    def place(self, initial_fn: Callable[..., Any], *args: Any) -> Any:
-        """The train state `initial_fn(*args)` makes, built on the devices in this layout."""
+    def init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
+        """The train state `init_fn(*args)` makes, built on the devices in this layout."""
         out_shardings = device_axis_sharding(self.axis_name)
-        return jax.jit(self.initial(initial_fn), out_shardings=out_shardings)(*args)
+        return jax.jit(_on_local_devices(init_fn), out_shardings=out_shardings)(*args)
 
-    def abstract(self, initial_fn: Callable[..., Any], *args: Any) -> Any:
-        """What `place` would make, as `jax.ShapeDtypeStruct`s with their shardings."""
-        like = jax.eval_shape(self.initial(initial_fn), *args)
+    def abstract_init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
+        """What `init` would make, as `jax.ShapeDtypeStruct`s with their shardings; nothing runs."""
+        like = jax.eval_shape(_on_local_devices(init_fn), *args)
         sharding = device_axis_sharding(self.axis_name)
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), like
@@ -306,3 +299,11 @@ class PerDeviceLayout:
             np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)
         ):
             check_device_axis(train_state, where)
+
+
+def _on_local_devices(init_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`init_fn(params, state, key_data, num_devices, first_index)` for this process's devices:
+    their keys are those of their global indices."""
+    num_devices = jax.local_device_count()
+    first_index = jax.process_index() * num_devices
+    return functools.partial(init_fn, num_devices=num_devices, first_index=first_index)

@@ -210,28 +210,21 @@ class GlobalLayout:
         """The `NamedSharding` of every leaf of a train state shaped like `train_state`."""
         return train_state_shardings(train_state, self.mesh, self.param_sharding)
 
-    def initial(self, initial_fn: Callable[..., Any]) -> Callable[..., Any]:
-        return initial_fn  # One global train state.
+    def init(self, init_fn: Callable[..., Any], params: PyTree, state: PyTree, *args: Any) -> Any:
+        """The train state `init_fn(params, state, *args)` makes, built in its shards."""
+        shardings = self.shardings(jax.eval_shape(init_fn, params, state, *args))
+        placed = put_global((params, state), (shardings.params, shardings.state))
+        whole = [replicated(self.mesh)] * len(args)
+        in_shardings = (shardings.params, shardings.state, *whole)
+        return jax.jit(init_fn, in_shardings=in_shardings, out_shardings=shardings)(*placed, *args)
 
-    def abstract(self, initial_fn: Callable[..., Any], *args: Any) -> Any:
-        """What `place` would make, as `jax.ShapeDtypeStruct`s with their shardings."""
-        like = jax.eval_shape(initial_fn, *args)
+    def abstract_init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
+        """What `init` would make, as `jax.ShapeDtypeStruct`s with their shardings; nothing runs."""
+        like = jax.eval_shape(init_fn, *args)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             like,
             self.shardings(like),
-        )
-
-    def place(
-        self, initial_fn: Callable[..., Any], params: PyTree, state: PyTree, *args: Any
-    ) -> Any:
-        """The train state `initial_fn(params, state, *args)` makes, built in its shards."""
-        shardings = self.shardings(jax.eval_shape(initial_fn, params, state, *args))
-        placed = put_global((params, state), (shardings.params, shardings.state))
-        whole = [replicated(self.mesh)] * len(args)
-        in_shardings = (shardings.params, shardings.state, *whole)
-        return jax.jit(initial_fn, in_shardings=in_shardings, out_shardings=shardings)(
-            *placed, *args
         )
 
     def program(

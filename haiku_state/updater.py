@@ -318,7 +318,7 @@ def eval_step(
     return _mean_over_devices({"loss": loss, **metrics}, axis_name)
 
 
-def initial_train_state(
+def init_train_state(
     optimizer: optax.GradientTransformation,
     loss_scale: jmp.LossScale | None,
     params: hk.Params,
@@ -378,14 +378,14 @@ def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
     replicas.check_finite_losses([(first + i, {"loss": x}) for i, x in enumerate(losses)])
 
 
-def _initial_from_seed(
-    initial: Callable, keys_of: Callable, params: hk.Params, state: hk.State, seed: Any, **devices
+def _init_from_seed(
+    init_fn: Callable, keys_of: Callable, params: hk.Params, state: hk.State, seed: Any, **devices
 ) -> TrainState:
-    """`initial` (an `initial_train_state`) with the run key of `seed`, traced: drawn where the
+    """`init_fn` (an `init_train_state`) with the run key of `seed`, traced: drawn where the
     train state is placed."""
     run_key = keys_of(seed)[1]
     key_impl = str(jax.random.key_impl(run_key))
-    return initial(params, state, jax.random.key_data(run_key), key_impl, **devices)
+    return init_fn(params, state, jax.random.key_data(run_key), key_impl, **devices)
 
 
 def _first_shard_on_host(x: Any) -> np.ndarray:
@@ -472,8 +472,8 @@ class Updater:
         self.ema_decay, self.learning_rate = ema_decay or None, learning_rate
         self._forward, self._check_finite = forward, check_finite
         self._programs: dict[tuple, Callable[..., Any]] = {}  # By method, norms, state shape.
-        self._initial = functools.partial(
-            initial_train_state, optimizer, loss_scale, keep_ema=self.ema_decay is not None
+        self._init_fn = functools.partial(
+            init_train_state, optimizer, loss_scale, keep_ema=self.ema_decay is not None
         )
         common = dict(forward=forward, loss_fn=loss_fn, axis_name=self.layout.collective_axis)
         self._step = functools.partial(
@@ -493,21 +493,19 @@ class Updater:
         of the sharded `batch` only shapes matter, unless a parameter is computed from it.
         The keys of `seed` are split inside the two programs that use them: none of their own."""
         seed, keys_of = _as_seed(seed), _keys_split_as(self.layout)
-        initial = functools.partial(
-            initialization.initial_params_and_state, key_of=lambda s: keys_of(s)[0]
-        )
-        params, state = self._params_and_state(initial, seed, batch, "init")
-        place = functools.partial(_initial_from_seed, self._initial, keys_of)
-        return self.layout.place(place, params, state, seed)
+        init = functools.partial(initialization.init, key_of=lambda s: keys_of(s)[0])
+        params, state = self._params_and_state(init, seed, batch, "init")
+        init_fn = functools.partial(_init_from_seed, self._init_fn, keys_of)
+        return self.layout.init(init_fn, params, state, seed)
 
     def abstract_init(self, batch: Batch) -> TrainState:
         """What `init` would give, as sharded `jax.ShapeDtypeStruct`s: what a restore reads into."""
         key = jax.eval_shape(jax.random.key, 0)  # Its shape and type: no program.
-        initial = initialization.initial_shapes
-        params, state = self._params_and_state(initial, key, batch, "abstract_init")
+        abstract_init = initialization.abstract_init
+        params, state = self._params_and_state(abstract_init, key, batch, "abstract_init")
         key_data = jax.eval_shape(jax.random.key_data, key)
-        place = functools.partial(self._initial, key_impl=replication.key_impl_name(key))
-        return self.layout.abstract(place, params, state, key_data)
+        init_fn = functools.partial(self._init_fn, key_impl=replication.key_impl_name(key))
+        return self.layout.abstract_init(init_fn, params, state, key_data)
 
     def update(
         self, train_state: TrainState, batch: Batch, *, with_global_norms: bool = True
@@ -550,12 +548,12 @@ class Updater:
         calls of these shapes then run it without compiling."""
         self.lower(method, train_state, batch, with_global_norms=with_global_norms).compile()
 
-    def _params_and_state(self, initial: Callable, key: jax.Array, batch: Batch, where: str):
-        """`initial(forward, key, first device's shard)`: the network's params and state."""
+    def _params_and_state(self, init: Callable, key: jax.Array, batch: Batch, where: str):
+        """`init(forward, key, first device's shard)`: the network's params and state."""
         replication.check_batch(batch, where)
         with updater_arguments.unbound_axis_refused(where, self.axis_name):
             shard = jax.tree.map(_first_shard_on_host, batch)
-            return initial(self._forward, key, shard, axis_name=self.layout.collective_axis)
+            return init(self._forward, key, shard, axis_name=self.layout.collective_axis)
 
     def _call(self, method: str, train_state: TrainState, batch: Batch, with_global_norms: bool):
         """Runs the program of `method`, a rejected argument explained (`check_finite`: the

@@ -51,7 +51,7 @@ def _key(seed: int = SEED) -> jax.Array:
 
 def _initialise(forward: hk.TransformedWithState, batch: Mapping[str, Any], **kwargs) -> Init:
     key = kwargs.pop("key", _key())
-    return initialization.initial_params_and_state(forward, key, batch, **kwargs)
+    return initialization.init(forward, key, batch, **kwargs)
 
 
 def _forward_init(forward: hk.TransformedWithState, key: jax.Array, batch: Mapping) -> Init:
@@ -365,15 +365,15 @@ def test_bfloat16_and_int_params_have_forward_inits_dtypes(draws, others):
     assert others["params"]["~"]["steps"].dtype == np.int32
 
 
-def test_initial_shapes_are_those_of_the_values(mlp, resnet, others):
+def test_abstract_init_shapes_are_those_of_the_values(mlp, resnet, others):
     for network in (mlp, resnet, others):
-        shapes = initialization.initial_shapes(network["forward"], _key(), network["batch"])
+        shapes = initialization.abstract_init(network["forward"], _key(), network["batch"])
         assert shapes == _abstract((network["params"], network["state"]))
         assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(shapes))
 
 
-def test_initial_shapes_under_a_bound_axis(mlp):
-    shapes = initialization.initial_shapes(_bn_mlp(AXIS), _key(), mlp["batch"], axis_name=AXIS)
+def test_abstract_init_shapes_under_a_bound_axis(mlp):
+    shapes = initialization.abstract_init(_bn_mlp(AXIS), _key(), mlp["batch"], axis_name=AXIS)
     assert shapes == _abstract((mlp["params"], mlp["state"]))
 
 

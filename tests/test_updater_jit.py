@@ -146,9 +146,7 @@ def test_init_key_derivation_matches_pmap_and_is_the_second_key_of_the_seed(runs
     np.testing.assert_array_equal(runs["replicated"]["initial"].rng, jax.random.key_data(run_key))
     # The same init key: the params of both backends start bit for bit alike, drawn on the host.
     pmap_initial = jax.tree.map(lambda x: x[0], runs["pmap"]["initial"].params)
-    expected_params, _ = initialization.initial_params_and_state(
-        _network(), init_key, host_batch(10)
-    )
+    expected_params, _ = initialization.init(_network(), init_key, host_batch(10))
     for expected in (pmap_initial, expected_params):
         jax.tree.map(
             np.testing.assert_array_equal, to_host(runs["replicated"]["initial"].params), expected
