@@ -82,18 +82,12 @@ def check_batch(batch: PyTree, where: str) -> None:
 def check_stacked_batches(batches: PyTree, where: str) -> None:
     """Raises ValueError (naming `where`) unless every leaf is `[local_devices, steps,
     per_device_batch, ...]` with one step count, as `stack_steps` makes them."""
-    steps = {
-        jax.tree_util.keystr(path): np.shape(leaf)[1:2]
-        for path, leaf in jax.tree_util.tree_leaves_with_path(batches)
-    }
-    if (
-        any(len(np.shape(leaf)) < 3 for leaf in jax.tree.leaves(batches))
-        or len(set(steps.values())) > 1
-    ):
-        shapes = jax.tree.map(np.shape, batches)
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batches)]
+    if any(len(shape) < 3 for shape in shapes) or len({shape[1] for shape in shapes}) > 1:
         raise errors.InvalidValue(
             f"{where}: expected batches stacked as [local_devices, steps, per_device_batch, ...] "
-            f"with one step count (replication.stack_steps of sharded batches), got {shapes}."
+            "with one step count (replication.stack_steps of sharded batches), got "
+            f"{jax.tree.map(np.shape, batches)}."
         )
 
 
@@ -294,10 +288,7 @@ class PerDeviceLayout:
     def check(self, train_state: Any, where: str) -> None:
         """shard_map would hand each device a slice of a leaf a multiple of the devices long:
         refused here (pmap refuses it itself, and `check_device_axis` then names the leaf)."""
-        num_devices = jax.local_device_count()
-        if self.backend == "shard_map" and not all(
-            np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)
-        ):
+        if self.backend == "shard_map":
             check_device_axis(train_state, where)
 
 

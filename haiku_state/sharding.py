@@ -143,12 +143,12 @@ def merge_device_axis(batch: PyTree, device_mesh: Mesh, steps_axis: bool = False
     sharding = NamedSharding(device_mesh, spec)
 
     def merge(x):
-        if steps_axis:
+        if steps_axis:  # [steps, devices, per_device_batch, ...] once swapped.
             x = jnp.swapaxes(x, 0, 1)
-            return jax.lax.with_sharding_constraint(
-                x.reshape((x.shape[0], -1, *x.shape[3:])), sharding
-            )
-        return jax.lax.with_sharding_constraint(x.reshape((-1, *x.shape[2:])), sharding)
+            merged = x.reshape((x.shape[0], -1, *x.shape[3:]))
+        else:
+            merged = x.reshape((-1, *x.shape[2:]))
+        return jax.lax.with_sharding_constraint(merged, sharding)
 
     return jax.tree.map(merge, batch)
 
