@@ -4,6 +4,8 @@ Each is loaded by name (`data.load_dataset`), as a run loads it.
 """
 
 import pickle
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -36,6 +38,24 @@ def test_digits_split_is_fixed_whatever_the_seed(digits):
     np.testing.assert_array_equal(other.train.labels, digits.train.labels)
     np.testing.assert_array_equal(other.test.images, digits.test.images)
     np.testing.assert_array_equal(other.test.labels, digits.test.labels)
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it(digits):
+    # scikit-learn's import was most of a start's data time (4 s on a TPU host).
+    code = (
+        "import sys; from haiku_state import data; d = data.load_dataset('digits'); "
+        "print('sklearn' in sys.modules, int(d.train.images.sum()), int(d.test.labels.sum()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported, train_sum, test_sum = out.stdout.split()
+    assert imported == "False"
+    assert (int(train_sum), int(test_sum)) == (digits.train.images.sum(), digits.test.labels.sum())
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    order = np.random.default_rng(0).permutation(len(raw.target))
+    np.testing.assert_array_equal(digits.test.images[..., 0], raw.images[order[:360]])
+    np.testing.assert_array_equal(digits.train.labels, raw.target[order[360:]])
 
 
 def test_digits_train_and_test_partition_the_raw_examples(digits):
