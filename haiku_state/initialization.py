@@ -187,11 +187,11 @@ def abstract_init(
 def _trace_init(forward, key, batch, axis_name, creator):
     """`forward.init(key, batch, is_training=True)` as a jaxpr of `(key, *batch leaves)`."""
 
-    def init(key, batch):  # hk.custom_creator is entered inside a transformed function.
+    def creating(key, batch):  # hk.custom_creator is entered inside a transformed function.
         with hk.custom_creator(creator) if creator else contextlib.nullcontext():
             return forward.init(key, batch, is_training=True)
 
-    transformed = hk.transform_with_state(init)
+    transformed = hk.transform_with_state(creating)
 
     def run(key, batch):
         (params, state), _ = transformed.apply({}, {}, None, key, batch)
