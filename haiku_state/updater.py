@@ -559,9 +559,12 @@ class Updater:
         """Runs the program of `method`, a rejected argument explained (`check_finite`: the
         update's losses checked)."""
         program, batch = self._program(method, train_state, batch, with_global_norms)
-        explained = updater_arguments.rejection_explained(train_state, method, self.layout)
-        with self.layout.random_bits(), explained:
-            outputs = program(train_state, batch)
+        try:
+            with self.layout.random_bits():
+                outputs = program(train_state, batch)
+        except (NameError, ValueError, TypeError) as error:
+            updater_arguments.explain_rejection(error, train_state, method, self.layout)
+            raise
         if self._check_finite and method != "evaluate":
             _check_finite_losses(*outputs)
         return outputs

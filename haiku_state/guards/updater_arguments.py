@@ -64,13 +64,14 @@ def check_ema(train_state: Any, ema_decay: float | None, where: str) -> None:
 
 def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout: Any) -> None:
     """Refuses what is not a `kind` (TrainState) in `layout`, a batch not per device, or a train
-    state donated before (its buffers are gone: jax 0.10 aborts on it)."""
+    state donated before (its buffers are gone: jax 0.10 aborts on it). Run at every call: the
+    train state is looked at in one leaf per field, the batch in its shapes alone."""
     if not isinstance(train_state, kind):
         raise TypeError(f"{where}: expected a {kind.__name__}, got {type(train_state).__name__}.")
-    replication.check_batch(batch, where)
-    # Donation deletes every leaf at once: the first of each field tells, the scan names it.
-    firsts = [leaves[0] for field in train_state if (leaves := jax.tree.leaves(field))]
-    if any(is_deleted(leaf) for leaf in firsts):
+    if not _is_per_device(batch):
+        replication.check_batch(batch, where)  # Names what is wrong.
+    # Donation deletes every leaf at once: a leaf of each field tells, the scan names it.
+    if any(is_deleted(_a_leaf(field)) for field in train_state):
         for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
             if is_deleted(leaf):
                 raise errors.InvalidValue(
@@ -79,6 +80,33 @@ def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout
                     "update returned."
                 )
     layout.check(train_state, where)
+
+
+def _is_per_device(batch: Any) -> bool:
+    """Whether `replication.check_batch` takes `batch` (leaves `[local_devices,
+    per_device_batch, ...]` alike), told from the shapes alone: no leaf's name is formatted."""
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
+    num_devices = jax.local_device_count()
+    return (
+        bool(shapes)
+        and all(len(shape) >= 2 and shape[0] == num_devices for shape in shapes)
+        and len({shape[1] for shape in shapes}) == 1
+    )
+
+
+def _a_leaf(tree: Any) -> Any:
+    """One leaf of `tree`, None if it has none: the first found through its dicts, lists and
+    tuples without flattening the rest (a train state's params hold hundreds of leaves)."""
+    if isinstance(tree, jax.Array) or tree is None:
+        return tree
+    if isinstance(tree, (dict, list, tuple)):
+        for child in tree.values() if isinstance(tree, dict) else tree:
+            leaf = _a_leaf(child)
+            if leaf is not None:
+                return leaf
+        return None
+    leaves = jax.tree.leaves(tree)  # Another kind of node, or a leaf that is not an array.
+    return leaves[0] if leaves else None
 
 
 def is_deleted(leaf: Any) -> bool:
@@ -108,34 +136,50 @@ def unbound_axis_refused(where: str, axis_name: str) -> Iterator[None]:
     try:
         yield
     except NameError as e:
-        if "unbound axis name" in str(e):
-            raise errors.InvalidValue(
-                f"{where}: the network uses a device axis ({e}); backend='jit' binds none: "
-                f"build its BatchNorm with cross_replica_axis=None (not {axis_name!r}), "
-                "whose statistics under jit are those of the global batch."
-            ) from e
+        _refuse_unbound_axis(e, where, axis_name)
         raise
+
+
+def _refuse_unbound_axis(error: NameError, where: str, axis_name: str) -> None:
+    """Raises the one-line error of a NameError that names an unbound axis; returns otherwise."""
+    if "unbound axis name" in str(error):
+        raise errors.InvalidValue(
+            f"{where}: the network uses a device axis ({error}); backend='jit' binds none: "
+            f"build its BatchNorm with cross_replica_axis=None (not {axis_name!r}), "
+            "whose statistics under jit are those of the global batch."
+        ) from error
 
 
 @contextlib.contextmanager
 def rejection_explained(train_state: Any, where: str, layout: Any) -> Iterator[None]:
     """If a step program rejects its arguments (before running or donating), names the leaf at
     fault: against the layout's shardings (jit), or its device axis (pmap, shard_map)."""
-    with unbound_axis_refused(where, layout.axis_name):
-        try:
-            yield
-        except (ValueError, TypeError) as error:
-            shardings = layout.shardings(train_state)
-            if shardings is None:
-                replication.check_device_axis(train_state, where)
-                raise
-            leaves = jax.tree_util.tree_leaves_with_path(train_state)
-            for (path, leaf), want in zip(leaves, jax.tree.leaves(shardings), strict=True):
-                have = getattr(leaf, "sharding", None)
-                if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
-                    raise errors.InvalidValue(
-                        f"{where}: train_state{jax.tree_util.keystr(path)} has sharding {have}; "
-                        f"param_sharding={layout.param_sharding!r} lays it out as {want.spec} "
-                        f"on the mesh of all {jax.device_count()} devices."
-                    ) from error
-            raise
+    try:
+        yield
+    except (NameError, ValueError, TypeError) as error:
+        explain_rejection(error, train_state, where, layout)
+        raise
+
+
+def explain_rejection(error: Exception, train_state: Any, where: str, layout: Any) -> None:
+    """What `rejection_explained` raises for an `error` a step program raised: the one-line
+    error of an unbound axis or of the leaf at fault; returns when it names none (the caller
+    re-raises `error`). A function, so that a call costs no context manager when all is well."""
+    if isinstance(error, NameError):
+        _refuse_unbound_axis(error, where, layout.axis_name)
+        return
+    if not isinstance(error, (ValueError, TypeError)):
+        return
+    shardings = layout.shardings(train_state)
+    if shardings is None:
+        replication.check_device_axis(train_state, where)
+        return
+    leaves = jax.tree_util.tree_leaves_with_path(train_state)
+    for (path, leaf), want in zip(leaves, jax.tree.leaves(shardings), strict=True):
+        have = getattr(leaf, "sharding", None)
+        if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
+            raise errors.InvalidValue(
+                f"{where}: train_state{jax.tree_util.keystr(path)} has sharding {have}; "
+                f"param_sharding={layout.param_sharding!r} lays it out as {want.spec} "
+                f"on the mesh of all {jax.device_count()} devices."
+            ) from error
