@@ -32,6 +32,7 @@ from updater_helpers import (
 
 import haiku_state as hs
 from haiku_state import losses, replication
+from haiku_state.guards import updater_arguments
 
 
 class UpdaterInvariantsTest(chex.TestCase):
@@ -265,6 +266,19 @@ class UpdaterInvariantsTest(chex.TestCase):
         # Used again, it is refused naming a leaf (jax 0.10's pmap would crash on it).
         with self.assertRaisesRegex(ValueError, r"update: train_state\.params.* is deleted"):
             self.updater.update(train_state, self.batches[0])
+
+    def test_a_donated_field_is_told_past_empty_subtrees(self):
+        # The per-call check looks at one leaf of each field, found past empty subtrees.
+        donated = self._fresh_train_state()
+        run_steps(self.updater, donated, self.batches[:1])
+        empty_first = ((), optax.EmptyState(), {}, None, donated.opt_state)
+        mixed = self._fresh_train_state(1)._replace(opt_state=empty_first)
+        with self.assertRaisesRegex(
+            ValueError, r"^update: train_state\.opt_state\[4\].* is deleted"
+        ):
+            updater_arguments.check_arguments(
+                mixed, self.batches[0], "update", hs.TrainState, self.updater.layout
+            )
 
     def test_update_can_be_traced_by_an_outer_transformation(self):
         # The deleted-buffer check must not ask a tracer (the benchmarks count FLOPs
