@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import math
 import os
 import time
@@ -19,24 +20,12 @@ from typing import Any, NamedTuple
 import jax
 from absl import logging
 
-from haiku_state import (
-    checkpoint,
-    compilation_cache,
-    data,
-    loop,
-    sharding,
-    summaries,
-)
+from haiku_state import checkpoint, compilation_cache, data, loop, sharding, summaries
 from haiku_state.config import keep_best_mode
+from haiku_state.data import device as device_batches
 from haiku_state.evaluation import evaluate_test_split
-from haiku_state.experiment import Experiment, build_experiment, placeholder_batch
-from haiku_state.guards import (
-    config_checks,
-    data_identity,
-    divergence,
-    replicas,
-    signals,
-)
+from haiku_state.experiment import Experiment, abstract_batch, build_experiment, placeholder_batch
+from haiku_state.guards import config_checks, data_identity, divergence, replicas, signals
 from haiku_state.guards import workdir as workdir_lib
 from haiku_state.updater import TrainState, step_of
 
@@ -74,15 +63,13 @@ def _train_and_evaluate(
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
-    # The logged steps report the learning rate: the log compiles no program for it.
-    experiment.updater.learning_rate = experiment.learning_rate
     startup.ended("experiment")
     first_state = _first_train_state(experiment, config, workdir)
     startup.ended("init")
     data_record = data_identity.identity(experiment.dataset, config.data.verify == "content")
 
     with (
-        _stop_request(stop) as stop,
+        contextlib.nullcontext(stop) if stop else signals.StopRequest() as stop,
         workdir_lib.owning(workdir),
         _checkpointer(config, workdir) as checkpointer,
     ):
@@ -90,6 +77,9 @@ def _train_and_evaluate(
             first_state, experiment, config, checkpointer, data_record, allow_config_change
         )
         startup.ended("restore")
+        _compile_ahead(experiment, config, train_state)
+        startup.ended("compile")
+        replicas.check_savable(train_state, step_of(train_state))  # What a save checks, too.
         end, evaluator, monitor = _train(
             experiment, config, workdir, train_state, checkpointer, data_record, stop, startup
         )
@@ -134,7 +124,12 @@ def _train(
     start_step = step_of(train_state)
     monitor = _monitor(experiment, config, checkpointer, start_step)
     with (
-        _metric_writer(workdir, experiment.total_steps, start_step) as writer,
+        summaries.MetricWriter(
+            workdir,
+            experiment.total_steps,
+            enabled=jax.process_index() == 0,
+            resume_step=start_step,
+        ) as writer,
         contextlib.closing(_train_batches(config, experiment, start_step)) as batches,
         loop.Profiler(
             config.profile_steps, os.path.join(workdir, "profile"), start_step
@@ -148,9 +143,6 @@ def _train(
         actions = _actions(config, experiment.steps_per_call, logger, evaluate, saver, profiler)
         # Processes vote on a signal where they fetch the metrics (a lone one, at every step).
         stop.agreement = loop.Every(agree_every=config.log_every if jax.process_count() > 1 else 1)
-        if start_step < experiment.total_steps:
-            _compile_steps_ahead(experiment, config, train_state)
-        startup.ended("compile")
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
                 _step_fn(experiment, actions[0].every),  # The logger's cadence.
@@ -168,12 +160,6 @@ def _train(
                 saver(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
-
-
-def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries.MetricWriter:
-    """Process 0's metrics.jsonl and TensorBoard events, rewritten from `start_step` on."""
-    enabled = jax.process_index() == 0
-    return summaries.MetricWriter(workdir, total_steps, enabled=enabled, resume_step=start_step)
 
 
 def _actions(
@@ -253,11 +239,6 @@ def _stopped_at(step: int, last_step: int, checkpointer: checkpoint.Checkpointer
 # The set-up and the resume.
 
 
-def _stop_request(stop: signals.StopRequest | None) -> contextlib.AbstractContextManager:
-    """`stop` as it is (installed by the caller), or a StopRequest installed for the block."""
-    return contextlib.nullcontext(stop) if stop else signals.StopRequest()
-
-
 def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState | None:
     """A fresh or warm-started (`config.init_from`) train state, or None for a workdir with
     checkpoints (a resume). A warm start that does not fit is refused before any write."""
@@ -305,13 +286,15 @@ def _resume(
     """The latest complete checkpoint, else `first` (or a fresh one); checked before training.
     The run's record is written only once the restore succeeded."""
     workdir = os.path.dirname(checkpointer.directory)
+    # Damaged, or of another format, is passed over: the restore says which.
+    latest = checkpointer.newest_readable(checkpointer.metadata)
     record = workdir_lib.check_config_on_process_0(
         workdir,
         config,
         allow_change=allow_config_change,
         data=data_record,
         has_checkpoint=bool(checkpointer.all_steps()),
-        checkpoint_metadata=_latest_run_metadata(checkpointer),
+        checkpoint_metadata=latest and latest[1],
     )
     # A resume reads into the shapes and shardings alone: nothing is initialised for it.
     like = (
@@ -328,8 +311,6 @@ def _resume(
         how = f"Starting from {config.init_from}" if config.init_from else "Starting"
         train_state = first if first is not None else _fresh_train_state(experiment, config)
     _log_start(how, train_state, experiment, config, workdir)
-    # Also compiles the checks every save runs, before the first window's clock starts.
-    replicas.check_savable(train_state, step_of(train_state))
     return train_state
 
 
@@ -373,13 +354,6 @@ def _step_options(optimizer: Any) -> str:
             "evaluation, predict and export use"
         )
     return "; ".join(options)
-
-
-def _latest_run_metadata(checkpointer: checkpoint.Checkpointer) -> dict[str, Any] | None:
-    """The run metadata of the newest complete checkpoint whose metadata can be read."""
-    # Damaged, or of another format, is passed over: the restore says which.
-    found = checkpointer.newest_readable(checkpointer.metadata)
-    return None if found is None else found[1]
 
 
 def _epochs_note(config: Any, experiment: Experiment) -> str:
@@ -428,30 +402,52 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
     )
 
 
-def _compile_steps_ahead(experiment: Experiment, config: Any, train_state: TrainState) -> None:
-    """Compiles the step's two programs, without and with the global norms (the logged steps'),
-    side by side before the first step: the first log waits for no compile (a long one for a
-    large model on an accelerator). A failure here only logs: the step then compiles its
-    program itself, and says what is wrong."""
-    updater, steps_per_call = experiment.updater, experiment.steps_per_call
-
-    def like(x: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-    batch = jax.tree.map(like, placeholder_batch(experiment.dataset, config.batch_size))
-    if steps_per_call > 1:
-        batch = [batch] * steps_per_call  # As the loop hands them: a list, stacked in the step.
-    state = jax.tree.map(like, train_state)
-
-    def compile_ahead(with_global_norms: bool) -> None:
-        try:
-            method = "update_steps" if steps_per_call > 1 else "update"
-            updater.compile_ahead(method, state, batch, with_global_norms=with_global_norms)
-        except Exception as error:  # The step that needs it compiles it again, and says why.
-            logging.info("A step program was not compiled ahead: %s", error)
-
-    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="compile") as pool:
-        list(pool.map(compile_ahead, (False, True)))
+def _compile_ahead(experiment: Experiment, config: Any, train_state: TrainState) -> None:
+    """Compiles (or loads from the cache) the programs the run calls, side by side from their
+    shapes alone before the first step: the steps without and with the global norms (the logged
+    steps'), the evaluation, the replicas' check and the batches' gather. Nothing then compiles
+    inside the loop (a long compile for a large model on an accelerator). A failure here only
+    logs: the call that needs the program compiles it itself, and says what is wrong."""
+    updater, dataset = experiment.updater, experiment.dataset
+    state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), train_state
+    )
+    programs = []  # (what, how), the longest first.
+    if step_of(train_state) < experiment.total_steps:
+        method, batch = "update", abstract_batch(dataset, config.batch_size)
+        if experiment.steps_per_call > 1:  # As the loop hands them: a list, stacked in the step.
+            method, batch = "update_steps", [batch] * experiment.steps_per_call
+        for norms in (False, True):
+            step = functools.partial(
+                updater.compile_ahead, method, state, batch, with_global_norms=norms
+            )
+            programs.append(("A step program", step))
+    eval_batch = abstract_batch(dataset, config.eval_batch_size, masked=True)
+    # As `evaluate` asks for it: the Updater keys its programs by the norms, evaluate's too.
+    evaluation = functools.partial(
+        updater.compile_ahead, "evaluate", state, eval_batch, with_global_norms=False
+    )
+    programs.append(("The evaluation", evaluation))
+    programs.append(
+        ("The replicas' check", functools.partial(replicas.compile_checks_ahead, state))
+    )
+    train = dataset.train
+    if (
+        programs[0][0] == "A step program"
+        and isinstance(train, data.Split)
+        and device_batches.fits_on_device(train)
+    ):
+        process = data.ProcessSlice.current()
+        gather = functools.partial(
+            device_batches.compile_gather_ahead, train, config.batch_size, process=process
+        )
+        programs.append(("The batches' gather", gather))
+    workers = min(len(programs), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        compiling = [(what, pool.submit(how)) for what, how in programs]
+    for what, future in compiling:
+        if future.exception() is not None:  # The call that needs it compiles it, and says why.
+            logging.info("%s was not compiled ahead: %s", what, future.exception())
 
 
 def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:

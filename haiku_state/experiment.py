@@ -68,6 +68,7 @@ def build_experiment(config: Any) -> Experiment:
     augment_fn = data.make_augment_fn(max_shift=config.data.max_shift, flip=config.data.flip)
     # float16's narrow range needs loss scaling; bfloat16 has float32's range.
     loss_scale = jmp.DynamicLossScale(jnp.float32(2**15)) if config.precision == "float16" else None
+    schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     updater = Updater(
         network,
         optimizer,
@@ -78,8 +79,8 @@ def build_experiment(config: Any) -> Experiment:
         param_sharding=config.param_sharding,
         accumulation_steps=config.optimizer.accumulation_steps,
         ema_decay=config.optimizer.ema_decay or None,
+        learning_rate=schedule,  # The logged steps report it: the log compiles no program.
     )
-    schedule = optim.learning_rate_schedule(config.optimizer, total_steps)
     pieces = (dataset, network, optimizer, loss_fn, augment_fn, loss_scale, updater, schedule)
     chosen = steps_per_call(config, dataset.image_shape, jax.default_backend())
     return Experiment(*pieces, total_steps, input_options, config, chosen)
@@ -175,3 +176,18 @@ def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
     local_batch_size = data.ProcessSlice.current().size(batch_size, "placeholder_batch")
     image = np.zeros((local_batch_size, *dataset.image_shape), dataset.image_dtype)
     return replication.shard({"image": image, "label": np.zeros((local_batch_size,), np.int32)})
+
+
+def abstract_batch(dataset: data.Dataset, batch_size: int, *, masked: bool = False) -> Any:
+    """`placeholder_batch` as sharded `jax.ShapeDtypeStruct`s, nothing allocated (`masked`: an
+    evaluation batch, with its float32 `mask`): what a program compiled ahead takes."""
+    local_batch_size = data.ProcessSlice.current().size(batch_size, "abstract_batch")
+    per_device = (jax.local_device_count(), local_batch_size // jax.local_device_count())
+    leaves = {"image": (dataset.image_shape, dataset.image_dtype), "label": ((), np.int32)}
+    if masked:
+        leaves["mask"] = ((), np.float32)
+    sharding = replication.device_axis_sharding()
+    return {
+        name: jax.ShapeDtypeStruct((*per_device, *shape), dtype, sharding=sharding)
+        for name, (shape, dtype) in leaves.items()
+    }

@@ -19,47 +19,60 @@ from benchmarks.compiles import CompileEvents
 from haiku_state import driver
 
 # The init's program (on the host), the train state's placing, the replicas' and params' check,
-# the step without and with the global norms, the evaluation, the batches' gather and the
-# checkpoint's fingerprints.
-PROGRAMS_OF_A_RUN = 8
+# the step without and with the global norms, the evaluation and the batches' gather (a save's
+# fingerprints are computed on the host).
+PROGRAMS_OF_A_RUN = 7
 STEP_PROGRAMS = "jit(_fun)"  # The Updater's: the steps and the evaluation, alike named.
 
 
 class _Lines(logging.Handler):
-    def __init__(self):
+    """The log's lines, and the programs `events` had counted when the start's line came."""
+
+    def __init__(self, events: CompileEvents):
         super().__init__(logging.INFO)
         self.lines: list[str] = []
+        self.events, self.programs_at_start = events, None
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+        if self.lines[-1].startswith("Start-up "):
+            self.programs_at_start = self.events.programs.copy()
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A run of several steps a call (their batches stacked inside the step), a check, an
-    evaluation and saves: the programs it compiled, and its log lines."""
-    lines, absl_logger = _Lines(), logging.getLogger("absl")
-    level = absl_logger.level
+    evaluation and saves: the programs it compiled, its log lines, and the programs compiled
+    after its first step."""
+    events, absl_logger = CompileEvents(), logging.getLogger("absl")
+    lines, level = _Lines(events), absl_logger.level
     absl_logger.addHandler(lines)
     absl_logger.setLevel(logging.INFO)
     try:
-        with CompileEvents() as events:
+        with events:
             workdir = str(tmp_path_factory.mktemp("programs"))
             driver.train_and_evaluate(mlp_config(steps_per_call=5), workdir)
     finally:
         absl_logger.removeHandler(lines)
         absl_logger.setLevel(level)
-    return events.programs, lines.lines
+    return events.programs, lines.lines, events.programs - lines.programs_at_start
 
 
 def test_a_run_compiles_a_program_per_job(run):
-    programs, _ = run
+    programs, _, _ = run
     assert programs.total() <= PROGRAMS_OF_A_RUN, programs
     assert all(n == 1 for name, n in programs.items() if name != STEP_PROGRAMS), programs
 
 
+def test_nothing_compiles_after_the_first_step(run):
+    """The check, the evaluation and the gather are compiled ahead with the steps, side by
+    side, and the loop's calls run those programs: none is compiled where first used."""
+    _, _, after_start = run
+    assert not after_start, after_start
+
+
 def test_the_start_is_logged_once_by_phase_with_its_programs(run):
-    _, lines = run
+    _, lines, _ = run
     [line] = [line for line in lines if line.startswith("Start-up ")]
     phases = r"backend [\d.]+ s, experiment [\d.]+ s, init [\d.]+ s, restore [\d.]+ s, "
     phases += r"compile [\d.]+ s, first step [\d.]+ s"

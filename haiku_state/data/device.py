@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -96,11 +97,42 @@ def device_train_batches(
     the split there, `steps_per_gather` steps per launch: no host gather, no thread."""
     where, num_examples = "device_train_batches", len(split.labels)
     order = order_lib.batch_order(num_examples, batch_size, seed, start_step, process, where)
-    num_devices, local_size = jax.local_device_count(), order.local_size
+    steps_per_gather = _steps_per_gather(
+        split, batch_size, order.local_size, steps_per_gather, where
+    )
+    indices = order_lib.indices_from(order, start_step)
+    return _device_train_batches(split, indices, steps_per_gather)
+
+
+def compile_gather_ahead(
+    split: Split, batch_size: int, *, process: ProcessSlice = SINGLE_PROCESS
+) -> None:
+    """Compiles, from the shapes alone, the program `device_train_batches(split, batch_size)`
+    gathers its batches with: its first batch then waits for no compile."""
+    where = "device_train_batches"
+    local_size = process.size(batch_size, where)
+    steps_per_gather = _steps_per_gather(split, batch_size, local_size, None, where)
+    num_devices = jax.local_device_count()
+    replicated = NamedSharding(replication.local_mesh(), PartitionSpec())
+    images, labels = (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+        for x in (split.images, split.labels)
+    )
+    index_shape = (steps_per_gather, num_devices, local_size // num_devices)
+    index = jax.ShapeDtypeStruct(index_shape, np.int32, sharding=_index_sharding())
+    _gather_program().lower(images, labels, index).compile()
+
+
+def _steps_per_gather(
+    split: Split, batch_size: int, local_size: int, steps_per_gather: int | None, where: str
+) -> int:
+    """`steps_per_gather`, or for None as many steps as fit in `GATHER_BYTES` per device (at
+    most `MAX_STEPS_PER_GATHER`); refuses a batch the local devices do not divide."""
+    num_devices = jax.local_device_count()
     if local_size % num_devices:
         raise errors.InvalidValue(
-            f"{where}: batch_size={batch_size} gives this process {local_size} examples, "
-            f"not divisible by the {num_devices} local devices."
+            f"{where}: batch_size={batch_size} gives this process {local_size} "
+            f"examples, not divisible by the {num_devices} local devices."
         )
     if steps_per_gather is None:
         batch_bytes = (split.images[0].nbytes + split.labels[0].nbytes) * local_size // num_devices
@@ -109,25 +141,33 @@ def device_train_batches(
         raise errors.InvalidValue(
             f"{where}: steps_per_gather must be positive, got {steps_per_gather}."
         )
-    indices = order_lib.indices_from(order, start_step)
-    return _device_train_batches(split, indices, steps_per_gather)
+    return steps_per_gather
 
 
 def _gather_batches(images: jax.Array, labels: jax.Array, index: jax.Array) -> list[Batch]:
     return [{"image": images[i], "label": labels[i]} for i in index]
 
 
+@functools.cache
+def _gather_program() -> Callable[..., list[Batch]]:
+    """The gather as one program: each device's slice of every batch, the layout a pmapped step
+    takes as it is. One jit for the process, so a program compiled ahead is the one called."""
+    return jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding())
+
+
+def _index_sharding() -> NamedSharding:
+    """The gather's indices `[steps, devices, per_device]`: each device holds its own."""
+    return NamedSharding(replication.local_mesh(), PartitionSpec(None, DEFAULT_AXIS_NAME))
+
+
 def _device_train_batches(
     split: Split, indices: Iterator[np.ndarray], steps_per_gather: int
 ) -> Iterator[Batch]:
     num_devices = jax.local_device_count()
-    mesh = replication.local_mesh()
     images, labels = jax.device_put(
-        (split.images, split.labels), NamedSharding(mesh, PartitionSpec())
+        (split.images, split.labels), NamedSharding(replication.local_mesh(), PartitionSpec())
     )
-    # Each device's slice of every batch: the layout a pmapped step takes as it is.
-    gather = jax.jit(_gather_batches, out_shardings=replication.device_axis_sharding())
-    index_sharding = NamedSharding(mesh, PartitionSpec(None, DEFAULT_AXIS_NAME))
+    gather, index_sharding = _gather_program(), _index_sharding()
     while True:
         index = np.stack([next(indices) for _ in range(steps_per_gather)]).astype(np.int32)
         index = index.reshape(steps_per_gather, num_devices, -1)

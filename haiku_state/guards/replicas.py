@@ -294,6 +294,41 @@ def _invariants_and_finite_params(train_state: Any) -> jax.Array | bool:
     return is_finite
 
 
+def compile_checks_ahead(train_state: Any) -> None:
+    """Compiles, from the shapes and shardings of `train_state` (arrays or sharded
+    `jax.ShapeDtypeStruct`s) alone, the program `check_invariants` and `check_savable` run: its
+    first check then compiles nothing. A multi-process run of the per-device layout compiles its
+    collective check where it first runs it."""
+    if sharding.is_global(train_state):
+        replicated = [leaf for leaf in jax.tree.leaves(train_state) if _is_replicated(leaf)]
+        if replicated:
+            copies = [_abstract_copies(leaf) for leaf in replicated]
+            _copies_mismatch.lower(copies, train_state.params).compile()
+        elif jax.tree.leaves(train_state.params):
+            all_finite.lower(train_state.params).compile()
+    elif jax.process_count() == 1:
+        leaves = jax.tree.leaves(train_state._replace(rng=()))
+        if leaves:
+            _replica_mismatch.lower(leaves, train_state.params).compile()
+        elif jax.tree.leaves(train_state.params):
+            all_finite.lower(train_state.params).compile()
+
+
+def _is_replicated(leaf: Any) -> bool:
+    return leaf.sharding.is_fully_replicated
+
+
+def _abstract_copies(leaf: Any) -> jax.ShapeDtypeStruct:
+    """The shape, type and sharding `_copies(leaf)` gives, of an array or its abstract value."""
+    check_mesh = replication.global_mesh(_CHECK_AXIS)
+    shape = leaf.shape if leaf.ndim else (1,)
+    return jax.ShapeDtypeStruct(
+        (check_mesh.size * shape[0], *shape[1:]),
+        leaf.dtype,
+        sharding=NamedSharding(check_mesh, PartitionSpec(_CHECK_AXIS)),
+    )
+
+
 def check_invariants(step: int, train_state: Any) -> None:
     """`assert_train_state_invariants`, as a periodic action of the loop."""
     del step  # Unused.
