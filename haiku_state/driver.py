@@ -124,12 +124,7 @@ def _train(
     start_step = step_of(train_state)
     monitor = _monitor(experiment, config, checkpointer, start_step)
     with (
-        summaries.MetricWriter(
-            workdir,
-            experiment.total_steps,
-            enabled=jax.process_index() == 0,
-            resume_step=start_step,
-        ) as writer,
+        _metric_writer(workdir, experiment.total_steps, start_step) as writer,
         contextlib.closing(_train_batches(config, experiment, start_step)) as batches,
         loop.Profiler(
             config.profile_steps, os.path.join(workdir, "profile"), start_step
@@ -160,6 +155,12 @@ def _train(
                 saver(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
+
+
+def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries.MetricWriter:
+    """Process 0's metrics.jsonl and TensorBoard events, rewritten from `start_step` on."""
+    enabled = jax.process_index() == 0
+    return summaries.MetricWriter(workdir, total_steps, enabled=enabled, resume_step=start_step)
 
 
 def _actions(
@@ -283,8 +284,8 @@ def _resume(
     data_record: dict[str, Any],
     allow_config_change: bool,
 ) -> TrainState:
-    """The latest complete checkpoint, else `first` (or a fresh one); checked before training.
-    The run's record is written only once the restore succeeded."""
+    """The latest complete checkpoint, else `first` (or a fresh one). The run's record is
+    written only once the restore succeeded."""
     workdir = os.path.dirname(checkpointer.directory)
     # Damaged, or of another format, is passed over: the restore says which.
     latest = checkpointer.newest_readable(checkpointer.metadata)
@@ -403,17 +404,31 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
 
 
 def _compile_ahead(experiment: Experiment, config: Any, train_state: TrainState) -> None:
-    """Compiles (or loads from the cache) the programs the run calls, side by side from their
-    shapes alone before the first step: the steps without and with the global norms (the logged
-    steps'), the evaluation, the replicas' check and the batches' gather. Nothing then compiles
-    inside the loop (a long compile for a large model on an accelerator). A failure here only
-    logs: the call that needs the program compiles it itself, and says what is wrong."""
-    updater, dataset = experiment.updater, experiment.dataset
+    """Compiles (or loads from the cache) every program the run calls, side by side from their
+    shapes alone, before the first step: nothing then compiles inside the loop (seconds a
+    program on an accelerator). A failure here only logs: the call that needs the program
+    compiles it itself, and says what is wrong."""
     state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), train_state
     )
-    programs = []  # (what, how), the longest first.
-    if step_of(train_state) < experiment.total_steps:
+    training = step_of(train_state) < experiment.total_steps
+    compiles = _compiles(experiment, config, state, training)
+    workers = min(len(compiles), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        compiling = [(what, pool.submit(compile_program)) for what, compile_program in compiles]
+    for what, future in compiling:
+        if future.exception() is not None:
+            logging.info("%s was not compiled ahead: %s", what, future.exception())
+
+
+def _compiles(
+    experiment: Experiment, config: Any, state: Any, training: bool
+) -> list[tuple[str, Callable[[], Any]]]:
+    """What `_compile_ahead` compiles, the longest first: while `training`, the steps without
+    and with the global norms (the logged steps'); the evaluation and the replicas' check; and
+    the batches' gather where `data.train_batches` gathers them on the devices."""
+    updater, dataset, compiles = experiment.updater, experiment.dataset, []
+    if training:
         method, batch = "update", abstract_batch(dataset, config.batch_size)
         if experiment.steps_per_call > 1:  # As the loop hands them: a list, stacked in the step.
             method, batch = "update_steps", [batch] * experiment.steps_per_call
@@ -421,33 +436,24 @@ def _compile_ahead(experiment: Experiment, config: Any, train_state: TrainState)
             step = functools.partial(
                 updater.compile_ahead, method, state, batch, with_global_norms=norms
             )
-            programs.append(("A step program", step))
+            compiles.append(("A step program", step))
     eval_batch = abstract_batch(dataset, config.eval_batch_size, masked=True)
     # As `evaluate` asks for it: the Updater keys its programs by the norms, evaluate's too.
     evaluation = functools.partial(
         updater.compile_ahead, "evaluate", state, eval_batch, with_global_norms=False
     )
-    programs.append(("The evaluation", evaluation))
-    programs.append(
+    compiles.append(("The evaluation", evaluation))
+    compiles.append(
         ("The replicas' check", functools.partial(replicas.compile_checks_ahead, state))
     )
     train = dataset.train
-    if (
-        programs[0][0] == "A step program"
-        and isinstance(train, data.Split)
-        and device_batches.fits_on_device(train)
-    ):
+    if training and isinstance(train, data.Split) and device_batches.fits_on_device(train):
         process = data.ProcessSlice.current()
         gather = functools.partial(
             device_batches.compile_gather_ahead, train, config.batch_size, process=process
         )
-        programs.append(("The batches' gather", gather))
-    workers = min(len(programs), os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-        compiling = [(what, pool.submit(how)) for what, how in programs]
-    for what, future in compiling:
-        if future.exception() is not None:  # The call that needs it compiles it, and says why.
-            logging.info("%s was not compiled ahead: %s", what, future.exception())
+        compiles.append(("The batches' gather", gather))
+    return compiles
 
 
 def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from trees import replicated_tree, with_replica_changed
 
 import haiku_state as hs
+from benchmarks.compiles import CompileEvents
 from haiku_state import replication, sharding
 from haiku_state.guards import replicas
 
@@ -222,3 +223,26 @@ class AssertGlobalLayoutTest(chex.TestCase):
         per_device = per_device._replace(rng=hs.replicate(jax.random.key(0)))
         with self.assertRaisesRegex(AssertionError, r"devices 0 and 1 are equal"):
             replicas.assert_train_state_invariants(per_device)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def test_the_checks_compiled_ahead_are_the_ones_a_save_runs():
+    """`compile_checks_ahead` from the shapes alone, of either layout: `check_savable` and
+    `check_invariants` then compile nothing."""
+    params = {"w": jnp.arange(7.0), "b": jnp.ones((3, 5), jnp.bfloat16)}  # Shapes of their own.
+    state = hs.TrainState(params, {}, {}, (), jnp.zeros((), jnp.int32))
+    keys = jax.random.split(jax.random.key(0), jax.local_device_count())
+    per_device = hs.replicate(state)._replace(rng=keys)
+    everywhere = NamedSharding(replication.global_mesh(), P())
+    whole = jax.device_put(state._replace(rng=jax.random.key(0)), everywhere)
+    for train_state in (per_device, whole):
+        replicas.compile_checks_ahead(_abstract(train_state))
+        with CompileEvents() as events:
+            replicas.check_savable(train_state, 0)
+            replicas.check_invariants(0, train_state)
+        # The jit layout's scalar copies are reshaped on their devices, eagerly (a small program
+        # each, which the first check compiles): the check itself is not compiled again.
+        assert set(events.programs) <= {"jit(reshape)"}, events.programs

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from toy_splits import toy_split
 
+from benchmarks.compiles import CompileEvents
 from haiku_state import data, replication
 from haiku_state.data import batches as batches_lib
 from haiku_state.data import device as device_lib
@@ -118,3 +119,13 @@ def test_fits_on_device_counts_images_and_labels():
     split = toy_split(10)  # 10 * 4 float32 pixels + 10 int32 labels = 200 bytes.
     assert device_lib.fits_on_device(split, max_bytes=200)
     assert not device_lib.fits_on_device(split, max_bytes=199)
+
+
+def test_the_gather_compiled_ahead_is_the_one_the_batches_run():
+    """`compile_gather_ahead` from the shapes alone: the first batch compiles nothing."""
+    split = toy_split(37)  # A size of its own: no other test compiled its gather.
+    device_lib.compile_gather_ahead(split, 8)
+    with CompileEvents() as events:
+        first = next(device_lib.device_train_batches(split, 8, seed=0))
+    assert not events.programs, events.programs
+    assert first["image"].shape == (NUM_DEVICES, 2, 2, 2, 1)
