@@ -434,6 +434,17 @@ def _is_list(batches: Any) -> bool:
     return isinstance(batches, (list, tuple))
 
 
+def _run_explained(layout: Any, program: Callable, train_state: Any, batch: Any, method: str):
+    """`program(train_state, batch)` with the layout's random bits; an argument it rejects
+    (before running or donating) explained by `updater_arguments.explain_rejection`."""
+    try:
+        with layout.random_bits():
+            return program(train_state, batch)
+    except (NameError, ValueError, TypeError) as error:
+        updater_arguments.explain_rejection(error, train_state, method, layout)
+        raise
+
+
 class Updater:
     """Initialises and updates a `TrainState` with a data-parallel step.
 
@@ -559,12 +570,7 @@ class Updater:
         """Runs the program of `method`, a rejected argument explained (`check_finite`: the
         update's losses checked)."""
         program, batch = self._program(method, train_state, batch, with_global_norms)
-        try:
-            with self.layout.random_bits():
-                outputs = program(train_state, batch)
-        except (NameError, ValueError, TypeError) as error:
-            updater_arguments.explain_rejection(error, train_state, method, self.layout)
-            raise
+        outputs = _run_explained(self.layout, program, train_state, batch, method)
         if self._check_finite and method != "evaluate":
             _check_finite_losses(*outputs)
         return outputs
