@@ -584,6 +584,7 @@ class Updater:
         listed = method == "update_steps" and _is_list(batch)
         if method == "update_steps" and not listed:
             replication.check_stacked_batches(batch, method)
+        with_global_norms = with_global_norms and method != "evaluate"  # It has no norms.
         kind = (method, with_global_norms, listed, self.learning_rate)
         key = (*kind, self.layout.signature(train_state))
         if key not in self._programs:

@@ -148,6 +148,22 @@ def test_a_program_compiled_ahead_is_the_one_the_call_runs():
     assert set(hs.updater.NORMS) <= set(metrics) and metrics["loss"].shape == (2,)
 
 
+def test_the_evaluation_compiled_ahead_by_default_is_the_one_evaluate_runs():
+    # The evaluation has no global norms: its program is one whatever `with_global_norms` says.
+    from benchmarks.compiles import CompileEvents
+
+    updater = _updater("shard_map")
+    batch = hs.shard(host_batch(0))
+    train_state = updater.init(0, batch)
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (train_state, batch)
+    )
+    updater.compile_ahead("evaluate", *shapes)
+    with CompileEvents() as events:
+        jax.block_until_ready(updater.evaluate(train_state, batch))
+    assert events.figures()["programs"] == 0, events.programs
+
+
 # The loop's calls.
 
 
