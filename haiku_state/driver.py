@@ -140,7 +140,7 @@ def _train(
         stop.agreement = loop.Every(agree_every=config.log_every if jax.process_count() > 1 else 1)
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
-                _step_fn(experiment, actions[0].every),  # The logger's cadence.
+                _step_fn(experiment, loop.Every(config.log_every)),  # Where the logger logs.
                 train_state,
                 batches,
                 first_step=start_step,
