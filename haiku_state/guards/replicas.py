@@ -252,10 +252,15 @@ def _shards_problem(leaf: jax.Array) -> str | None:
 
 def _copies(leaf: jax.Array) -> jax.Array:
     """A replicated leaf's copies side by side, `[devices * n, ...]` (a scalar's `[devices]`),
-    the devices' own buffers uncopied: block `g` is global device `g`'s."""
+    the devices' own buffers uncopied: block `g` is global device `g`'s. A key is compared by
+    its words; a scalar is put back as `[1]` from the host (an eager reshape on each device
+    would compile a program per device)."""
     check_mesh = replication.global_mesh(_CHECK_AXIS)
+    if replication.is_key(leaf):
+        leaf = jax.random.key_data(leaf)  # No program: the key's own buffer.
     copies = [
-        shard.data if leaf.ndim else shard.data.reshape(1) for shard in leaf.addressable_shards
+        shard.data if leaf.ndim else jax.device_put(np.asarray(shard.data)[None], shard.device)
+        for shard in leaf.addressable_shards
     ]
     shape = copies[0].shape
     return jax.make_array_from_single_device_arrays(
@@ -321,6 +326,8 @@ def _is_replicated(leaf: Any) -> bool:
 def _abstract_copies(leaf: Any) -> jax.ShapeDtypeStruct:
     """The shape, type and sharding `_copies(leaf)` gives, of an array or its abstract value."""
     check_mesh = replication.global_mesh(_CHECK_AXIS)
+    if replication.is_key(leaf):
+        leaf = jax.eval_shape(jax.random.key_data, leaf)
     shape = leaf.shape if leaf.ndim else (1,)
     return jax.ShapeDtypeStruct(
         (check_mesh.size * shape[0], *shape[1:]),
