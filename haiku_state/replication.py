@@ -59,6 +59,9 @@ def check_batch(batch: PyTree, where: str) -> None:
     """Raises ValueError (naming `where`) unless every leaf is `[local_devices, per_device_batch,
     ...]` alike, as `shard` makes them."""
     num_devices = jax.local_device_count()
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
+    if shapes and all(len(s) >= 2 and s[0] == num_devices and s[1] == shapes[0][1] for s in shapes):
+        return  # The usual case, told from the shapes alone: no leaf's name is formatted.
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise errors.InvalidValue(f"{where}: the batch has no arrays.")

@@ -68,8 +68,7 @@ def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout
     train state is looked at in one leaf per field, the batch in its shapes alone."""
     if not isinstance(train_state, kind):
         raise TypeError(f"{where}: expected a {kind.__name__}, got {type(train_state).__name__}.")
-    if not _is_per_device(batch):
-        replication.check_batch(batch, where)  # Names what is wrong.
+    replication.check_batch(batch, where)
     # Donation deletes every leaf at once: a leaf of each field tells, the scan names it.
     if any(is_deleted(_a_leaf(field)) for field in train_state):
         for path, leaf in jax.tree_util.tree_leaves_with_path(train_state):
@@ -80,18 +79,6 @@ def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout
                     "update returned."
                 )
     layout.check(train_state, where)
-
-
-def _is_per_device(batch: Any) -> bool:
-    """Whether `replication.check_batch` takes `batch` (leaves `[local_devices,
-    per_device_batch, ...]` alike), told from the shapes alone: no leaf's name is formatted."""
-    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
-    num_devices = jax.local_device_count()
-    return (
-        bool(shapes)
-        and all(len(shape) >= 2 and shape[0] == num_devices for shape in shapes)
-        and len({shape[1] for shape in shapes}) == 1
-    )
 
 
 def _a_leaf(tree: Any) -> Any:
@@ -150,19 +137,8 @@ def _refuse_unbound_axis(error: NameError, where: str, axis_name: str) -> None:
         ) from error
 
 
-@contextlib.contextmanager
-def rejection_explained(train_state: Any, where: str, layout: Any) -> Iterator[None]:
-    """If a step program rejects its arguments (before running or donating), names the leaf at
-    fault: against the layout's shardings (jit), or its device axis (pmap, shard_map)."""
-    try:
-        yield
-    except (NameError, ValueError, TypeError) as error:
-        explain_rejection(error, train_state, where, layout)
-        raise
-
-
 def explain_rejection(error: Exception, train_state: Any, where: str, layout: Any) -> None:
-    """What `rejection_explained` raises for an `error` a step program raised: the one-line
+    """What to raise for an `error` a step program raised (before running or donating): the one-line
     error of an unbound axis or of the leaf at fault; returns when it names none (the caller
     re-raises `error`). A function, so that a call costs no context manager when all is well."""
     if isinstance(error, NameError):
