@@ -64,7 +64,7 @@ def _train_and_evaluate(
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     startup.ended("experiment")
-    first_state = _first_train_state(experiment, config, workdir)
+    first_state = _first_train_state(experiment, config, workdir)  # Refused before any write.
     startup.ended("init")
     data_record = data_identity.identity(experiment.dataset, config.data.verify == "content")
 
@@ -73,12 +73,15 @@ def _train_and_evaluate(
         workdir_lib.owning(workdir),
         _checkpointer(config, workdir) as checkpointer,
     ):
-        train_state = _resume(
-            first_state, experiment, config, checkpointer, data_record, allow_config_change
-        )
-        startup.ended("restore")
-        _compile_ahead(experiment, config, train_state)
-        startup.ended("compile")
+        record = _checked_record(config, checkpointer, data_record, allow_config_change)
+        like = first_state or _abstract_train_state(experiment, config)
+        training = (checkpointer.latest_step() or 0) < experiment.total_steps
+        with _compiling_ahead(experiment, config, like, training):
+            how, train_state = _restore(first_state, like, experiment, checkpointer)
+            workdir_lib.write_record_on_process_0(record)  # Once the restore succeeded.
+            startup.ended("restore")
+        startup.ended("compile")  # What was left of it.
+        _log_start(how, train_state, experiment, config, workdir)
         replicas.check_savable(train_state, step_of(train_state))  # What a save checks, too.
         end, evaluator, monitor = _train(
             experiment, config, workdir, train_state, checkpointer, data_record, stop, startup
@@ -266,6 +269,12 @@ def _fresh_train_state(experiment: Experiment, config: Any) -> TrainState:
     )
 
 
+def _abstract_train_state(experiment: Experiment, config: Any) -> TrainState:
+    """The train state's shapes and shardings, traced: what a restore reads into."""
+    batch = placeholder_batch(experiment.dataset, config.batch_size)
+    return experiment.updater.abstract_init(batch)
+
+
 def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
     return checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"),
@@ -276,43 +285,40 @@ def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
     )
 
 
-def _resume(
-    first: TrainState | None,
-    experiment: Experiment,
+def _checked_record(
     config: Any,
     checkpointer: checkpoint.Checkpointer,
     data_record: dict[str, Any],
     allow_config_change: bool,
-) -> TrainState:
-    """The latest complete checkpoint, else `first` (or a fresh one). The run's record is
-    written only once the restore succeeded."""
-    workdir = os.path.dirname(checkpointer.directory)
+) -> workdir_lib.RunRecord:
+    """The run's record, once its config and data are checked against the workdir's."""
     # Damaged, or of another format, is passed over: the restore says which.
     latest = checkpointer.newest_readable(checkpointer.metadata)
-    record = workdir_lib.check_config_on_process_0(
-        workdir,
+    return workdir_lib.check_config_on_process_0(
+        os.path.dirname(checkpointer.directory),
         config,
         allow_change=allow_config_change,
         data=data_record,
         has_checkpoint=bool(checkpointer.all_steps()),
         checkpoint_metadata=latest and latest[1],
     )
-    # A resume reads into the shapes and shardings alone: nothing is initialised for it.
-    like = (
-        first
-        if first is not None
-        else experiment.updater.abstract_init(
-            placeholder_batch(experiment.dataset, config.batch_size)
-        )
-    )
+
+
+def _restore(
+    first: TrainState | None,
+    like: TrainState,
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+) -> tuple[str, TrainState]:
+    """How the run starts, and its train state: the latest complete checkpoint read into the
+    shapes and shardings of `like` (nothing is initialised for it), else `first` (or a fresh
+    one, where every step was damaged)."""
     train_state = checkpointer.restore(like)
-    workdir_lib.write_record_on_process_0(record)
-    how = "Resuming"
-    if train_state is None:
-        how = f"Starting from {config.init_from}" if config.init_from else "Starting"
-        train_state = first if first is not None else _fresh_train_state(experiment, config)
-    _log_start(how, train_state, experiment, config, workdir)
-    return train_state
+    if train_state is not None:
+        return "Resuming", train_state
+    config = experiment.config
+    how = f"Starting from {config.init_from}" if config.init_from else "Starting"
+    return how, first if first is not None else _fresh_train_state(experiment, config)
 
 
 def _log_start(
@@ -403,19 +409,28 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
     )
 
 
-def _compile_ahead(experiment: Experiment, config: Any, train_state: TrainState) -> None:
-    """Compiles (or loads from the cache) every program the run calls, side by side from their
-    shapes alone, before the first step: nothing then compiles inside the loop (seconds a
-    program on an accelerator). A failure here only logs: the call that needs the program
-    compiles it itself, and says what is wrong."""
+@contextlib.contextmanager
+def _compiling_ahead(
+    experiment: Experiment, config: Any, like: TrainState, training: bool
+) -> Iterator[None]:
+    """Compiles (or loads from the cache) every program the run calls, side by side from the
+    shapes and shardings of `like` alone, while the body restores or initialises the state:
+    nothing then compiles inside the loop (seconds a program on an accelerator). A failure
+    here only logs: the call that needs the program compiles it itself, and says what is
+    wrong. A body that raises does not wait for the compiles."""
     state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), train_state
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
     )
-    training = step_of(train_state) < experiment.total_steps
     compiles = _compiles(experiment, config, state, training)
     workers = min(len(compiles), os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-        compiling = [(what, pool.submit(compile_program)) for what, compile_program in compiles]
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
+    compiling = [(what, pool.submit(compile_program)) for what, compile_program in compiles]
+    try:
+        yield
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     for what, future in compiling:
         if future.exception() is not None:
             logging.info("%s was not compiled ahead: %s", what, future.exception())
@@ -424,7 +439,7 @@ def _compile_ahead(experiment: Experiment, config: Any, train_state: TrainState)
 def _compiles(
     experiment: Experiment, config: Any, state: Any, training: bool
 ) -> list[tuple[str, Callable[[], Any]]]:
-    """What `_compile_ahead` compiles, the longest first: while `training`, the steps without
+    """What `_compiling_ahead` compiles, the longest first: while `training`, the steps without
     and with the global norms (the logged steps'); the evaluation and the replicas' check; and
     the batches' gather where `data.train_batches` gathers them on the devices."""
     updater, dataset, compiles = experiment.updater, experiment.dataset, []

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 import pytest
 from configs import mlp_config
 
 from benchmarks.compiles import CompileEvents
-from haiku_state import driver
+from haiku_state import checkpoint, driver
 
 # The init's program (on the host), the train state's placing, the replicas' and params' check,
 # the step without and with the global norms, the evaluation and the batches' gather (a save's
@@ -55,11 +56,11 @@ def run(tmp_path_factory):
     finally:
         absl_logger.removeHandler(lines)
         absl_logger.setLevel(level)
-    return events.programs, lines.lines, events.programs - lines.programs_at_start
+    return events.programs, lines.lines, events.programs - lines.programs_at_start, workdir
 
 
 def test_a_run_compiles_a_program_per_job(run):
-    programs, _, _ = run
+    programs, _, _, _ = run
     assert programs.total() <= PROGRAMS_OF_A_RUN, programs
     assert all(n == 1 for name, n in programs.items() if name != STEP_PROGRAMS), programs
 
@@ -67,12 +68,12 @@ def test_a_run_compiles_a_program_per_job(run):
 def test_nothing_compiles_after_the_first_step(run):
     """The check, the evaluation and the gather are compiled ahead with the steps, side by
     side, and the loop's calls run those programs: none is compiled where first used."""
-    _, _, after_start = run
+    _, _, after_start, _ = run
     assert not after_start, after_start
 
 
 def test_the_start_is_logged_once_by_phase_with_its_programs(run):
-    _, lines, _ = run
+    _, lines, _, _ = run
     [line] = [line for line in lines if line.startswith("Start-up ")]
     phases = r"backend [\d.]+ s, experiment [\d.]+ s, init [\d.]+ s, restore [\d.]+ s, "
     phases += r"compile [\d.]+ s, first step [\d.]+ s"
@@ -80,3 +81,26 @@ def test_the_start_is_logged_once_by_phase_with_its_programs(run):
         rf"Start-up [\d.]+ s: {phases} \(\d+ programs, \d+ from the cache\)\.", line
     )
     assert int(re.search(r"\((\d+) programs", line).group(1)) <= PROGRAMS_OF_A_RUN
+
+
+def test_the_programs_compile_beside_the_restore(run, monkeypatch):
+    """A resume reads its checkpoint while the programs compile (each takes seconds on an
+    accelerator, and so does reading a large state), not one after the other."""
+    *_, workdir = run
+    compiling, restored, order = threading.Event(), threading.Event(), []
+
+    def compile_program():
+        compiling.set()
+        assert restored.wait(timeout=60)
+
+    def restore(checkpointer, *args, **kwargs):
+        order.append("compiling" if compiling.wait(timeout=10) else "not compiling")
+        train_state = real_restore(checkpointer, *args, **kwargs)
+        restored.set()
+        return train_state
+
+    real_restore = checkpoint.Checkpointer.restore
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", restore)
+    monkeypatch.setattr(driver, "_compiles", lambda *args: [("A program", compile_program)])
+    driver.train_and_evaluate(mlp_config(steps_per_call=5), workdir)  # Evaluates its last step.
+    assert order == ["compiling"]
