@@ -133,8 +133,12 @@ def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
 
 
 def replicate(tree: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
-    """Gives every leaf a leading axis of local devices: one transfer, then a broadcast on each."""
+    """Gives every leaf a leading axis of local devices: host (numpy) leaves are copied to each
+    device, with no program; device leaves are moved once, then broadcast on each."""
     num_devices = jax.local_device_count()
+    if all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(tree)):
+        stacked = jax.tree.map(lambda x: np.broadcast_to(x, (num_devices, *np.shape(x))), tree)
+        return jax.device_put(stacked, device_axis_sharding(axis_name))
     on_every_device = jax.device_put(tree, NamedSharding(local_mesh(axis_name), PartitionSpec()))
 
     def stack(tree):

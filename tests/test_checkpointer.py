@@ -26,6 +26,7 @@ from checkpoint_helpers import (
     listing,
     make_jit_updater,
     make_setup,
+    make_updater,
     save_steps,
     set_aside_dirs,
     step_dirs,
@@ -134,16 +135,25 @@ def test_async_save_is_unaffected_by_donating_the_state_right_after(setup, tmp_p
 
 
 @pytest.mark.parametrize("backend", ["pmap", "jit"])
-def test_a_save_compiles_no_program(setup, tmp_path, backend):
+def test_a_save_and_a_restore_compile_no_program(tmp_path, backend):
     # A save's fingerprints are of its host copies: no program to compile in the loop's
-    # thread (a large state's took seconds on a TPU, at the run's first save).
-    setup = setup if backend == "pmap" else make_setup(make_jit_updater())
+    # thread (a large state's took seconds on a TPU, at the run's first save). A restore
+    # reads and checks on the host and places the arrays as they are: no program either (a
+    # resume compiled five: the fingerprints, the finite check and a broadcast per tree).
+    # Widths no other test compiles for: a program compiled before would not count.
+    updater = make_updater(24) if backend == "pmap" else make_jit_updater(width=264)
+    setup = make_setup(updater)
     train_state = setup.train(setup.init(), setup.batches[:1])
     with CompileEvents() as events, Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(train_state)
     assert events.figures()["programs"] == 0, events.programs
-    with Checkpointer(tmp_path) as checkpointer:
-        assert_bit_identical(checkpointer.restore(train_state), host_copy(train_state))
+    like = updater.abstract_init(setup.batches[0])  # As a resume reads into it.
+    with CompileEvents() as events, Checkpointer(tmp_path) as checkpointer:
+        restored = checkpointer.restore(like)
+    assert events.figures()["programs"] == 0, events.programs
+    assert_bit_identical(restored, host_copy(train_state))
+    for leaf, like_leaf in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True):
+        assert leaf.sharding == like_leaf.sharding
 
 
 # Partial and damaged checkpoints.

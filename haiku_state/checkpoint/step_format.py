@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from haiku_state import errors, replication, sharding
 from haiku_state.guards import checkpoint_integrity, damaged_steps, quiet_logs
@@ -247,10 +247,15 @@ def restore_step(
             f"{problem}{hint}. Nothing was restored and no file was changed."
         )
     expected["rng"] = header.saved["rng"]  # With the saved number of keys.
-    if header.version == 1 and sharding.is_global(like):
-        # Written by a per-device run, so it fits one device: verified on the host, then placed.
-        trees = jax.tree.map(_place, _read_on_host(manager, step, expected, header), placements)
-    else:
+    on_this_process = all(s.is_fully_addressable for s in jax.tree.leaves(placements))
+    if on_this_process or header.version == 1:  # Version 1: a per-device run's, it fits one.
+        trees = _read_on_host(manager, step, expected, header)  # Placed without a program.
+        if sharding.is_global(like):  # The keys are placed as keys (`_decode`).
+            trees = {
+                name: tree if name == "rng" else jax.tree.map(_place, tree, placements[name])
+                for name, tree in trees.items()
+            }
+    else:  # Global arrays over several processes: each reads and checks its own shards.
         trees = _read_verified(manager, step, _abstract(expected, placements), header)
     if carried:
         trees["opt_state"] = _into_structure(model_opt_state, trees["opt_state"])
@@ -378,26 +383,37 @@ def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
 def _read_verified(
     manager: ocp.CheckpointManager, step: int, targets: Any, header: StepHeader
 ) -> dict[str, Any]:
-    """The `train_state` item read into `targets`, checked against its integrity data."""
-    args = ocp.args.Composite(**{TRAIN_STATE: ocp.args.StandardRestore(targets)})
-    try:
-        with quiet_logs.failed_read_kept_quiet(_step_dir(manager, step)):
-            trees = manager.restore(step, args=args)[TRAIN_STATE]
-    except Exception as e:  # The header was read, so a failed read is damage.
-        raise DamagedCheckpointError(_reason(e)) from e
-    if header.version == 1:
-        problem = checkpoint_integrity.verify_checksums(jax.device_get(trees), header.integrity)
-    else:
-        problem = checkpoint_integrity.verify_fingerprints(trees, header.integrity)
+    """The `train_state` item read into sharded `targets`, checked against its fingerprints
+    where the shards are."""
+    trees = _read(manager, step, targets)
+    problem = checkpoint_integrity.verify_fingerprints(trees, header.integrity)
     if problem is not None:
         raise DamagedCheckpointError(problem)
     return trees
 
 
 def _read_on_host(manager, step: int, shapes: PyTree, header: StepHeader) -> dict[str, Any]:
-    first_device = SingleDeviceSharding(jax.local_devices()[0])
-    targets = _abstract(shapes, jax.tree.map(lambda _: first_device, shapes))
-    return jax.device_get(_read_verified(manager, step, targets, header))
+    """The `train_state` item read into host memory and checked there against its integrity
+    data: a restore compiles and runs no program before its arrays are placed."""
+    trees = _read(manager, step, jax.tree.map(lambda x: np.empty(x.shape, x.dtype), shapes))
+    if header.version == 1:
+        problem = checkpoint_integrity.verify_checksums(trees, header.integrity)
+    else:
+        problem = checkpoint_integrity.verify_host_fingerprints(trees, header.integrity)
+    if problem is not None:
+        raise DamagedCheckpointError(problem)
+    return trees
+
+
+def _read(manager: ocp.CheckpointManager, step: int, targets: Any) -> dict[str, Any]:
+    """The `train_state` item read into `targets`; a failed read is damage (the step's header
+    was read)."""
+    args = ocp.args.Composite(**{TRAIN_STATE: ocp.args.StandardRestore(targets)})
+    try:
+        with quiet_logs.failed_read_kept_quiet(_step_dir(manager, step)):
+            return manager.restore(step, args=args)[TRAIN_STATE]
+    except Exception as e:
+        raise DamagedCheckpointError(_reason(e)) from e
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -497,8 +513,11 @@ def _ema(trees: dict[str, PyTree], header: StepHeader, like: TrainState) -> Ema 
         header.step,
         written,
     )
-    copy = functools.partial(jax.device_put, may_alias=False)
-    return Ema(*jax.tree.map(lambda x: copy(x, x.sharding), (trees["params"], trees["state"])))
+
+    def copy(x):  # A host array is copied where it is placed.
+        return jax.device_put(x, x.sharding, may_alias=False) if isinstance(x, jax.Array) else x
+
+    return Ema(*jax.tree.map(copy, (trees["params"], trees["state"])))
 
 
 def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sharding) -> jax.Array:
@@ -516,6 +535,8 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
     def wrap(data):
         return jax.random.wrap_key_data(data[0] if per_device else data, impl=header.key_impl)
 
+    if isinstance(key_data, np.ndarray):  # Read on the host: its words placed, no program.
+        return wrap(_place(key_data, where))
     return jax.jit(wrap, out_shardings=where)(key_data)
 
 
@@ -524,6 +545,10 @@ def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax
     count, or from a jit run's one key) derived from device 0's or the jit key."""
     num_devices = jax.local_device_count()
     first_index = jax.process_index() * num_devices
+    where = replication.device_axis_sharding(axis_name)
+    if header.key_layout == PER_DEVICE and key_data.shape[0] == jax.device_count():
+        rows = np.asarray(key_data)[first_index : first_index + num_devices]  # On the host:
+        return jax.random.wrap_key_data(_place(rows, where), impl=header.key_impl)  # no program.
     keys = jax.random.wrap_key_data(key_data, impl=header.key_impl)
     if header.key_layout == GLOBAL:
         logging.info(
@@ -532,8 +557,6 @@ def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax
             header.step,
         )
         keys = per_device_keys(keys, num_devices, first_index)
-    elif keys.shape[0] == jax.device_count():
-        keys = keys[first_index : first_index + num_devices]
     else:
         logging.log_first_n(
             logging.WARNING,
@@ -547,4 +570,4 @@ def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax
             jax.device_count(),
         )
         keys = per_device_keys(keys[0], num_devices, first_index)
-    return jax.device_put(keys, replication.device_axis_sharding(axis_name))
+    return jax.device_put(keys, where)

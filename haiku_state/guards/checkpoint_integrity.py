@@ -118,6 +118,17 @@ def verify_fingerprints(trees: dict[str, PyTree], expected: dict[str, int]) -> s
     return None
 
 
+def verify_host_fingerprints(trees: dict[str, PyTree], expected: dict[str, int]) -> str | None:
+    """As `verify_fingerprints` for host `trees` (numpy): no program."""
+    for name, value in host_fingerprints(trees).items():
+        if expected.get(name) != value:
+            return f"{name}: its values do not match the fingerprint saved with it"
+    for path, leaf in jax.tree_util.tree_leaves_with_path(trees["params"]):
+        if not _all_finite_on_host(leaf):
+            return f"params/{leaf_name(path)}: holds non-finite values"
+    return None
+
+
 def verify_checksums(trees: dict[str, PyTree], expected: dict[str, int]) -> str | None:
     """As `verify_fingerprints` for the host `trees` of a version 1 step: CRC-32s of the bytes."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(trees):
@@ -125,9 +136,13 @@ def verify_checksums(trees: dict[str, PyTree], expected: dict[str, int]) -> str 
         if expected.get(leaf_name(path)) != checksum:
             return f"{leaf_name(path)}: its bytes do not match the checksum saved with it"
     for path, leaf in jax.tree_util.tree_leaves_with_path(trees["params"]):
-        if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
+        if not _all_finite_on_host(leaf):
             return f"params{jax.tree_util.keystr(path)}: holds non-finite values"
     return None
+
+
+def _all_finite_on_host(leaf: np.ndarray) -> bool:
+    return not np.issubdtype(leaf.dtype, np.inexact) or bool(np.all(np.isfinite(leaf)))
 
 
 def leaf_name(path: tuple) -> str:
