@@ -83,18 +83,16 @@ def record_written() -> None:
     directory = _active["directory"]
     if not directory or not _active["writer"]:
         return
+    records = _read_manifest(directory)
     try:
-        records = _read_manifest(directory)
-        new = {}
-        for entry in _entries(directory):
-            if entry.name not in records:
-                data, stat = _read(entry.path)
-                if _fits(entry.name, data):
-                    new[entry.name] = _record(stat, data)
-        if new:
-            _write_manifest(directory, {**records, **new})
-    except OSError as e:  # A directory removed meanwhile, a full disk: unrecorded, not lost.
+        unrecorded = [entry for entry in _entries(directory) if entry.name not in records]
+    except OSError as e:  # The directory removed meanwhile.
         logging.debug("Compilation cache: %s not recorded (%s).", directory, e)
+        return
+    new = {entry.name: _checked(entry, None) for entry in unrecorded}
+    new = {name: record for name, record in new.items() if record}
+    if new:
+        _write_manifest(directory, {**records, **new})
 
 
 atexit.register(record_written)
@@ -120,19 +118,9 @@ def _remove_damaged(directory: str, writer: bool) -> None:
     records = _read_manifest(directory)
     kept, damaged = {}, []
     for entry in _entries(directory):
-        record = records.get(entry.name)
-        try:
-            stat = entry.stat()
-            if record and record[:4] == _signature(stat):
-                kept[entry.name] = record
-                continue
-            data, stat = _read(entry.path)
-        except OSError:  # Removed meanwhile, or unreadable: JAX cannot read it either.
-            damaged.append(entry.name)
-            continue
-        good = record[4] == hashlib.sha256(data).hexdigest() if record else _fits(entry.name, data)
-        if good:
-            kept[entry.name] = _record(stat, data)
+        record = _checked(entry, records.get(entry.name))
+        if record:
+            kept[entry.name] = record
         else:
             damaged.append(entry.name)
     failed = []
@@ -157,10 +145,7 @@ def _remove_damaged(directory: str, writer: bool) -> None:
             else "removed, so their programs are compiled and written anew",
         )
     if kept != records and writer:
-        try:
-            _write_manifest(directory, kept)
-        except OSError as e:
-            logging.debug("Compilation cache: %s not recorded (%s).", directory, e)
+        _write_manifest(directory, kept)
 
 
 def _entries(directory: str) -> list[os.DirEntry]:
@@ -169,18 +154,24 @@ def _entries(directory: str) -> list[os.DirEntry]:
     return sorted(found, key=lambda e: e.name)
 
 
-def _read(path: str) -> tuple[bytes, os.stat_result]:
-    with open(path, "rb") as f:
-        return f.read(), os.fstat(f.fileno())
-
-
 def _signature(stat: os.stat_result) -> list[int]:
     """Changes with any write, rename or copy onto the file (the ctime cannot be set back)."""
     return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
-def _record(stat: os.stat_result, data: bytes) -> list:
-    return [*_signature(stat), hashlib.sha256(data).hexdigest()]
+def _checked(entry: os.DirEntry, record: list | None) -> list | None:
+    """The record of an entry that holds what JAX wrote, else None: its stat as in `record`,
+    or its bytes hashing as recorded, or with no record, a whole program of its name."""
+    try:
+        if record and record[:4] == _signature(entry.stat()):
+            return record
+        with open(entry.path, "rb") as f:
+            data, stat = f.read(), os.fstat(f.fileno())
+    except OSError:  # Removed meanwhile, or unreadable: JAX cannot read it either.
+        return None
+    digest = hashlib.sha256(data).hexdigest()
+    good = record[4] == digest if record else _fits(entry.name, data)
+    return [*_signature(stat), digest] if good else None
 
 
 def _fits(name: str, data: bytes) -> bool:
@@ -209,12 +200,16 @@ def _read_manifest(directory: str) -> dict[str, list]:
 
 
 def _write_manifest(directory: str, records: dict[str, list]) -> None:
-    """Whole or not at all (another run may read it meanwhile)."""
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".haiku_state-entries")
+    """Whole or not at all (another run may read it meanwhile); a directory removed meanwhile or
+    a full disk leaves the entries unrecorded, not lost."""
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(records, f, separators=(",", ":"))
-        os.replace(temporary, os.path.join(directory, MANIFEST))
-    except BaseException:
-        os.remove(temporary)
-        raise
+        fd, temporary = tempfile.mkstemp(dir=directory, prefix=".haiku_state-entries")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(records, f, separators=(",", ":"))
+            os.replace(temporary, os.path.join(directory, MANIFEST))
+        except BaseException:
+            os.remove(temporary)
+            raise
+    except OSError as e:
+        logging.debug("Compilation cache: %s not recorded (%s).", directory, e)

@@ -1,25 +1,23 @@
 """A Haiku network's initial params and state, drawn on the host without compiling the network.
 
 Compiled, `forward.init` draws each parameter in a kernel of its own, slow to compile on a TPU
-(for ResNet-50, longer than its forward pass). Here one small program on the host's CPU
-cuts each parameter with a standard random initialiser (`TruncatedNormal`, `RandomNormal`,
+(for ResNet-50, longer than its forward pass). Here one small program on the host's CPU cuts
+each parameter of a standard random initialiser (`TruncatedNormal`, `RandomNormal`,
 `RandomUniform`) from one flat draw per distribution, takes every other entry from
-`forward.init` with the forward pass dead code (its own initialiser, `VarianceScaling` too,
-run with a key drawn from the seed), and zeroes state computed from the input
+`forward.init` with the forward pass dead code, and zeroes state computed from the input
 (BatchNorm's averages, which the first step overwrites). A parameter computed from the input
-makes it `forward.init` as it is. The numpy values are alike on every platform and device count.
+makes it `forward.init` as it is. The values are alike on every platform and device count.
 
-The program's memory is known before it runs, and one that does not fit is refused
-(`HostMemoryError`): XLA:CPU runs a program asynchronously, and an output it then fails to
-allocate leaves the others never ready (jaxlib 0.10-0.12), a wait no signal ends. On a CPU
-backend, under an address-space limit (`ulimit -v`), the whole run's needs are estimated
-before anything is compiled (`run_address_space_needs`): XLA aborts a compile or step it
-cannot map (exit 134, no error line, signals not taken).
+A program that does not fit in host memory is refused before it runs (`HostMemoryError`):
+XLA:CPU would leave an output it failed to allocate never ready, a wait no signal ends. On a
+CPU backend under `ulimit -v`, the whole run's needs are checked before anything is compiled
+(`run_address_space_needs`): XLA aborts a compile it cannot map (exit 134, no error line).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 from collections.abc import Callable, Mapping
@@ -39,29 +37,25 @@ class HostMemoryError(errors.Refused, MemoryError):
     process may allocate."""
 
 
-# What a run on the CPU backend maps beyond what the process has mapped when it draws the
-# initial params and state (VmPeak at its end less VmSize then, measured on the MLP, 2 CPU
-# cores, jaxlib 0.10: 0.6 GiB with 0.3 MiB of params and state; 10.3x the params and state
-# and that on 1 device, 11.3x-12.2x on 2, e.g. 3.68 GiB for hidden_sizes=(8192, 8192), 259
-# MiB): the compiles' and XLA's own, then RUN_STATE_COPIES copies of the params and state
-# and one more per CPU device, all with a RUN_MARGIN margin.
+# What a CPU run maps beyond what it has mapped when it draws the params and state: XLA's and
+# the compiles' own, RUN_STATE_COPIES copies of the params and state and one more per device,
+# with a RUN_MARGIN margin. Measured on the MLP (VmPeak at the end less VmSize at the draw,
+# jaxlib 0.10): 0.6 GiB with 0.3 MiB of params; 10.3x them on 1 device, 11.3x-12.2x on 2.
 RUN_FIXED_BYTES = int(0.6 * 2**30)
 RUN_STATE_COPIES = 10
 RUN_MARGIN = 1.25
 
 
 class _Draw(NamedTuple):
-    """One parameter's share of a flat draw: which distribution, and how it is scaled."""
+    """One parameter's share of its distribution's flat draw: `offset + scale * draw`."""
 
-    module: str
-    name: str
     shape: tuple[int, ...]
     distribution: tuple  # ("truncated_normal", lower, upper), ("normal",) or ("uniform",)
-    scale: float  # value = offset + scale * draw
+    scale: float
     offset: float
 
 
-def _as_draw(init: Any, shape, dtype, full_name: str) -> _Draw | None:
+def _as_draw(init: Any, shape, dtype) -> _Draw | None:
     """The flat-draw equivalent of a Haiku initialiser, or None if it has none."""
     if not jnp.issubdtype(dtype, jnp.floating):
         return None
@@ -85,9 +79,7 @@ def _as_draw(init: Any, shape, dtype, full_name: str) -> _Draw | None:
         scale, offset = init.maxval - init.minval, init.minval
     else:
         return None
-    module, name = full_name.rsplit("/", 1)
-    shape = tuple(int(d) for d in shape)
-    return _Draw(module, name, shape, distribution, float(scale), float(offset))
+    return _Draw(tuple(int(d) for d in shape), distribution, float(scale), float(offset))
 
 
 def _standard_draw(key: jax.Array, distribution: tuple, size: int) -> jax.Array:
@@ -131,10 +123,10 @@ def init(
     network's BatchNorm axis, bound over this shard (NameError if it needs one and None).
     `key_of`: the typed key is `key_of(key)`, derived in the same program (from a seed, say)."""
     key_of = key_of or (lambda key: key)
-    draws: dict[str, _Draw] = {}  # In creation order: the order of the flat draws.
+    draws: dict[str, _Draw] = {}  # By "module/name", in creation order: that of the flat draws.
 
     def drawn_later(next_creator, shape, dtype, init, context):
-        draw = _as_draw(init, shape, dtype, context.full_name)
+        draw = _as_draw(init, shape, dtype)
         if draw is None:
             return next_creator(shape, dtype, init)
         draws[context.full_name] = draw
@@ -148,13 +140,14 @@ def init(
         if any(from_input[:num_params]):  # forward.init as it is, forward pass and all.
             draws.clear()
             closed, shapes = _trace_init(forward, typed_key, batch, axis_name, creator=None)
-            values = _run_on_host(closed, (key, key_of), jax.tree.leaves(batch), draws, shapes)[0]
+            values = _run_on_host(closed, key, key_of, jax.tree.leaves(batch), draws, shapes)[0]
         else:
             # Neither what reads the input nor the drawn parameters' stand-ins are computed.
-            drawn = [f"{module}/{name}" in draws for module, name in _param_names(shapes[0])]
+            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(shapes[0])[0]]
+            drawn = [f"{path[0].key}/{path[1].key}" in draws for path in paths]
             drawn += [False] * (len(from_input) - len(drawn))  # The state's leaves.
             skip = [reads or stand_in for reads, stand_in in zip(from_input, drawn, strict=True)]
-            values, flat_draws = _run_on_host(closed, (key, key_of), None, draws, shapes, skip)
+            values, flat_draws = _run_on_host(closed, key, key_of, None, draws, shapes, skip)
     leaves, tree = jax.tree.flatten(shapes)
     values = [
         np.zeros(leaf.shape, leaf.dtype) if value is None else np.asarray(value)
@@ -164,13 +157,6 @@ def init(
     if draws:
         params = _with_draws(params, draws, flat_draws)
     return params, state
-
-
-def _param_names(params: hk.Params) -> list[tuple[str, str]]:
-    """`(module, name)` of each leaf of `params`, in `jax.tree.leaves` order."""
-    return [
-        (path[0].key, path[1].key) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-    ]
 
 
 def abstract_init(
@@ -210,18 +196,15 @@ def _trace_init(forward, key, batch, axis_name, creator):
     return jax.make_jaxpr(flat_run, return_shape=True)(key, *leaves)
 
 
-def _run_on_host(closed, key_and_key_of, batch_leaves, draws, shapes, skip=None):
+def _run_on_host(closed, key, key_of, batch_leaves, draws, shapes, skip=None):
     """Runs the traced init on the host device, its key `key_of(key)`: its outputs (None where
-    `skip`), and the draws. Without `batch_leaves` the input is zeros, dead code where `skip`
-    marks what reads it.
-    `HostMemoryError`, naming the largest of `shapes`, if the program cannot fit."""
+    `skip`), and each distribution's flat draw. Without `batch_leaves` the input is zeros, dead
+    code where `skip` marks what reads it. `HostMemoryError` if the program cannot fit."""
     skip = skip or [False] * len(closed.jaxpr.outvars)
     sizes: dict[tuple, int] = {}  # Of each distribution's flat draw, in order of first use.
     for draw in draws.values():
-        sizes[draw.distribution] = sizes.get(draw.distribution, 0) + int(np.prod(draw.shape))
+        sizes[draw.distribution] = sizes.get(draw.distribution, 0) + math.prod(draw.shape)
     batch_avals = closed.in_avals[1:]
-
-    key, key_of = key_and_key_of
 
     def program(key, batch_leaves):
         init_key, draw_key = jax.random.split(key_of(key))
@@ -274,9 +257,7 @@ def run_address_space_needs(state_bytes: int, devices: int) -> int:
 def _check_run_fits_in_address_space(shapes: tuple[hk.Params, hk.State]) -> None:
     """On the CPU backend under an address-space limit, `HostMemoryError` if the run (drawing
     the params and state, compiling and training with them) needs more than it leaves."""
-    if jax.default_backend() != "cpu":
-        return
-    headroom = address_space_headroom()
+    headroom = address_space_headroom() if jax.default_backend() == "cpu" else None
     if headroom is None:
         return
     state_bytes = sum(_bytes(leaf) for leaf in jax.tree.leaves(shapes))
@@ -361,12 +342,12 @@ def _with_draws(params: hk.Params, draws: dict[str, _Draw], flat_draws: dict[tup
     """`params` with every drawn parameter cut from its distribution's flat draw."""
     params = {module: dict(entries) for module, entries in params.items()}
     offsets = dict.fromkeys(flat_draws, 0)
-    for draw in draws.values():
-        size = int(np.prod(draw.shape))
+    for full_name, draw in draws.items():
         start = offsets[draw.distribution]
-        offsets[draw.distribution] = start + size
-        unscaled = flat_draws[draw.distribution][start : start + size].reshape(draw.shape)
-        value = np.float32(draw.offset) + np.float32(draw.scale) * unscaled
+        offsets[draw.distribution] += math.prod(draw.shape)
+        flat = flat_draws[draw.distribution][start : offsets[draw.distribution]]
+        value = np.float32(draw.offset) + np.float32(draw.scale) * flat.reshape(draw.shape)
+        module, name = full_name.rsplit("/", 1)
         # The stored dtype, which a mixed-precision policy may make other than the asked one.
-        params[draw.module][draw.name] = value.astype(params[draw.module][draw.name].dtype)
+        params[module][name] = value.astype(params[module][name].dtype)
     return params
