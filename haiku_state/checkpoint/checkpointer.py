@@ -1,9 +1,8 @@
 """The `Checkpointer`: asynchronous saves of a `TrainState`, exact resumes, safe fallbacks.
 
 One Orbax step directory per step (format: `step_format`; which to keep: `retention`). `save`
-copies the state to host memory and returns; the Checkpointer's own thread writes and commits
-it, one step at a time; the next `save` (or `wait_until_finished`, `restore`, `close`) waits for
-it and raises a failed write's error, once. Every process calls `save` and `restore` alike.
+copies the state to host memory and returns; a thread of its own writes and commits it; the
+next call waits for it and raises a failed write's error, once. Every process calls alike.
 """
 
 from __future__ import annotations
@@ -61,8 +60,8 @@ class Checkpointer:
         )
         self._manager = step_format.orbax_manager(self.directory, self.retention, read_only)
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
-        # One writer thread: steps are written in turn. With several processes Orbax's save syncs
-        # them by device collectives, which must not run beside the training thread's.
+        # With several processes Orbax's save syncs them by device collectives, which must not
+        # run beside the training thread's: no writer thread.
         in_background = async_save and jax.process_count() == 1
         self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if in_background else None
         self._in_flight: tuple[int, futures.Future] | None = None  # The step being written.

@@ -148,6 +148,4 @@ def _listed(names: list[str], shown: int, sep: str = ", ", more: str = " and") -
 def _place_like(value: Any, fresh: jax.Array) -> jax.Array:
     """A saved host value in the sharding of the fresh global array it replaces; a skipped
     leaf (the fresh array itself) as it is."""
-    if not isinstance(value, np.ndarray):
-        return fresh
-    return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])
+    return sharding.put_global(value, fresh.sharding) if isinstance(value, np.ndarray) else fresh

@@ -1,9 +1,8 @@
 """Which checkpoints to keep: the newest, milestones, and the best by an eval metric.
 
-An Orbax preservation policy of our own (Orbax's count every step it lists): only the step
-being saved and complete steps of a readable format version count, ranked by our `metadata`
-item's metrics; any other step is preserved. Orbax deletes what it does not keep once the
-new step is committed.
+An Orbax preservation policy of our own: only the step being saved and complete steps of a
+readable format version count (Orbax's count every step), ranked by the `metadata` item's
+metrics; any other step is preserved. Orbax deletes the rest once the new step is committed.
 """
 
 from __future__ import annotations
@@ -55,14 +54,14 @@ class Retention:
     def record(self, step: int, metrics: Metrics | None) -> None:
         """The eval metrics of the step about to be saved, which counts from now on though
         it is not complete yet; warns once if they lack `keep_best_by`."""
-        if self.keep_best_by and metrics and self.keep_best_by not in metrics:
-            if not self._told_unranked:
-                logging.warning(
-                    "Step %d's eval metrics %s have no keep_best_by=%r: no step is ranked by it.",
-                    step,
-                    sorted(metrics),
-                    self.keep_best_by,
-                )
+        unranked = self.keep_best_by and metrics and self.keep_best_by not in metrics
+        if unranked and not self._told_unranked:
+            logging.warning(
+                "Step %d's eval metrics %s have no keep_best_by=%r: no step is ranked by it.",
+                step,
+                sorted(metrics),
+                self.keep_best_by,
+            )
             self._told_unranked = True
         self._metrics[step] = metrics
         self._unsupported.discard(step)

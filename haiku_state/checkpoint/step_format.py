@@ -106,14 +106,9 @@ def orbax_manager(
 
 
 def encode(train_state: TrainState) -> Encoded:
-    """Copies of `train_state` in host memory (donatable once this returns: per-device,
-    device 0's replica and every device's key; `jit`, its global arrays), in one batched
-    transfer. Every process calls it.
-
-    The fingerprints are computed from these copies in the writer's thread
-    (`save_args`), so a save dispatches and compiles no program. Only global arrays
-    spread over several processes are copied shard by shard and fingerprinted where
-    their shards are."""
+    """Host copies of `train_state` (donatable once this returns), in one batched transfer;
+    every process calls it. The writer's thread fingerprints them (`save_args`), so a save
+    runs no program, but for global arrays over several processes, done shard by shard."""
     key_impl = str(jax.random.key_impl(train_state.rng))
     step = step_of(train_state)
     if sharding.is_global(train_state):
@@ -219,11 +214,8 @@ def restore_step(
     """Restores one step as a `TrainState` in the layout and shardings of `like`.
     ValueError if it does not fit `like` (nothing is read)."""
     header = read_header(manager, step)
-    expected, placements = _expected_trees(like), _target_shardings(like, axis_name)
-    if EMA in header.trees:  # Read (and checked) as params and state, even if `like` drops it.
-        expected, placements = (
-            {**t, EMA: {k: t[k] for k in ("params", "state")}} for t in (expected, placements)
-        )
+    # A step's `ema` is read (and checked) as params and state, even if `like` keeps none.
+    expected, placements = _targets(like, axis_name, with_ema=EMA in header.trees)
     model_opt_state, saved_opt_state = expected["opt_state"], header.trees["opt_state"]
     # Of the same arrays, it is read in its saved structure, then given the model's: a
     # transform without state (clipping, weight decay) changes the one, not the other.
@@ -249,14 +241,14 @@ def restore_step(
     expected["rng"] = header.saved["rng"]  # With the saved number of keys.
     on_this_process = all(s.is_fully_addressable for s in jax.tree.leaves(placements))
     if on_this_process or header.version == 1:  # Version 1: a per-device run's, it fits one.
-        trees = _read_on_host(manager, step, expected, header)  # Placed without a program.
+        trees = _read_checked(manager, step, expected, header)  # Placed without a program.
         if sharding.is_global(like):  # The keys are placed as keys (`_decode`).
             trees = {
-                name: tree if name == "rng" else jax.tree.map(_place, tree, placements[name])
+                name: tree if name == "rng" else sharding.put_global(tree, placements[name])
                 for name, tree in trees.items()
             }
     else:  # Global arrays over several processes: each reads and checks its own shards.
-        trees = _read_verified(manager, step, _abstract(expected, placements), header)
+        trees = _read_checked(manager, step, expected, header, placements)
     if carried:
         trees["opt_state"] = _into_structure(model_opt_state, trees["opt_state"])
     if carried and restructured:
@@ -302,7 +294,7 @@ def read_saved_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any
     """Every saved tree of `step` as verified host arrays in their saved shapes: `rng` is
     `{"key_data"}`, `[devices, ...]` per device, or the one key."""
     header = read_header(manager, step)
-    return _read_on_host(manager, step, header.saved, header)
+    return _read_checked(manager, step, header.saved, header)
 
 
 def read_header(manager: ocp.CheckpointManager, step: int) -> StepHeader:
@@ -380,40 +372,40 @@ def _fields_mismatch(item: Mapping[str, Any], version: int) -> str | None:
     return f"{lacks} (its fields: {', '.join(sorted(item))})"
 
 
-def _read_verified(
-    manager: ocp.CheckpointManager, step: int, targets: Any, header: StepHeader
+def _read_checked(
+    manager: ocp.CheckpointManager,
+    step: int,
+    shapes: PyTree,
+    header: StepHeader,
+    shardings: PyTree | None = None,
 ) -> dict[str, Any]:
-    """The `train_state` item read into sharded `targets`, checked against its fingerprints
-    where the shards are."""
-    trees = _read(manager, step, targets)
-    problem = checkpoint_integrity.verify_fingerprints(trees, header.integrity)
-    if problem is not None:
-        raise DamagedCheckpointError(problem)
-    return trees
-
-
-def _read_on_host(manager, step: int, shapes: PyTree, header: StepHeader) -> dict[str, Any]:
-    """The `train_state` item read into host memory and checked there against its integrity
-    data: a restore compiles and runs no program before its arrays are placed."""
-    trees = _read(manager, step, jax.tree.map(lambda x: np.empty(x.shape, x.dtype), shapes))
-    if header.version == 1:
-        problem = checkpoint_integrity.verify_checksums(trees, header.integrity)
-    else:
-        problem = checkpoint_integrity.verify_host_fingerprints(trees, header.integrity)
-    if problem is not None:
-        raise DamagedCheckpointError(problem)
-    return trees
-
-
-def _read(manager: ocp.CheckpointManager, step: int, targets: Any) -> dict[str, Any]:
-    """The `train_state` item read into `targets`; a failed read is damage (the step's header
-    was read)."""
+    """The `train_state` item checked against the step's integrity data: read into host memory
+    and checked there (a restore runs no program before its arrays are placed), or, with
+    `shardings` (global arrays over several processes), read and checked where the shards are.
+    A failed read is damage (the step's header was read)."""
+    if shardings is None:
+        targets = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), shapes)
+    else:  # Explicit targets, so a checkpoint of other hardware restores.
+        targets = jax.tree.map(
+            lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+            shapes,
+            shardings,
+        )
     args = ocp.args.Composite(**{TRAIN_STATE: ocp.args.StandardRestore(targets)})
     try:
         with quiet_logs.failed_read_kept_quiet(_step_dir(manager, step)):
-            return manager.restore(step, args=args)[TRAIN_STATE]
+            trees = manager.restore(step, args=args)[TRAIN_STATE]
     except Exception as e:
         raise DamagedCheckpointError(_reason(e)) from e
+    if header.version == 1:
+        problem = checkpoint_integrity.verify_checksums(trees, header.integrity)
+    elif shardings is None:
+        problem = checkpoint_integrity.verify_host_fingerprints(trees, header.integrity)
+    else:
+        problem = checkpoint_integrity.verify_fingerprints(trees, header.integrity)
+    if problem is not None:
+        raise DamagedCheckpointError(problem)
+    return trees
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -436,38 +428,22 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."
 
 
-def _expected_trees(like: TrainState) -> dict[str, PyTree]:
-    """The shapes and dtypes a checkpoint of `like`'s model holds (keys without device axis),
-    but `ema`."""
+def _targets(like: TrainState, axis_name: str, with_ema: bool) -> tuple[PyTree, PyTree]:
+    """The shapes and dtypes a step of `like`'s model holds (keys without their device axis),
+    and where each goes: as `like`'s leaves (jit), or on every device. `ema`, if `with_ema`,
+    has the shapes and places of params and state."""
+    trees = like._replace(rng=(), ema=Ema(like.params, like.state) if with_ema else None)
     per_device = not sharding.is_global(like)
 
     def saved_shape(x):
         return jax.ShapeDtypeStruct(x.shape[1:] if per_device else x.shape, x.dtype)
 
     key_data = jax.eval_shape(jax.random.key_data, like.rng)
-    without = like._replace(rng=(), ema=None)
-    return _trees(jax.tree.map(saved_shape, without), saved_shape(key_data))
-
-
-def _target_shardings(like: TrainState, axis_name: str) -> dict[str, PyTree]:
-    """Where each saved array goes (`ema` aside): as `like`'s leaves (jit), or every device."""
-    without = like._replace(rng=(), ema=None)
-    if sharding.is_global(like):
-        return _trees(jax.tree.map(lambda x: x.sharding, without), like.rng.sharding)
-    on_every_device = NamedSharding(replication.local_mesh(axis_name), PartitionSpec())
-    return jax.tree.map(lambda _: on_every_device, _trees(without, like.rng))
-
-
-def _abstract(shapes: PyTree, shardings: PyTree) -> PyTree:
-    """Explicit targets for Orbax to read into, so a checkpoint of other hardware restores."""
-    return jax.tree.map(
-        lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), shapes, shardings
-    )
-
-
-def _place(host: np.ndarray, where: jax.sharding.Sharding) -> jax.Array:
-    """A host array as a global array: each device gets its own shard, nothing more."""
-    return jax.make_array_from_callback(host.shape, where, lambda index: host[index])
+    shapes = _trees(jax.tree.map(saved_shape, trees), saved_shape(key_data))
+    if per_device:
+        on_every_device = NamedSharding(replication.local_mesh(axis_name), PartitionSpec())
+        return shapes, jax.tree.map(lambda _: on_every_device, shapes)
+    return shapes, _trees(jax.tree.map(lambda x: x.sharding, trees), like.rng.sharding)
 
 
 def _decode(
@@ -479,7 +455,7 @@ def _decode(
     if sharding.is_global(like):
         fields = {name: trees[name] for name in REPLICATED_TREES}
         rng = _global_key(key_data, header, like.rng.sharding)
-        step = _place(np.asarray(header.step, like.step.dtype), like.step.sharding)
+        step = sharding.put_global(np.asarray(header.step, like.step.dtype), like.step.sharding)
     else:
         fields = {name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES}
         ema = None if ema is None else replication.replicate(ema, axis_name)
@@ -536,7 +512,7 @@ def _global_key(key_data: jax.Array, header: StepHeader, where: jax.sharding.Sha
         return jax.random.wrap_key_data(data[0] if per_device else data, impl=header.key_impl)
 
     if isinstance(key_data, np.ndarray):  # Read on the host: its words placed, no program.
-        return wrap(_place(key_data, where))
+        return wrap(sharding.put_global(key_data, where))
     return jax.jit(wrap, out_shardings=where)(key_data)
 
 
@@ -547,8 +523,8 @@ def _device_keys(key_data: jax.Array, header: StepHeader, axis_name: str) -> jax
     first_index = jax.process_index() * num_devices
     where = replication.device_axis_sharding(axis_name)
     if header.key_layout == PER_DEVICE and key_data.shape[0] == jax.device_count():
-        rows = np.asarray(key_data)[first_index : first_index + num_devices]  # On the host:
-        return jax.random.wrap_key_data(_place(rows, where), impl=header.key_impl)  # no program.
+        rows = np.asarray(key_data)[first_index : first_index + num_devices]  # Placed: no program.
+        return jax.random.wrap_key_data(sharding.put_global(rows, where), impl=header.key_impl)
     keys = jax.random.wrap_key_data(key_data, impl=header.key_impl)
     if header.key_layout == GLOBAL:
         logging.info(
