@@ -301,16 +301,15 @@ def default_config(model: str | None = None) -> ml_collections.ConfigDict:
     A None default is a placeholder of the key's type (`--config.num_epochs=90` parses)."""
     if model is not None and model not in models.MODELS:
         raise errors.InvalidValue(f"Unknown model {model!r}; expected one of {models.MODELS}.")
-    config = ml_collections.ConfigDict()
+    nested: dict[str, Any] = {}
     for key in keys_of(model):
         *parents, leaf = key.name.split(".")
-        node = config
+        node = nested
         for name in parents:
-            if name not in node:
-                node[name] = ml_collections.ConfigDict()
-            node = node[name]
+            node = node.setdefault(name, {})
         placeholder = ml_collections.config_dict.placeholder(key.type)
         node[leaf] = placeholder if key.default is None else key.default
+    config = ml_collections.ConfigDict(nested)
     if model is not None:
         config.model.name = model
     return config

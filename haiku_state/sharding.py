@@ -1,10 +1,9 @@
 """The global layout of the `jit` backend: where each train-state leaf lives on the mesh.
 
-Global arrays on `replication.global_mesh`, placed by a named rule of shape and dtype
-(`PARAM_SHARDINGS`, big_vision's names): `"replicated"`, or `"fsdp"`, which splits each leaf of
-params and `opt_state` (and of the params' moving averages) of at least `FSDP_MIN_BYTES` along
-its largest axis that divides by the device count. BatchNorm state, the key and the step stay
-replicated. The batch keeps the
+Global arrays on `replication.global_mesh`, placed by a rule named as big_vision names them
+(`PARAM_SHARDINGS`): `"replicated"`, or `"fsdp"`, which splits each leaf of params, `opt_state`
+and the params' moving averages of at least `FSDP_MIN_BYTES` along its largest axis that divides
+by the device count. BatchNorm state, the key and the step stay replicated. The batch keeps the
 pipeline's per-device layout; `global_batch_view` and `merge_device_axis` make it global.
 """
 
@@ -86,33 +85,29 @@ def check_param_sharding(rule: str) -> None:
         )
 
 
-def train_state_shardings(
-    train_state: Any, device_mesh: Mesh, rule: str, min_bytes: int = FSDP_MIN_BYTES
-) -> Any:
+def train_state_shardings(train_state: Any, device_mesh: Mesh, rule: str) -> Any:
     """The `NamedSharding` of every leaf of a jit-layout `TrainState` (shapes suffice)."""
     (axis_name,) = device_mesh.axis_names
+    whole = replicated(device_mesh)
 
-    def rule_shardings(tree):
-        specs = param_specs(
-            tree, rule, axis_name=axis_name, num_shards=device_mesh.size, min_bytes=min_bytes
-        )
+    def by_rule(tree: PyTree) -> PyTree:
+        specs = param_specs(tree, rule, axis_name=axis_name, num_shards=device_mesh.size)
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         return jax.tree.map(lambda spec: NamedSharding(device_mesh, spec), specs, is_leaf=is_spec)
 
-    whole = replicated(device_mesh)
+    def everywhere(tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda _: whole, tree)
 
-    def params_and_state(params, state):
-        return rule_shardings(params), jax.tree.map(lambda _: whole, state)
-
-    params, state = params_and_state(train_state.params, train_state.state)
     ema = train_state.ema  # The moving averages, laid out as what they average.
+    if ema is not None:
+        ema = ema._replace(params=by_rule(ema.params), state=everywhere(ema.state))
     return train_state._replace(
-        params=params,
-        state=state,
-        opt_state=rule_shardings(train_state.opt_state),
+        params=by_rule(train_state.params),
+        state=everywhere(train_state.state),
+        opt_state=by_rule(train_state.opt_state),
         rng=whole,
         step=whole,
-        ema=None if ema is None else type(ema)(*params_and_state(*ema)),
+        ema=ema,
     )
 
 
@@ -140,17 +135,15 @@ def merge_device_axis(batch: PyTree, device_mesh: Mesh, steps_axis: bool = False
     moves no data."""
     (axis_name,) = device_mesh.axis_names
     spec = PartitionSpec(None, axis_name) if steps_axis else PartitionSpec(axis_name)
-    sharding = NamedSharding(device_mesh, spec)
 
-    def merge(x):
+    def merge(x: jax.Array) -> jax.Array:
         if steps_axis:  # [steps, devices, per_device_batch, ...] once swapped.
             x = jnp.swapaxes(x, 0, 1)
-            merged = x.reshape((x.shape[0], -1, *x.shape[3:]))
-        else:
-            merged = x.reshape((-1, *x.shape[2:]))
-        return jax.lax.with_sharding_constraint(merged, sharding)
+            return x.reshape((x.shape[0], -1, *x.shape[3:]))
+        return x.reshape((-1, *x.shape[2:]))
 
-    return jax.tree.map(merge, batch)
+    merged = jax.tree.map(merge, batch)
+    return jax.lax.with_sharding_constraint(merged, NamedSharding(device_mesh, spec))
 
 
 def bytes_per_device(train_state: Any) -> tuple[int, int]:
@@ -193,7 +186,6 @@ class GlobalLayout:
     def __init__(
         self, axis_name: str = replication.DEFAULT_AXIS_NAME, param_sharding: str = "replicated"
     ):
-        check_param_sharding(param_sharding)
         self.axis_name, self.param_sharding = axis_name, param_sharding
         self.mesh = replication.global_mesh(axis_name)
         self.batch_shards = self.mesh.size  # The global batch, a block per device.
