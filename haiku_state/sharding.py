@@ -174,10 +174,8 @@ def format_bytes_per_device(per_device_bytes: int, total_bytes: int) -> str:
 
 class GlobalLayout:
     """The layout of the `jit` backend: global arrays on `replication.global_mesh`, placed by
-    the `param_sharding` rule; one key, and the step over the global batch.
-
-    Its programs are built for one train-state shape (their shardings follow from it), so
-    `signature` tells them apart.
+    the `param_sharding` rule; one key, and the step over the global batch. Its programs are
+    built for one train-state shape (their shardings follow from it): `signature` tells them apart.
     """
 
     backend = "jit"
