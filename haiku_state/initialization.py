@@ -140,23 +140,13 @@ def init(
         if any(from_input[:num_params]):  # forward.init as it is, forward pass and all.
             draws.clear()
             closed, shapes = _trace_init(forward, typed_key, batch, axis_name, creator=None)
-            values = _run_on_host(closed, key, key_of, jax.tree.leaves(batch), draws, shapes)[0]
-        else:
-            # Neither what reads the input nor the drawn parameters' stand-ins are computed.
-            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(shapes[0])[0]]
-            drawn = [f"{path[0].key}/{path[1].key}" in draws for path in paths]
-            drawn += [False] * (len(from_input) - len(drawn))  # The state's leaves.
-            skip = [reads or stand_in for reads, stand_in in zip(from_input, drawn, strict=True)]
-            values, flat_draws = _run_on_host(closed, key, key_of, None, draws, shapes, skip)
-    leaves, tree = jax.tree.flatten(shapes)
-    values = [
-        np.zeros(leaf.shape, leaf.dtype) if value is None else np.asarray(value)
-        for leaf, value in zip(leaves, values, strict=True)
-    ]
-    params, state = jax.tree.unflatten(tree, values)
-    if draws:
-        params = _with_draws(params, draws, flat_draws)
-    return params, state
+            return _run_on_host(closed, key, key_of, jax.tree.leaves(batch), draws, shapes)
+        # Neither what reads the input nor the drawn parameters' stand-ins are computed.
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(shapes[0])[0]]
+        drawn = [f"{path[0].key}/{path[1].key}" in draws for path in paths]
+        drawn += [False] * (len(from_input) - len(drawn))  # The state's leaves.
+        skip = [reads or stand_in for reads, stand_in in zip(from_input, drawn, strict=True)]
+        return _run_on_host(closed, key, key_of, None, draws, shapes, skip)
 
 
 def abstract_init(
@@ -179,9 +169,8 @@ def _trace_init(forward, key, batch, axis_name, creator):
 
     transformed = hk.transform_with_state(creating)
 
-    def run(key, batch):
-        (params, state), _ = transformed.apply({}, {}, None, key, batch)
-        return params, state
+    def run(key, batch):  # The params and state, not the (empty) state of `creating` itself.
+        return transformed.apply({}, {}, None, key, batch)[0]
 
     if axis_name is not None:  # The network reduces over the axis: bind it over this shard.
         over_axis = jax.vmap(run, in_axes=(None, 0), axis_name=axis_name)
@@ -197,9 +186,10 @@ def _trace_init(forward, key, batch, axis_name, creator):
 
 
 def _run_on_host(closed, key, key_of, batch_leaves, draws, shapes, skip=None):
-    """Runs the traced init on the host device, its key `key_of(key)`: its outputs (None where
-    `skip`), and each distribution's flat draw. Without `batch_leaves` the input is zeros, dead
-    code where `skip` marks what reads it. `HostMemoryError` if the program cannot fit."""
+    """Runs the traced init on the host device, its key `key_of(key)`: the params and state as
+    numpy arrays, zeros where `skip`, `draws` cut from their flat draws. Without `batch_leaves`
+    the input is zeros, dead code where `skip` marks what reads it. `HostMemoryError` if the
+    program cannot fit."""
     skip = skip or [False] * len(closed.jaxpr.outvars)
     sizes: dict[tuple, int] = {}  # Of each distribution's flat draw, in order of first use.
     for draw in draws.values():
@@ -228,8 +218,13 @@ def _run_on_host(closed, key, key_of, batch_leaves, draws, shapes, skip=None):
     _check_fits_in_host_memory(compiled.memory_analysis(), shapes)
     kept, flat = jax.device_get(compiled(key, batch_leaves))
     kept = iter(kept)
-    values = [None if skipped else next(kept) for skipped in skip]
-    return values, dict(zip(sizes, flat, strict=True))
+    leaves, tree = jax.tree.flatten(shapes)
+    values = [
+        np.zeros(leaf.shape, leaf.dtype) if skipped else np.asarray(next(kept))
+        for leaf, skipped in zip(leaves, skip, strict=True)
+    ]
+    params, state = jax.tree.unflatten(tree, values)
+    return _with_draws(params, draws, dict(zip(sizes, flat, strict=True))), state
 
 
 def _check_fits_in_host_memory(memory: Any, shapes: tuple[hk.Params, hk.State]) -> None:
