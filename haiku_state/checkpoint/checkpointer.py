@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import jax
 from absl import logging
 from etils import epath
+from jax.sharding import NamedSharding
 
 from haiku_state import errors, replication, sharding
 from haiku_state.checkpoint import retention, step_format
@@ -223,10 +224,7 @@ class Checkpointer:
 
 def _check_layout(train_state: TrainState, where: str) -> None:
     """A train state must have its device axis unless it is global arrays on a mesh (jit)."""
-    on_a_mesh = all(
-        isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
-        and isinstance(leaf.sharding, jax.sharding.NamedSharding)
-        for leaf in jax.tree.leaves(train_state)
-    )
+    leaves = jax.tree.leaves(train_state)
+    on_a_mesh = all(isinstance(getattr(x, "sharding", None), NamedSharding) for x in leaves)
     if not sharding.is_global(train_state) or not on_a_mesh:
         replication.check_device_axis(train_state, where)

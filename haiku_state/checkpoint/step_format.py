@@ -451,18 +451,14 @@ def _decode(
 ) -> TrainState:
     """The `TrainState` of restored trees, in the layout of `like`."""
     key_data = trees["rng"]["key_data"]
-    ema = _ema(trees, header, like)
+    step = np.asarray(header.step, like.step.dtype)
+    fields = {name: trees[name] for name in REPLICATED_TREES}
+    fields.update(ema=_ema(trees, header, like), step=step)
     if sharding.is_global(like):
-        fields = {name: trees[name] for name in REPLICATED_TREES}
-        rng = _global_key(key_data, header, like.rng.sharding)
-        step = sharding.put_global(np.asarray(header.step, like.step.dtype), like.step.sharding)
-    else:
-        fields = {name: replication.replicate(trees[name], axis_name) for name in REPLICATED_TREES}
-        ema = None if ema is None else replication.replicate(ema, axis_name)
-        rng = _device_keys(key_data, header, axis_name)
-        steps = np.full((jax.local_device_count(),), header.step, like.step.dtype)
-        step = jax.device_put(steps, replication.device_axis_sharding(axis_name))
-    return TrainState(**fields, rng=rng, step=step, ema=ema)
+        fields["step"] = sharding.put_global(step, like.step.sharding)
+        return TrainState(**fields, rng=_global_key(key_data, header, like.rng.sharding))
+    fields = replication.replicate(fields, axis_name)  # Host arrays, copied to every device.
+    return TrainState(**fields, rng=_device_keys(key_data, header, axis_name))
 
 
 def _ema(trees: dict[str, PyTree], header: StepHeader, like: TrainState) -> Ema | None:
