@@ -2,11 +2,10 @@
 
 Process 0 writes entries, every process reads them; a directory this process cannot use turns the
 cache off with one warning that says why. At `enable`, an entry that does not hold what JAX wrote
-under its name (truncated, overwritten, swapped) is removed, said in one line, and its program
-compiled and written anew (JAX never replaces an entry). `MANIFEST` records the size, times, inode
-and SHA-256 of each entry process 0 saw good: an entry whose stat changed must hash as recorded,
-one without a record must decompress into a program of its file's name. Damage after `enable` is
-JAX's own warning or error.
+under its name (truncated, overwritten, swapped) is removed, said in one line, and compiled anew
+(JAX never replaces an entry): one whose stat changed since `MANIFEST` recorded it must hash as
+recorded, one without a record must decompress into a program of its file's name. Damage after
+`enable` is JAX's own warning or error.
 """
 
 from __future__ import annotations
@@ -85,11 +84,11 @@ def record_written() -> None:
         return
     records = _read_manifest(directory)
     try:
-        unrecorded = [entry for entry in _entries(directory) if entry.name not in records]
+        entries = _entries(directory)
     except OSError as e:  # The directory removed meanwhile.
         logging.debug("Compilation cache: %s not recorded (%s).", directory, e)
         return
-    new = {entry.name: _checked(entry, None) for entry in unrecorded}
+    new = {entry.name: _checked(entry, None) for entry in entries if entry.name not in records}
     new = {name: record for name, record in new.items() if record}
     if new:
         _write_manifest(directory, {**records, **new})

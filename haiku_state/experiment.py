@@ -128,12 +128,12 @@ def network_of(
         takes_axis = len(inspect.signature(network).parameters) >= 3
         axis = (cross_replica_axis,) if takes_axis else ()
         forward = network(config, num_classes, *axis)
-        if image_mean is None:
-            return hk.transform_with_state(forward)
 
         def standardized(batch: Any, is_training: bool) -> jax.Array:
-            image = models.standardize_images(batch["image"], image_mean, image_std)
-            return forward({**batch, "image": image}, is_training)
+            if image_mean is not None:
+                image = models.standardize_images(batch["image"], image_mean, image_std)
+                batch = {**batch, "image": image}
+            return forward(batch, is_training)
 
         return hk.transform_with_state(standardized)
     model_options = {k: v for k, v in config.model.items() if k not in ("name", "network")}

@@ -228,11 +228,9 @@ class BlockGroup(hk.Module):
 
     def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
         for block in range(self.num_blocks):
-            first = block == 0
-            stride = self.stride if first else 1
-            x = BottleneckBlock(self.channels, stride, first, self.bn, name=f"block_{block}")(
-                x, is_training
-            )
+            stride, first = (self.stride, True) if block == 0 else (1, False)
+            name = f"block_{block}"
+            x = BottleneckBlock(self.channels, stride, first, self.bn, name=name)(x, is_training)
         return x
 
 
@@ -254,9 +252,8 @@ class ResNet50(hk.Module):
         x = hk.max_pool(x, window_shape=(1, 3, 3, 1), strides=(1, 2, 2, 1), padding="SAME")
         stages = zip((3, 4, 6, 3), (256, 512, 1024, 2048), (1, 2, 2, 2), strict=True)
         for group, (num_blocks, channels, stride) in enumerate(stages):
-            x = BlockGroup(num_blocks, channels, stride, bn, name=f"block_group_{group}")(
-                x, is_training
-            )
+            name = f"block_group_{group}"
+            x = BlockGroup(num_blocks, channels, stride, bn, name=name)(x, is_training)
         x = jnp.mean(x, axis=(1, 2))
         return hk.Linear(self.num_classes, w_init=jnp.zeros, name="logits")(x)
 
@@ -318,9 +315,7 @@ _COMMON_FIELDS = {"num_classes", "cross_replica_axis", "name"}  # The others are
 
 
 @contextlib.contextmanager
-def _mixed_precision(
-    network_class: type[hk.Module], precision: str, batch_norm: str
-) -> Iterator[None]:
+def _mixed_precision(network_class: type, precision: str, batch_norm: str) -> Iterator[None]:
     """Haiku mixed-precision policies: half compute, float32 params and BatchNorm."""
     if precision == "float32":
         yield
@@ -328,6 +323,8 @@ def _mixed_precision(
     policy = jmp.get_policy(f"params=float32,compute={precision},output=float32")
     batch_norm_policy = jmp.get_policy(f"params=float32,compute=float32,output={precision}")
     batch_norm_class = hk.BatchNorm if batch_norm == "haiku" else BatchNorm
-    with hk.mixed_precision.push_policy(network_class, policy):
-        with hk.mixed_precision.push_policy(batch_norm_class, batch_norm_policy):
-            yield
+    with (
+        hk.mixed_precision.push_policy(network_class, policy),
+        hk.mixed_precision.push_policy(batch_norm_class, batch_norm_policy),
+    ):
+        yield
