@@ -4,9 +4,10 @@ Compiled, `forward.init` draws each parameter in a kernel of its own, slow to co
 (for ResNet-50, longer than its forward pass). Here one small program on the host's CPU cuts
 each parameter of a standard random initialiser (`TruncatedNormal`, `RandomNormal`,
 `RandomUniform`) from one flat draw per distribution, takes every other entry from
-`forward.init` with the forward pass dead code, and zeroes state computed from the input
-(BatchNorm's averages, which the first step overwrites). A parameter computed from the input
-makes it `forward.init` as it is. The values are alike on every platform and device count.
+`forward.init` with the forward pass dead code (its own initialiser, `VarianceScaling` too),
+and zeroes state computed from the input (BatchNorm's averages, which the first step
+overwrites). A parameter computed from the input makes it `forward.init` as it is. The values
+are alike on every platform and device count.
 
 A program that does not fit in host memory is refused before it runs (`HostMemoryError`):
 XLA:CPU would leave an output it failed to allocate never ready, a wait no signal ends. On a
