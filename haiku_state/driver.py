@@ -1,15 +1,15 @@
 """The training run in one function: `train_and_evaluate(config, workdir)`.
 
-Read top to bottom it is the whole run: the set-up (every refusal before the
-workdir is touched), the resume, the loop with its actions, the final
-evaluation. A rerun resumes exactly where a stopped run saved; every process of
-a multi-process run makes the same calls, and only process 0 logs.
+Read top to bottom it is the whole run: the set-up (every refusal before the workdir is
+touched), the resume, the loop with its actions, the final evaluation. A rerun resumes exactly
+where a stopped run saved; every process makes the same calls, and only process 0 logs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -39,10 +39,9 @@ def train_and_evaluate(
 ) -> dict[str, float]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final eval.
 
-    `stop` is the process's signal handler (None: one for this call). A signal
-    saves the step reached and raises `signals.Stopped`; call again to resume.
-    `allow_config_change` resumes a run whose config changed its trajectory. Where the start
-    went is logged in one line after the first step (`StartUp`).
+    `stop` is the process's signal handler (None: one for this call). A signal saves the step
+    reached and raises `signals.Stopped`; call again to resume. `allow_config_change` resumes a
+    run whose config changed its trajectory. `StartUp` logs where the start went.
     """
     with StartUp() as startup:
         return _train_and_evaluate(config, workdir, stop, allow_config_change, startup)
@@ -73,22 +72,22 @@ def _train_and_evaluate(
         workdir_lib.owning(workdir),
         _checkpointer(config, workdir) as checkpointer,
     ):
-        record = _checked_record(config, checkpointer, data_record, allow_config_change)
-        like = first_state or _abstract_train_state(experiment, config)
-        training = (checkpointer.latest_step() or 0) < experiment.total_steps
-        with _compiling_ahead(experiment, config, like, training):
-            how, train_state = _restore(first_state, like, experiment, checkpointer)
-            workdir_lib.write_record_on_process_0(record)  # Once the restore succeeded.
-            startup.ended("restore")
-        startup.ended("compile")  # What was left of it.
-        _log_start(how, train_state, experiment, config, workdir)
-        replicas.check_savable(train_state, step_of(train_state))  # What a save checks, too.
-        end, evaluator, monitor = _train(
-            experiment, config, workdir, train_state, checkpointer, data_record, stop, startup
+        train_state = _start(
+            first_state, experiment, checkpointer, data_record, allow_config_change, startup
         )
-        final = _final_evaluation(experiment, config, end, evaluator, checkpointer, stop)
+        end, evaluator, monitor = _train(
+            experiment, workdir, train_state, checkpointer, data_record, stop, startup
+        )
+        final = _final_evaluation(experiment, end, evaluator, checkpointer, stop)
         saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
-    _report_final(workdir, config, end.step, final)
+    if jax.process_index() == 0:  # The curves and the run's last line.
+        network = config.model.name or os.path.basename(config.model.network)
+        summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
+        print(
+            f"Final eval at step {end.step}: {summaries.format_metrics(final)}. "
+            + summaries.describe_outputs(workdir, "checkpoints/"),
+            flush=True,
+        )
     if stop.should_stop_now():  # A signal during the final save, or since: said, not a success.
         raise stop.stopped(
             f"stopped at step {end.step}, the last, after its final evaluation; saved step "
@@ -99,22 +98,8 @@ def _train_and_evaluate(
     return final
 
 
-def _report_final(workdir: str, config: Any, step: int, final: dict[str, float]) -> None:
-    """The curves and the run's last line, by process 0."""
-    if jax.process_index() != 0:
-        return
-    network = config.model.name or os.path.basename(config.model.network)
-    summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
-    print(
-        f"Final eval at step {step}: {summaries.format_metrics(final)}. "
-        + summaries.describe_outputs(workdir, "checkpoints/"),
-        flush=True,
-    )
-
-
 def _train(
     experiment: Experiment,
-    config: Any,
     workdir: str,
     train_state: TrainState,
     checkpointer: checkpoint.Checkpointer,
@@ -122,13 +107,21 @@ def _train(
     stop: signals.StopRequest,
     startup: StartUp,
 ) -> tuple[loop.LoopEnd, Evaluator, divergence.Monitor]:
-    """The loop from the resumed step to the last, with its actions; saves where a signal
-    stopped it."""
-    start_step = step_of(train_state)
-    monitor = _monitor(experiment, config, checkpointer, start_step)
+    """The loop from the resumed step to the last, with its actions; a signal's step is saved."""
+    config, start_step = experiment.config, step_of(train_state)
+    monitor = divergence.Monitor(
+        start_step,
+        divergence.outcome_at(checkpointer, start_step),  # As the resumed checkpoint recorded it.
+        examples_per_step=config.batch_size,
+        eval_examples=data.num_examples(experiment.dataset.test),
+        chance_loss=math.log(experiment.dataset.num_classes),
+    )
+    enabled = jax.process_index() == 0  # Process 0 writes metrics.jsonl and TensorBoard's.
     with (
-        _metric_writer(workdir, experiment.total_steps, start_step) as writer,
-        contextlib.closing(_train_batches(config, experiment, start_step)) as batches,
+        summaries.MetricWriter(
+            workdir, experiment.total_steps, enabled=enabled, resume_step=start_step
+        ) as writer,
+        contextlib.closing(_train_batches(experiment, start_step)) as batches,
         loop.Profiler(
             config.profile_steps, os.path.join(workdir, "profile"), start_step
         ) as profiler,
@@ -136,11 +129,7 @@ def _train(
         window = loop.MetricWindow(start_step, monitor)
         evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
-        logger = loop.MetricLogger(window, writer, None, config.batch_size)
-        evaluate = _saving_on_data_error(evaluator, saver)
-        actions = _actions(config, experiment.steps_per_call, logger, evaluate, saver, profiler)
-        # Processes vote on a signal where they fetch the metrics (a lone one, at every step).
-        stop.agreement = loop.Every(agree_every=config.log_every if jax.process_count() > 1 else 1)
+        actions = _actions(config, experiment.steps_per_call, window, writer, saver, profiler, stop)
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
                 _step_fn(experiment, loop.Every(config.log_every)),  # Where the logger logs.
@@ -160,24 +149,23 @@ def _train(
     return end, evaluator, monitor
 
 
-def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries.MetricWriter:
-    """Process 0's metrics.jsonl and TensorBoard events, rewritten from `start_step` on."""
-    enabled = jax.process_index() == 0
-    return summaries.MetricWriter(workdir, total_steps, enabled=enabled, resume_step=start_step)
-
-
 def _actions(
     config: Any,
     steps_per_call: int,
-    log: loop.MetricLogger,
-    evaluate: Callable[[int, TrainState], None],
+    window: loop.MetricWindow,
+    writer: summaries.MetricWriter,
     save: Saver,
     profile: loop.Profiler,
+    stop: signals.StopRequest,
 ) -> list[loop.PeriodicAction]:
-    """The loop's actions with their cadences, in the order they run at a step: the metrics are
-    logged before the evaluation, whose metrics rank the checkpoint saved after it. The save's
-    timer is read where the metrics are fetched (the processes agree there anyway); the
-    profile ends with the call that reaches its stop step."""
+    """The loop's actions in the order they run at a step: the metrics are logged before the
+    evaluation, whose metrics rank the checkpoint saved after it (an evaluation that cannot read
+    its data saves the step first). The processes vote on the save's timer and on a signal where
+    the metrics are fetched (a lone one, on a signal at every step); the profile ends with the
+    call that reaches its stop step."""
+    stop.agreement = loop.Every(agree_every=config.log_every if jax.process_count() > 1 else 1)
+    log = loop.MetricLogger(window, writer, None, config.batch_size)
+    evaluate = _saving_on_data_error(save.evaluator, save)
     profile_at = [
         math.ceil(step / steps_per_call) * steps_per_call for step in config.profile_steps
     ]
@@ -191,53 +179,37 @@ def _actions(
     ]
 
 
-def _monitor(
-    experiment: Experiment, config: Any, checkpointer: checkpoint.Checkpointer, start_step: int
-) -> divergence.Monitor:
-    """The run's divergence monitor: its outcome as the resumed checkpoint recorded it, the
-    examples its accuracies are measured on, and the chance loss, ln(classes)."""
-    return divergence.Monitor(
-        start_step,
-        divergence.outcome_at(checkpointer, start_step),
-        examples_per_step=config.batch_size,
-        eval_examples=data.num_examples(experiment.dataset.test),
-        chance_loss=math.log(experiment.dataset.num_classes),
-    )
-
-
 def _final_evaluation(
     experiment: Experiment,
-    config: Any,
     end: loop.LoopEnd,
     evaluator: Evaluator,
     checkpointer: checkpoint.Checkpointer,
     stop: signals.StopRequest,
 ) -> dict[str, float]:
-    """The last step's evaluation (the loop's, or one now); `Stopped` if a signal came first."""
-    final = evaluator.metrics_at(end.step)
+    """The last step's evaluation (the loop's, or one now); `Stopped`, saying what is saved, if
+    a signal came first."""
+    latest = checkpointer.latest_step()
     if end.stopped:
-        raise stop.stopped(_stopped_at(end.step, experiment.total_steps, checkpointer))
+        if latest == end.step:
+            saved = f"saved step {end.step}"
+        elif latest is None:
+            saved = "nothing saved (no checkpoint yet)"
+        else:
+            saved = f"nothing new to save (the latest checkpoint is step {latest})"
+        raise stop.stopped(
+            f"stopped at step {end.step} of {experiment.total_steps}; {saved}. Run again to resume."
+        )
+    final = evaluator.metrics_at(end.step)
     if final is None and not stop.should_stop_now():
         logging.info("Already trained to step %d; evaluating.", end.step)
-        final = evaluate_test_split(experiment, end.train_state, config.eval_batch_size, stop=stop)
+        batch_size = experiment.config.eval_batch_size
+        final = evaluate_test_split(experiment, end.train_state, batch_size, stop=stop)
     if final is None:  # A signal came before or during it; the last step is saved.
         raise stop.stopped(
             f"stopped at step {end.step}, the last, before its final evaluation; "
-            f"saved step {checkpointer.latest_step()}. Run again to evaluate."
+            f"saved step {latest}. Run again to evaluate."
         )
     return final
-
-
-def _stopped_at(step: int, last_step: int, checkpointer: checkpoint.Checkpointer) -> str:
-    """Where a signal stopped the loop, and what is saved, for `signals.Stopped`."""
-    latest = checkpointer.latest_step()
-    if latest == step:
-        saved = f"saved step {step}"
-    elif latest is None:
-        saved = "nothing saved (no checkpoint yet)"
-    else:
-        saved = f"nothing new to save (the latest checkpoint is step {latest})"
-    return f"stopped at step {step} of {last_step}; {saved}. Run again to resume."
 
 
 # The set-up and the resume.
@@ -255,24 +227,18 @@ def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> Tra
                 workdir,
             )
         return None
-    fresh = _fresh_train_state(experiment, config)
-    if not config.init_from:
-        return fresh
-    return checkpoint.warm_start(
-        fresh, config.init_from, config.init_skip, experiment.updater.axis_name
-    )
+    fresh = _train_state_at_0(experiment)
+    if config.init_from:
+        axis = experiment.updater.axis_name
+        return checkpoint.warm_start(fresh, config.init_from, config.init_skip, axis)
+    return fresh
 
 
-def _fresh_train_state(experiment: Experiment, config: Any) -> TrainState:
-    return experiment.updater.init(
-        config.seed, placeholder_batch(experiment.dataset, config.batch_size)
-    )
-
-
-def _abstract_train_state(experiment: Experiment, config: Any) -> TrainState:
-    """The train state's shapes and shardings, traced: what a restore reads into."""
+def _train_state_at_0(experiment: Experiment, abstract: bool = False) -> TrainState:
+    """A fresh train state, or (`abstract`) its shapes and shardings: what a restore reads into."""
+    config, updater = experiment.config, experiment.updater
     batch = placeholder_batch(experiment.dataset, config.batch_size)
-    return experiment.updater.abstract_init(batch)
+    return updater.abstract_init(batch) if abstract else updater.init(config.seed, batch)
 
 
 def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
@@ -285,45 +251,45 @@ def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
     )
 
 
-def _checked_record(
-    config: Any,
+def _start(
+    first: TrainState | None,
+    experiment: Experiment,
     checkpointer: checkpoint.Checkpointer,
     data_record: dict[str, Any],
     allow_config_change: bool,
-) -> workdir_lib.RunRecord:
-    """The run's record, once its config and data are checked against the workdir's."""
-    # Damaged, or of another format, is passed over: the restore says which.
-    latest = checkpointer.newest_readable(checkpointer.metadata)
-    return workdir_lib.check_config_on_process_0(
+    startup: StartUp,
+) -> TrainState:
+    """The run's first train state, once its config and data are checked against the workdir's:
+    the latest complete checkpoint read into the state's shapes (nothing is initialised for it)
+    while the run's programs compile, else `first` (or a fresh one, every step being damaged).
+    The workdir's record is written once the restore succeeded; how the run starts is logged."""
+    latest = checkpointer.newest_readable(checkpointer.metadata)  # Damaged ones: the restore's.
+    record = workdir_lib.check_config_on_process_0(
         os.path.dirname(checkpointer.directory),
-        config,
+        experiment.config,
         allow_change=allow_config_change,
         data=data_record,
         has_checkpoint=bool(checkpointer.all_steps()),
         checkpoint_metadata=latest and latest[1],
     )
+    like = first or _train_state_at_0(experiment, abstract=True)
+    training = (checkpointer.latest_step() or 0) < experiment.total_steps
+    with _compiling_ahead(experiment, like, training):
+        how, train_state = "Resuming", checkpointer.restore(like)
+        if train_state is None:
+            init_from = experiment.config.init_from
+            how = f"Starting from {init_from}" if init_from else "Starting"
+            train_state = first if first is not None else _train_state_at_0(experiment)
+        workdir_lib.write_record_on_process_0(record)
+        startup.ended("restore")
+    startup.ended("compile")  # What was left of it.
+    _log_start(how, train_state, experiment, os.path.dirname(checkpointer.directory))
+    replicas.check_savable(train_state, step_of(train_state))  # What a save checks, too.
+    return train_state
 
 
-def _restore(
-    first: TrainState | None,
-    like: TrainState,
-    experiment: Experiment,
-    checkpointer: checkpoint.Checkpointer,
-) -> tuple[str, TrainState]:
-    """How the run starts, and its train state: the latest complete checkpoint read into the
-    shapes and shardings of `like` (nothing is initialised for it), else `first` (or a fresh
-    one, where every step was damaged)."""
-    train_state = checkpointer.restore(like)
-    if train_state is not None:
-        return "Resuming", train_state
+def _log_start(how: str, train_state: TrainState, experiment: Experiment, workdir: str) -> None:
     config = experiment.config
-    how = f"Starting from {config.init_from}" if config.init_from else "Starting"
-    return how, first if first is not None else _fresh_train_state(experiment, config)
-
-
-def _log_start(
-    how: str, train_state: TrainState, experiment: Experiment, config: Any, workdir: str
-) -> None:
     logging.info(
         "%s at step %d of %d%s on %d %s device(s) in %d process(es); workdir %s.",
         how,
@@ -366,9 +332,7 @@ def _step_options(optimizer: Any) -> str:
 def _epochs_note(config: Any, experiment: Experiment) -> str:
     """` (90 epochs of 1251 steps)`: the run's length; warns of less than an epoch of images."""
     examples = data.num_examples(experiment.dataset.train)
-    per_epoch = data.steps_per_epoch(examples, config.batch_size)
-    if per_epoch < 1:
-        return ""
+    per_epoch = data.steps_per_epoch(examples, config.batch_size)  # >= 1: `fit_to_data`.
     epochs = experiment.total_steps / per_epoch
     encoded = experiment.dataset.name in data.ENCODED_DATASETS
     if config.get("num_epochs") is None and epochs < 1 and encoded:
@@ -396,12 +360,12 @@ def _run_metadata(config: Any, data_record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iterator[Any]:
+def _train_batches(experiment: Experiment, start_step: int) -> Iterator[Any]:
     """This process's device batches of the steps from `start_step` to the last."""
     return data.train_batches(
         experiment.dataset.train,
-        config.batch_size,
-        seed=config.seed,
+        experiment.config.batch_size,
+        seed=experiment.config.seed,
         start_step=start_step,
         num_steps=max(0, experiment.total_steps - start_step),
         process=data.ProcessSlice.current(),
@@ -410,18 +374,15 @@ def _train_batches(config: Any, experiment: Experiment, start_step: int) -> Iter
 
 
 @contextlib.contextmanager
-def _compiling_ahead(
-    experiment: Experiment, config: Any, like: TrainState, training: bool
-) -> Iterator[None]:
+def _compiling_ahead(experiment: Experiment, like: TrainState, training: bool) -> Iterator[None]:
     """Compiles (or loads from the cache) every program the run calls, side by side from the
-    shapes and shardings of `like` alone, while the body restores or initialises the state:
-    nothing then compiles inside the loop (seconds a program on an accelerator). A failure
-    here only logs: the call that needs the program compiles it itself, and says what is
-    wrong. A body that raises does not wait for the compiles."""
+    shapes and shardings of `like` alone, while the body restores or initialises the state: none
+    then compiles inside the loop. A failure only logs (the call that needs the program compiles
+    it and says what is wrong); a body that raises does not wait for the compiles."""
     state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
     )
-    compiles = _compiles(experiment, config, state, training)
+    compiles = _compiles(experiment, state, training)
     workers = min(len(compiles), os.cpu_count() or 1)
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
     compiling = [(what, pool.submit(compile_program)) for what, compile_program in compiles]
@@ -437,25 +398,24 @@ def _compiling_ahead(
 
 
 def _compiles(
-    experiment: Experiment, config: Any, state: Any, training: bool
+    experiment: Experiment, state: Any, training: bool
 ) -> list[tuple[str, Callable[[], Any]]]:
     """What `_compiling_ahead` compiles, the longest first: while `training`, the steps without
     and with the global norms (the logged steps'); the evaluation and the replicas' check; and
     the batches' gather where `data.train_batches` gathers them on the devices."""
-    updater, dataset, compiles = experiment.updater, experiment.dataset, []
+    config, dataset, compiles = experiment.config, experiment.dataset, []
+    compile_ahead = experiment.updater.compile_ahead
     if training:
         method, batch = "update", abstract_batch(dataset, config.batch_size)
         if experiment.steps_per_call > 1:  # As the loop hands them: a list, stacked in the step.
             method, batch = "update_steps", [batch] * experiment.steps_per_call
         for norms in (False, True):
-            step = functools.partial(
-                updater.compile_ahead, method, state, batch, with_global_norms=norms
-            )
+            step = functools.partial(compile_ahead, method, state, batch, with_global_norms=norms)
             compiles.append(("A step program", step))
     eval_batch = abstract_batch(dataset, config.eval_batch_size, masked=True)
     # As `evaluate` asks for it: the Updater keys its programs by the norms, evaluate's too.
     evaluation = functools.partial(
-        updater.compile_ahead, "evaluate", state, eval_batch, with_global_norms=False
+        compile_ahead, "evaluate", state, eval_batch, with_global_norms=False
     )
     compiles.append(("The evaluation", evaluation))
     compiles.append(
@@ -490,10 +450,8 @@ class StartUp:
     the compilation cache meanwhile (JAX's monitoring events); one line, logged once."""
 
     def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        before = _seconds_since_process_start()
-        if before is not None:  # Imports, flags and the backend's start, before the driver.
-            self.phases["backend"] = before
+        before = _seconds_since_process_start()  # Imports, flags and the backend's start.
+        self.phases: dict[str, float] = {} if before is None else {"backend": before}
         self.programs, self.cache_hits = 0, 0
         self._mark, self._listening = time.perf_counter(), False
 
@@ -547,27 +505,23 @@ def _seconds_since_process_start() -> float | None:
     return max(0.0, since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+@dataclasses.dataclass
 class Evaluator:
     """The eval action: the test split's metrics, written and shown to the monitor."""
 
-    def __init__(
-        self,
-        experiment: Experiment,
-        batch_size: int,
-        writer: summaries.MetricWriter,
-        stop: signals.StopRequest,
-        monitor: divergence.Monitor,
-    ):
-        self._experiment, self._batch_size = experiment, batch_size
-        self._writer, self._stop, self._monitor = writer, stop, monitor
-        self.latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
+    experiment: Experiment
+    batch_size: int
+    writer: summaries.MetricWriter
+    stop: signals.StopRequest
+    monitor: divergence.Monitor
+    latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
 
     def __call__(self, step: int, train_state: TrainState) -> None:
-        metrics = evaluate_test_split(self._experiment, train_state, self._batch_size, self._stop)
+        metrics = evaluate_test_split(self.experiment, train_state, self.batch_size, self.stop)
         if metrics is not None:  # None: a signal interrupted it.
             self.latest = (step, metrics)
-            self._writer.write(step, "eval", metrics)
-            self._monitor.log_eval(step, metrics)
+            self.writer.write(step, "eval", metrics)
+            self.monitor.log_eval(step, metrics)
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
         return self.latest[1] if self.latest and self.latest[0] == step else None

@@ -1,10 +1,9 @@
 """The training loop: steps with a bounded dispatch queue and periodic actions.
 
-The loop only dispatches steps. Everything else a run does (log, check, evaluate,
-save, profile) is a `PeriodicAction`, run after a call where its cadence (`Every`,
-by steps or by seconds, as jaxline's) is due. Metrics stay on the device until
-the logging action fetches a window of them (`MetricWindow`): the hot path waits
-for nothing but the previous step.
+The loop only dispatches steps. Everything else a run does (log, check, evaluate, save,
+profile) is a `PeriodicAction`, run after a call where its cadence (`Every`) is due. Metrics
+stay on the device until the logging action fetches a window of them (`MetricWindow`): the
+hot path waits for nothing but the previous step.
 """
 
 from __future__ import annotations
@@ -77,20 +76,14 @@ class WindowSummary(NamedTuple):
 
 
 class MetricWindow:
-    """The per-step device metrics the loop has not fetched yet.
-
-    Every fetched loss is shown to the run's `divergence.Monitor` (None: one of
-    the window's own): the first non-finite one raises; window means go to its outcome.
-    """
+    """The per-step device metrics the loop has not fetched yet. Every fetched loss is shown to
+    the run's `divergence.Monitor` (None: one of the window's own): the first non-finite one
+    raises; window means go to its outcome."""
 
     def __init__(self, start_step: int, monitor: divergence.Monitor | None = None):
         self._pending: list[tuple[int, int, Metrics]] = []  # (last step, steps, metrics)
-        self._start = (start_step, time.monotonic())
+        self.start_step, self._start_time = start_step, time.monotonic()
         self._monitor = monitor or divergence.Monitor(start_step)
-
-    @property
-    def start_step(self) -> int:
-        return self._start[0]
 
     def append(self, step: int, metrics: Metrics, num_steps: int = 1) -> None:
         """The metrics of the `num_steps` steps up to `step`: each per step (`[num_steps]`) or,
@@ -99,36 +92,35 @@ class MetricWindow:
 
     def check_finite(self) -> None:
         """Raises FloatingPointError naming the first pending step whose loss is not finite."""
-        self._monitor.observe(_per_step(jax.device_get(self._pending)))
+        self._observed()
 
     def fetch(self, step: int) -> WindowSummary:
         """Fetches, checks and averages the pending metrics, each over the steps that report it
         (the global norms: the logged step alone); the next window starts at `step`."""
-        window = _per_step(jax.device_get(self._pending))
-        self._monitor.observe(window)
-        sums, counts = collections.defaultdict(float), collections.Counter()
-        for _, metrics in window:
+        values = collections.defaultdict(list)
+        for _, metrics in self._observed():
             for name, value in metrics.items():
-                sums[name] += float(value)
-                counts[name] += 1
-        now = time.monotonic()
-        start_step, start_time = self._start
-        self._pending, self._start = [], (step, now)
-        means = {name: total / counts[name] for name, total in sums.items()}
-        self._monitor.log_train(step, means, step - start_step)
-        return WindowSummary(means, step - start_step, now - start_time)
+                values[name].append(float(value))
+        means = {name: sum(of_name) / len(of_name) for name, of_name in values.items()}
+        now, steps = time.monotonic(), step - self.start_step
+        summary = WindowSummary(means, steps, now - self._start_time)
+        self._pending, self.start_step, self._start_time = [], step, now
+        self._monitor.log_train(step, means, steps)
+        return summary
 
-
-def _per_step(blocks: Sequence[tuple[int, int, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    """`(step, metrics)` of every step of fetched blocks `(last step, steps, metrics)`."""
-    per_step = []
-    for last, num_steps, metrics in blocks:
-        for at in range(-num_steps, 0):  # The index of step `last + 1 + at`; scalars: `last`'s.
-            of_step = {
-                k: v[at] if np.ndim(v) else v for k, v in metrics.items() if np.ndim(v) or at == -1
-            }
-            per_step.append((last + 1 + at, of_step))
-    return per_step
+    def _observed(self) -> list[tuple[int, dict[str, Any]]]:
+        """`(step, metrics)` of every pending step, fetched and shown to the monitor."""
+        per_step = []
+        for last, num_steps, metrics in jax.device_get(self._pending):
+            for at in range(-num_steps, 0):  # The index of step `last + 1 + at`; scalars: `last`'s.
+                of_step = {
+                    k: v[at] if np.ndim(v) else v
+                    for k, v in metrics.items()
+                    if np.ndim(v) or at == -1
+                }
+                per_step.append((last + 1 + at, of_step))
+        self._monitor.observe(per_step)
+        return per_step
 
 
 class MetricLogger:
@@ -218,16 +210,13 @@ def run(
     first_call_done: Callable[[], None] | None = None,
 ) -> LoopEnd:
     """Runs steps `first_step + 1 .. last_step`, `steps_per_call` in each call of `step_fn`
-    (a call ends at each multiple of it, and at the last step), the due actions after each call.
+    (a call ends at each multiple of it, and at the last step), the due actions after each call
+    (their cadences are multiples of `steps_per_call`: `config_checks` holds them to it).
 
-    After dispatching call `k` the loop waits for call `k - 1`, so at most two
-    are in flight (deeper queues can abort collectives on simulated CPU
-    devices, and cost nothing on accelerators). Each call is annotated for
-    `jax.profiler`. When `stop` asks for it, the loop ends before the next call,
-    leaving the saving to the caller. Actions are asked at the steps calls end at: their
-    cadences are multiples of `steps_per_call` (`config_checks` holds them to it).
-    `first_call_done` is called once the first call's outputs are ready (where the loop waits
-    for them anyway, or at its end).
+    After dispatching call `k` the loop waits for call `k - 1`: at most two are in flight
+    (deeper queues can abort collectives on simulated CPU devices, and cost nothing on
+    accelerators). When `stop` asks for it, the loop ends before the next call, leaving the
+    saving to the caller. `first_call_done` is called once the first call's outputs are ready.
     """
     in_flight, step = None, first_step
     while step < last_step:
