@@ -45,6 +45,8 @@ def device_axis_sharding(axis_name: str = DEFAULT_AXIS_NAME) -> NamedSharding:
 def check_device_axis(tree: PyTree, where: str, name: str = "train_state") -> None:
     """Raises ValueError naming the first leaf without a leading axis of local devices."""
     num_devices = jax.local_device_count()
+    if all(np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(tree)):
+        return  # The usual case, a cheap scan: the paths only to name what is wrong.
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if np.shape(leaf)[:1] != (num_devices,):
             raise errors.InvalidValue(
@@ -59,26 +61,20 @@ def check_batch(batch: PyTree, where: str) -> None:
     """Raises ValueError (naming `where`) unless every leaf is `[local_devices, per_device_batch,
     ...]` alike, as `shard` makes them."""
     num_devices = jax.local_device_count()
-    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
-    if shapes and all(len(s) >= 2 and s[0] == num_devices and s[1] == shapes[0][1] for s in shapes):
-        return  # The usual case, told from the shapes alone: no leaf's name is formatted.
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise errors.InvalidValue(f"{where}: the batch has no arrays.")
-    per_device_sizes = {}
     for path, leaf in leaves:
-        name = jax.tree_util.keystr(path)
-        shape = np.shape(leaf)
-        if len(shape) < 2 or shape[0] != num_devices:
+        if np.ndim(leaf) < 2 or np.shape(leaf)[0] != num_devices:
             raise errors.InvalidValue(
-                f"{where}: batch leaf {name} has shape {shape}; expected "
-                f"[local_devices={num_devices}, per_device_batch, ...]. Use hs.shard() "
+                f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape {np.shape(leaf)}; "
+                f"expected [local_devices={num_devices}, per_device_batch, ...]. Use hs.shard() "
                 "to split a host batch over the devices."
             )
-        per_device_sizes[name] = shape[1]
-    if len(set(per_device_sizes.values())) > 1:
+    if len({np.shape(leaf)[1] for _, leaf in leaves}) > 1:
+        sizes = {jax.tree_util.keystr(path): np.shape(leaf)[1] for path, leaf in leaves}
         raise errors.InvalidValue(
-            f"{where}: batch leaves disagree on the per-device batch size: {per_device_sizes}."
+            f"{where}: batch leaves disagree on the per-device batch size: {sizes}."
         )
 
 
@@ -241,10 +237,8 @@ def _across_processes(mapped: Callable[..., Any], mesh: Mesh, out_specs: Any) ->
 class PerDeviceLayout:
     """The layout of the `pmap` and `shard_map` backends: every train-state leaf on a leading
     axis of local devices, each device's step on its own slice, averaged over `axis_name`.
-
-    Its programs fit train states of any shape (pmap's own cache keys them), so `signature` is
-    one value; `shardings` is None: a rejected leaf is named by `check_device_axis`.
-    """
+    Its programs fit train states of any shape (pmap's own cache keys them): `signature` is one
+    value; `shardings` is None: a rejected leaf is named by `check_device_axis`."""
 
     param_sharding = "replicated"  # Every device holds a whole replica.
     batch_shards = 1  # A device's step sees its own examples: one block.
@@ -295,10 +289,7 @@ class PerDeviceLayout:
     def check(self, train_state: Any, where: str) -> None:
         """shard_map would hand each device a slice of a leaf a multiple of the devices long:
         refused here (pmap refuses it itself, and `check_device_axis` then names the leaf)."""
-        num_devices = jax.local_device_count()
-        if self.backend == "shard_map" and not all(
-            np.shape(leaf)[:1] == (num_devices,) for leaf in jax.tree.leaves(train_state)
-        ):  # Every call: a cheap scan; `check_device_axis` only to name what is wrong.
+        if self.backend == "shard_map":
             check_device_axis(train_state, where)
 
 

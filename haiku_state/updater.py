@@ -1,13 +1,10 @@
 """The Updater: one data-parallel training step over Haiku params and state.
 
-`train_step` is the step, a pure function; the `Updater` holds a layout that places the train
-state and compiles the step for it (`sharding.layout`). The per-device layout (`pmap`,
-`shard_map`): a leading axis of local devices on every leaf, identical but for `rng` (a key per
-device); gradients and the Haiku state's floating leaves are `pmean`ed, so replicas stay
-identical. The global layout (`jit`): global arrays on `replication.global_mesh`, one key, the
-step over the global batch. Optionally the step accumulates gradients over micro-batches
-(`lax.scan`, so the step count stays in optimizer steps) and keeps an exponential moving
-average of params and state.
+`train_step` is the step, a pure function (micro-batches and moving averages optional); the
+`Updater` runs it in a layout (`sharding.layout`) that places the train state and compiles the
+step: per device (`pmap`, `shard_map`: a leading axis of local devices, a key per device,
+gradients and floating Haiku state `pmean`ed so replicas stay identical) or global (`jit`:
+global arrays on `replication.global_mesh`, one key, the step over the global batch).
 """
 
 from __future__ import annotations
@@ -112,22 +109,14 @@ NORMS = ("l2_grads", "l2_params", "l2_updates")
 LOGGED_ONLY = (*NORMS, "learning_rate")
 
 
-def global_norms(*trees: Any) -> Metrics:
-    """Global L2 norms of (grads, params, updates), big_vision's names: the first thing to read."""
-    return {
+def _logged_only(trees: tuple, learning_rate: optax.Schedule | None, step: jax.Array) -> Metrics:
+    """A logged step's own metrics: the global L2 norms of (grads, params, updates) and, given a
+    schedule, the learning rate it used. Only logged steps compute them: the norms cost time, and
+    a `lax.cond` skipping them costs more (it keeps `updates` whole): benchmarks/README.md."""
+    metrics = {
         name: optax.tree.norm(tree).astype(jnp.float32)
         for name, tree in zip(NORMS, trees, strict=True)
     }
-
-
-def _logged_only(trees: tuple | None, learning_rate: optax.Schedule | None, step: jax.Array):
-    """A logged step's own metrics: the `global_norms` of `trees` (None: not logged) and, given
-    a schedule, the `learning_rate` the step used (no program of its own for the log). Only the
-    logged steps' programs compute the norms: they cost time in every step, and a `lax.cond`
-    that skips them costs more (it keeps `updates` whole): benchmarks/README.md."""
-    if trees is None:
-        return {}
-    metrics = global_norms(*trees)
     if learning_rate is not None:
         metrics["learning_rate"] = jnp.asarray(learning_rate(step), jnp.float32)
     return metrics
@@ -164,7 +153,6 @@ def accumulated_gradients(
     threaded through them (BatchNorm's moving averages move once per micro-batch)."""
     if steps == 1:
         return grad_fn(params, state, key, batch)
-    split = functools.partial(micro_batches, steps=steps, shards=shards)
 
     def accumulate(carry, key_and_micro_batch):
         grad_sum, state = carry
@@ -172,7 +160,8 @@ def accumulated_gradients(
         return (jax.tree.map(jnp.add, grad_sum, grads), state), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    inputs = (jax.random.split(key, steps), jax.tree.map(split, batch))
+    split = jax.tree.map(lambda x: micro_batches(x, steps, shards), batch)
+    inputs = (jax.random.split(key, steps), split)
     (grad_sum, new_state), (losses, metrics) = jax.lax.scan(accumulate, (zeros, state), inputs)
     mean = functools.partial(jnp.mean, axis=0)
     grads = jax.tree.map(lambda total: total / steps, grad_sum)
@@ -192,9 +181,7 @@ def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = F
     return jax.tree.map(mean_if_floating, tree)
 
 
-def _scaled_loss_gradient(
-    forward: hk.TransformedWithState, loss_fn: LossFn, scale: jmp.LossScale
-) -> Callable[..., Any]:
+def _scaled_loss_gradient(forward: hk.TransformedWithState, loss_fn: LossFn, scale: jmp.LossScale):
     """`(params, state, key, batch) -> (grads, (loss, new_state, metrics))` of the loss times
     `scale`: the gradient `accumulated_gradients` takes."""
 
@@ -240,20 +227,20 @@ def train_step(
     )
     grads = scale.unscale(_mean_over_devices(grads, axis_name))
     new_state = _mean_over_devices(new_state, axis_name, floating_only=True)
-    updates, new_optimizer_state = optimizer.update(grads, optimizer_state, params)
+    updates, new_opt_state = optimizer.update(grads, optimizer_state, params)
     new_params = optax.apply_updates(params, updates)
     new_ema = None if ema is None else ema_update(ema, new_params, new_state, ema_decay)
-    logged = (grads, new_params, updates) if with_global_norms else None
-    metrics = {"loss": loss, **metrics, **_logged_only(logged, learning_rate, step)}
-    new_opt_state = new_optimizer_state
+    metrics = {"loss": loss, **metrics}
+    if with_global_norms:
+        metrics.update(_logged_only((grads, new_params, updates), learning_rate, step))
     if scaled:  # A step with non-finite gradients is skipped, and the scale adjusted.
         grads_finite = jmp.all_finite(grads)  # Averaged: every device decides alike.
-        new_params, new_state, new_optimizer_state, new_ema = jmp.select_tree(
+        new_params, new_state, new_opt_state, new_ema = jmp.select_tree(
             grads_finite,
-            (new_params, new_state, new_optimizer_state, new_ema),
+            (new_params, new_state, new_opt_state, new_ema),
             (params, state, optimizer_state, ema),
         )
-        new_opt_state = pack_loss_scale(new_optimizer_state, scale.adjust(grads_finite))
+        new_opt_state = pack_loss_scale(new_opt_state, scale.adjust(grads_finite))
         metrics["loss_scale"] = scale.loss_scale
     metrics = _mean_over_devices(metrics, axis_name)
     return TrainState(new_params, new_state, new_opt_state, rng, step + 1, new_ema), metrics
@@ -265,7 +252,6 @@ def train_steps(
     """`step_fn` (a `train_step`) over the leading axis of `batches`, in one `lax.scan`: several
     steps in one call. Each metric comes back per step (that axis first), the norms (and
     learning rate) of the last step alone, which runs apart when asked for them."""
-    num_steps = jax.tree.leaves(batches)[0].shape[0]
 
     def scanned_step(carry: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         new_train_state, metrics = step_fn(carry, batch, with_global_norms=False)
@@ -274,7 +260,7 @@ def train_steps(
     if not with_global_norms:
         return jax.lax.scan(scanned_step, train_state, batches)
     per_step = []
-    if num_steps > 1:
+    if jax.tree.leaves(batches)[0].shape[0] > 1:
         head = jax.tree.map(lambda x: x[:-1], batches)
         train_state, metrics = jax.lax.scan(scanned_step, train_state, head)
         per_step.append(metrics)
@@ -323,8 +309,7 @@ def init_train_state(
     loss_scale: jmp.LossScale | None,
     params: hk.Params,
     state: hk.State,
-    run_key_data: Any,
-    key_impl: str,
+    run_key: jax.Array,
     num_devices: int | None = None,
     first_index: int = 0,
     *,
@@ -335,20 +320,14 @@ def init_train_state(
     opt_state = optimizer.init(params)
     if loss_scale is not None:
         opt_state = pack_loss_scale(opt_state, loss_scale)
-    run_key = jax.random.wrap_key_data(run_key_data, impl=key_impl)
-    step = jnp.zeros((), jnp.int32)
     ema = Ema(*jax.tree.map(jnp.copy, (params, state))) if keep_ema else None
+    first = TrainState(params, state, opt_state, run_key, jnp.zeros((), jnp.int32), ema)
     if num_devices is None:
-        return TrainState(params, state, opt_state, run_key, step, ema)
+        return first
     copies = jax.tree.map(
-        lambda x: jnp.broadcast_to(x, (num_devices, *x.shape)), (params, state, opt_state, ema)
+        lambda x: jnp.broadcast_to(x, (num_devices, *x.shape)), first._replace(rng=None)
     )
-    rng = per_device_keys(run_key, num_devices, first_index)
-    return TrainState(*copies[:3], rng, jnp.broadcast_to(step, (num_devices,)), copies[3])
-
-
-def _typed_key(key: jax.Array) -> jax.Array:
-    return key if replication.is_key(key) else jax.random.wrap_key_data(key)
+    return copies._replace(rng=per_device_keys(run_key, num_devices, first_index))
 
 
 def _as_seed(seed: int | jax.Array) -> Any:
@@ -359,15 +338,23 @@ def _as_seed(seed: int | jax.Array) -> Any:
     return seed
 
 
-def _keys_of_seed(seed: Any, *, partitionable: bool) -> tuple[jax.Array, jax.Array]:
-    """The init and run keys, typed: the first two of `hk.PRNGSequence(seed)` for an integer
-    seed or a key, split with `jax_threefry_partitionable` as the caller had it. Called while
-    a program is traced, so the keys cost no program of their own."""
-    with jax.threefry_partitionable(partitionable):
-        if jnp.ndim(seed) == 0 and jnp.issubdtype(jnp.result_type(seed), jnp.integer):
-            seed = jax.random.PRNGKey(seed)
-        sequence = hk.PRNGSequence(seed)
-        return _typed_key(next(sequence)), _typed_key(next(sequence))
+def _seed_keys(layout: Any) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
+    """`seed -> (init key, run key)`, typed: the first two of `hk.PRNGSequence(seed)` for an
+    integer seed or a key, split as the layout's programs split (`layout.random_bits()`). Called
+    while a program is traced, so the keys cost no program of their own."""
+    with layout.random_bits():
+        partitionable = jax.config.jax_threefry_partitionable
+
+    def keys_of(seed: Any) -> tuple[jax.Array, jax.Array]:
+        with jax.threefry_partitionable(partitionable):
+            if jnp.ndim(seed) == 0 and jnp.issubdtype(jnp.result_type(seed), jnp.integer):
+                seed = jax.random.key(seed)
+            elif not replication.is_key(seed):
+                seed = jax.random.wrap_key_data(seed)
+            sequence = hk.PRNGSequence(seed)
+            return next(sequence), next(sequence)
+
+    return keys_of
 
 
 def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
@@ -376,16 +363,6 @@ def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
     losses = np.atleast_1d(jax.device_get(metrics["loss"]))
     first = step_of(train_state) - len(losses) + 1
     replicas.check_finite_losses([(first + i, {"loss": x}) for i, x in enumerate(losses)])
-
-
-def _init_from_seed(
-    init_fn: Callable, keys_of: Callable, params: hk.Params, state: hk.State, seed: Any, **devices
-) -> TrainState:
-    """`init_fn` (an `init_train_state`) with the run key of `seed`, traced: drawn where the
-    train state is placed."""
-    run_key = keys_of(seed)[1]
-    key_impl = str(jax.random.key_impl(run_key))
-    return init_fn(params, state, jax.random.key_data(run_key), key_impl, **devices)
 
 
 def _first_shard_on_host(x: Any) -> np.ndarray:
@@ -397,67 +374,38 @@ def _first_shard_on_host(x: Any) -> np.ndarray:
 METHODS = ("update", "update_steps", "evaluate")  # The Updater's calls, a program each.
 
 
-def _pure_function(
-    method: str, step_fn: Callable, eval_fn: Callable, with_global_norms: bool, listed: bool
+def _build_program(
+    layout: Any, train_state: Any, method: str, step: Callable, eval_fn: Callable, options: tuple
 ) -> Callable[..., Any]:
-    """The pure function behind an Updater method: `train_step`, `train_steps` or `eval_step`;
-    `listed`: `train_steps` of a list of batches, stacked first."""
+    """The layout's program of `method`: `eval_fn`, or `step` (a `train_step`) once or in
+    `train_steps`; `options`, `(with_global_norms, listed)`: `listed` for a list of batches,
+    stacked inside the program, not by the layout."""
+    with_global_norms, listed = options
     if method == "evaluate":
-        return eval_fn
+        return layout.program(eval_fn, train_state, updates=False, steps_axis=False)
     if method == "update_steps":
-        step_fn = functools.partial(train_steps, step_fn=step_fn)
-    step_fn = functools.partial(step_fn, with_global_norms=with_global_norms)
-    if not listed:
-        return step_fn
+        step = functools.partial(train_steps, step_fn=step)
+    pure = functools.partial(step, with_global_norms=with_global_norms)
 
     def on_listed_batches(train_state: TrainState, batches: list[Batch]):
-        return step_fn(train_state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
+        return pure(train_state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
 
-    return on_listed_batches
-
-
-def _layout_program(layout: Any, fn: Callable, train_state: Any, method: str, listed: bool):
-    """The layout's program of `fn`, the pure function of `method` (`listed`: batches in a
-    list, stacked inside `fn`, not by the layout)."""
     stacked = method == "update_steps" and not listed
-    return layout.program(fn, train_state, updates=method != "evaluate", steps_axis=stacked)
-
-
-def _keys_split_as(layout: Any) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
-    """`_keys_of_seed`, splitting as `layout.random_bits()` has it (the keys' own context)."""
-    with layout.random_bits():
-        partitionable = jax.config.jax_threefry_partitionable
-    return functools.partial(_keys_of_seed, partitionable=partitionable)
-
-
-def _is_list(batches: Any) -> bool:
-    return isinstance(batches, (list, tuple))
-
-
-def _run_explained(layout: Any, program: Callable, train_state: Any, batch: Any, method: str):
-    """`program(train_state, batch)` with the layout's random bits; an argument it rejects
-    (before running or donating) explained by `updater_arguments.explain_rejection`."""
-    try:
-        with layout.random_bits():
-            return program(train_state, batch)
-    except (NameError, ValueError, TypeError) as error:
-        updater_arguments.explain_rejection(error, train_state, method, layout)
-        raise
+    fn = on_listed_batches if listed else pure
+    return layout.program(fn, train_state, updates=True, steps_axis=stacked)
 
 
 class Updater:
     """Initialises and updates a `TrainState` with a data-parallel step.
 
-    `loss_fn(outputs, batch)` gives a scalar loss and scalar metrics, of each device's shard
-    (pmap, shard_map) or the global batch (jit); `augment_fn(key, batch)` runs in every step.
-    `backend` picks the layout (`sharding.layout`), which places the state and builds each
-    program from the pure step; `axis_name` names its device axis. `check_finite`: an update
-    raises `FloatingPointError` on a non-finite loss naming its step, counted from 1 as the loop
-    logs steps (a host sync per call). `loss_scale`: a `jmp` scale (float16), kept in
-    `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`. `accumulation_steps`: each
-    step's gradients are the mean over that many micro-batches of every device's shard.
-    `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses. `learning_rate` (also an
-    attribute, read as each program is built): a schedule whose value the logged steps report.
+    `loss_fn(outputs, batch)`: a scalar loss and scalar metrics of each device's shard (pmap,
+    shard_map) or of the global batch (jit); `augment_fn(key, batch)` runs in every step.
+    `backend` picks the layout (`sharding.layout`); `axis_name` names its device axis.
+    `check_finite`: an update raises `FloatingPointError` naming the step (counted from 1, as
+    logged) of a non-finite loss: a host sync per call. `loss_scale`: a `jmp` scale (float16)
+    kept in `opt_state`. `param_sharding`: "fsdp" needs `backend="jit"`. `accumulation_steps`:
+    micro-batches per step. `ema_decay`: the `TrainState` keeps `ema`, which `evaluate` uses.
+    `learning_rate` (an attribute, read as each program is built): a schedule logged steps report.
     """
 
     def __init__(
@@ -500,39 +448,38 @@ class Updater:
         self._eval_step = functools.partial(eval_step, **common)
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
-        """The first `TrainState`, params and state drawn on the host from `seed` (int or key);
-        of the sharded `batch` only shapes matter, unless a parameter is computed from it.
-        The keys of `seed` are split inside the two programs that use them: none of their own."""
-        seed, keys_of = _as_seed(seed), _keys_split_as(self.layout)
+        """The first `TrainState`, params and state drawn on the host from `seed` (int or key; its
+        keys split inside the two programs that use them); of the sharded `batch` only shapes
+        matter, unless a parameter is computed from it."""
+        seed, keys_of = _as_seed(seed), _seed_keys(self.layout)
         init = functools.partial(initialization.init, key_of=lambda s: keys_of(s)[0])
         params, state = self._params_and_state(init, seed, batch, "init")
-        init_fn = functools.partial(_init_from_seed, self._init_fn, keys_of)
+
+        def init_fn(params, state, seed, **devices):  # The run key, drawn where it is placed.
+            return self._init_fn(params, state, keys_of(seed)[1], **devices)
+
         return self.layout.init(init_fn, params, state, seed)
 
     def abstract_init(self, batch: Batch) -> TrainState:
         """What `init` would give, as sharded `jax.ShapeDtypeStruct`s: what a restore reads into."""
         key = jax.eval_shape(jax.random.key, 0)  # Its shape and type: no program.
-        abstract_init = initialization.abstract_init
-        params, state = self._params_and_state(abstract_init, key, batch, "abstract_init")
-        key_data = jax.eval_shape(jax.random.key_data, key)
-        init_fn = functools.partial(self._init_fn, key_impl=replication.key_impl_name(key))
-        return self.layout.abstract_init(init_fn, params, state, key_data)
+        init = initialization.abstract_init
+        params, state = self._params_and_state(init, key, batch, "abstract_init")
+        return self.layout.abstract_init(self._init_fn, params, state, key)
 
     def update(
         self, train_state: TrainState, batch: Batch, *, with_global_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
         """One step on a sharded batch, `train_state` donated; the global batch's `loss`, loss_fn
-        metrics and, `with_global_norms`, `l2_grads`, `l2_params` (updated) and `l2_updates`.
-        With and without the norms are two programs."""
+        metrics and, `with_global_norms` (a program of its own), the `NORMS` (params updated)."""
         return self._call("update", train_state, batch, with_global_norms)
 
     def update_steps(
         self, train_state: TrainState, batches: Batch, *, with_global_norms: bool = True
     ) -> tuple[TrainState, Metrics]:
-        """`n` steps in one call (a `lax.scan`) on the list of their `n` sharded batches, or them
-        stacked after the device axis (`[devices, n, per_device_batch, ...]`, `stack_steps`):
-        the same keys and updates as `n` calls of `update`, one dispatch. Each metric comes back
-        per step, `[n]`; `with_global_norms`, the norms of the last step (scalars)."""
+        """`n` steps in one dispatch (a `lax.scan`), alike `n` calls of `update`, on a list of `n`
+        sharded batches or them stacked as `[devices, n, per_device_batch, ...]` (`stack_steps`).
+        Each metric comes back per step, `[n]`; the norms, of the last step (scalars)."""
         return self._call("update_steps", train_state, batches, with_global_norms)
 
     def evaluate(self, train_state: TrainState, batch: Batch) -> Metrics:
@@ -567,10 +514,15 @@ class Updater:
             return init(self._forward, key, shard, axis_name=self.layout.collective_axis)
 
     def _call(self, method: str, train_state: TrainState, batch: Batch, with_global_norms: bool):
-        """Runs the program of `method`, a rejected argument explained (`check_finite`: the
-        update's losses checked)."""
+        """Runs the program of `method`: an argument it rejects (before running or donating)
+        explained by `updater_arguments.explain_rejection`; `check_finite`: the losses checked."""
         program, batch = self._program(method, train_state, batch, with_global_norms)
-        outputs = _run_explained(self.layout, program, train_state, batch, method)
+        try:
+            with self.layout.random_bits():
+                outputs = program(train_state, batch)
+        except (NameError, ValueError, TypeError) as error:
+            updater_arguments.explain_rejection(error, train_state, method, self.layout)
+            raise
         if self._check_finite and method != "evaluate":
             _check_finite_losses(*outputs)
         return outputs
@@ -581,14 +533,14 @@ class Updater:
         updater_arguments.check_method(method, METHODS)
         updater_arguments.check_arguments(train_state, batch, method, TrainState, self.layout)
         updater_arguments.check_ema(train_state, self.ema_decay, method)
-        listed = method == "update_steps" and _is_list(batch)
+        listed = method == "update_steps" and isinstance(batch, (list, tuple))
         if method == "update_steps" and not listed:
             replication.check_stacked_batches(batch, method)
         with_global_norms = with_global_norms and method != "evaluate"  # It has no norms.
-        kind = (method, with_global_norms, listed, self.learning_rate)
-        key = (*kind, self.layout.signature(train_state))
+        options = (with_global_norms, listed)
+        key = (method, *options, self.learning_rate, self.layout.signature(train_state))
         if key not in self._programs:
             step = functools.partial(self._step, learning_rate=self.learning_rate)
-            fn = _pure_function(method, step, self._eval_step, with_global_norms, listed)
-            self._programs[key] = _layout_program(self.layout, fn, train_state, method, listed)
+            args = (train_state, method, step, self._eval_step, options)
+            self._programs[key] = _build_program(self.layout, *args)
         return self._programs[key], self.layout.view(batch)
