@@ -228,16 +228,7 @@ def restore_step(
             _into_structure(saved_opt_state, tree)
             for tree in (model_opt_state, placements["opt_state"])
         )
-    problem = checkpoint_integrity.first_mismatch(expected, header.trees)
-    model_key_impl = replication.key_impl_name(like.rng)
-    if problem is None and header.key_impl != model_key_impl:
-        problem = f"rng: checkpoint keys are {header.key_impl} vs model {model_key_impl}"
-    if problem is not None:
-        hint = OPT_STATE_HINT if problem.startswith("opt_state") else ""
-        raise errors.InvalidValue(
-            f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
-            f"{problem}{hint}. Nothing was restored and no file was changed."
-        )
+    _refuse_a_misfit(manager, step, expected, header, replication.key_impl_name(like.rng))
     expected["rng"] = header.saved["rng"]  # With the saved number of keys.
     on_this_process = all(s.is_fully_addressable for s in jax.tree.leaves(placements))
     if on_this_process or header.version == 1:  # Version 1: a per-device run's, it fits one.
@@ -259,6 +250,25 @@ def restore_step(
             header.step,
         )
     return _decode(trees, header, like, axis_name)
+
+
+def _refuse_a_misfit(
+    manager: ocp.CheckpointManager,
+    step: int,
+    expected: PyTree,
+    header: StepHeader,
+    model_key_impl: str,
+) -> None:
+    """Refuses a step whose arrays or keys do not fit the model's, before any array is read."""
+    problem = checkpoint_integrity.first_mismatch(expected, header.trees)
+    if problem is None and header.key_impl != model_key_impl:
+        problem = f"rng: checkpoint keys are {header.key_impl} vs model {model_key_impl}"
+    if problem is not None:
+        hint = OPT_STATE_HINT if problem.startswith("opt_state") else ""
+        raise errors.InvalidValue(
+            f"Checkpoint {_step_dir(manager, step)} does not fit the configured model: "
+            f"{problem}{hint}. Nothing was restored and no file was changed."
+        )
 
 
 # Appended to a refusal for a mismatch in `opt_state`.
