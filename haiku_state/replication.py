@@ -185,7 +185,7 @@ def parallelize(
     out_axes: Any = 0,
     donate_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
-    """Runs `per_device_fn` on every device's slice of its arguments' leading axis, by "pmap" or
+    """`per_device_fn` on every device's slice of its arguments' leading axis, by "pmap" or
     "shard_map" (`jit(shard_map)` over `global_mesh`). `out_axes`: a tree prefix of the outputs,
     0 to keep the device axis or None for a value alike on every device, returned once."""
     if backend not in PER_DEVICE_BACKENDS:
@@ -287,15 +287,13 @@ class PerDeviceLayout:
         return batch
 
     def check(self, train_state: Any, where: str) -> None:
-        """shard_map would hand each device a slice of a leaf a multiple of the devices long:
-        refused here (pmap refuses it itself, and `check_device_axis` then names the leaf)."""
+        """Refuses for shard_map a leaf without the device axis (pmap refuses it itself)."""
         if self.backend == "shard_map":
             check_device_axis(train_state, where)
 
 
 def _on_local_devices(init_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`init_fn(params, state, key_data, num_devices, first_index)` for this process's devices:
-    their keys are those of their global indices."""
+    """`init_fn` for this process's devices, whose keys are those of their global indices."""
     num_devices = jax.local_device_count()
     first_index = jax.process_index() * num_devices
     return functools.partial(init_fn, num_devices=num_devices, first_index=first_index)

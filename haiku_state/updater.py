@@ -1,10 +1,8 @@
 """The Updater: one data-parallel training step over Haiku params and state.
 
-`train_step` is the step, a pure function (micro-batches and moving averages optional); the
-`Updater` runs it in a layout (`sharding.layout`) that places the train state and compiles the
-step: per device (`pmap`, `shard_map`: a leading axis of local devices, a key per device,
-gradients and floating Haiku state `pmean`ed so replicas stay identical) or global (`jit`:
-global arrays on `replication.global_mesh`, one key, the step over the global batch).
+`train_step` is the step, a pure function; the `Updater` runs it in a layout (`sharding.layout`)
+per device (`pmap`, `shard_map`: a key per device, gradients and floating Haiku state `pmean`ed
+so replicas stay identical) or global (`jit`: global arrays, one key, the global batch).
 """
 
 from __future__ import annotations
@@ -49,16 +47,15 @@ class TrainState(NamedTuple):
 
 
 def evaluated(train_state: TrainState) -> tuple[hk.Params, hk.State]:
-    """The params and state that evaluation, prediction and export use: the moving averages
-    when the run keeps them (as big_vision and jaxline evaluate), else the trained ones."""
+    """What evaluation, prediction and export use: the moving averages when kept (as big_vision
+    and jaxline evaluate), else the trained params and state."""
     if train_state.ema is not None:
         return train_state.ema.params, train_state.ema.state
     return train_state.params, train_state.state
 
 
 def ema_update(ema: Ema, params: hk.Params, state: hk.State, decay: float) -> Ema:
-    """`decay * ema + (1 - decay) * new` of every floating leaf; an integer leaf (BatchNorm's
-    `counter`) takes the new value."""
+    """`decay * ema + (1 - decay) * new`; an integer leaf (BatchNorm's `counter`) takes `new`."""
 
     def average(old: jax.Array, new: jax.Array) -> jax.Array:
         if not jnp.issubdtype(new.dtype, jnp.inexact):
@@ -123,10 +120,9 @@ def _logged_only(trees: tuple, learning_rate: optax.Schedule | None, step: jax.A
 
 
 def micro_batches(x: jax.Array, steps: int, shards: int) -> jax.Array:
-    """`[shards * b, ...] -> [steps, shards * b // steps, ...]`: micro-batch `i` is the `i`-th
-    of `steps` equal parts of each of the `shards` blocks the batch is laid out in (the devices
-    of a jit mesh; 1 for a device's own shard), so no example moves between devices and a
-    micro-batch holds the same examples on every backend."""
+    """`[shards * b, ...] -> [steps, shards * b // steps, ...]`: micro-batch `i`, the `i`-th part
+    of each of the `shards` blocks (a jit mesh's devices; 1 for a device's own shard): no example
+    moves between devices, and a micro-batch holds the same examples on every backend."""
     per_shard = x.shape[0] // shards
     if per_shard % steps:
         raise errors.InvalidValue(
@@ -147,10 +143,9 @@ def accumulated_gradients(
     steps: int,
     shards: int,
 ) -> tuple[Any, tuple[jax.Array, hk.State, Metrics]]:
-    """`grad_fn(params, state, key, batch) -> (grads, (loss, new_state, metrics))` of the batch,
-    or with `steps` > 1 the mean over its `micro_batches` (a `lax.scan`: one micro-batch's
-    activations in memory at a time) of the gradients, loss and metrics, with the Haiku state
-    threaded through them (BatchNorm's moving averages move once per micro-batch)."""
+    """`grad_fn(params, state, key, batch) -> (grads, (loss, new_state, metrics))`, averaged over
+    `steps` `micro_batches` in a `lax.scan` (one micro-batch's activations in memory at a time),
+    the Haiku state threaded through them (BatchNorm's averages move once per micro-batch)."""
     if steps == 1:
         return grad_fn(params, state, key, batch)
 
@@ -182,8 +177,7 @@ def _mean_over_devices(tree: Any, axis_name: str | None, floating_only: bool = F
 
 
 def _scaled_loss_gradient(forward: hk.TransformedWithState, loss_fn: LossFn, scale: jmp.LossScale):
-    """`(params, state, key, batch) -> (grads, (loss, new_state, metrics))` of the loss times
-    `scale`: the gradient `accumulated_gradients` takes."""
+    """The gradient `accumulated_gradients` takes, of the loss times `scale`."""
 
     def scaled_loss(params, state, key, batch):
         outputs, new_state = forward.apply(params, state, key, batch, is_training=True)
@@ -211,8 +205,7 @@ def train_step(
     learning_rate: optax.Schedule | None = None,
 ) -> tuple[TrainState, Metrics]:
     """One step on one device's shard (averaged over `axis_name`) or on the global batch (None),
-    in `accumulation_steps` micro-batches (`accumulated_gradients`); `ema_decay` with `ema`.
-    `with_global_norms` and a `learning_rate` schedule: its value at the step, for the log."""
+    in `accumulation_steps` micro-batches; `ema_decay` with `ema`; `_logged_only` if asked."""
     params, state, opt_state, rng, step, ema = train_state
     rng, step_key = jax.random.split(rng)
     augment_key, apply_key = jax.random.split(step_key)
@@ -249,9 +242,8 @@ def train_step(
 def train_steps(
     train_state: TrainState, batches: Batch, *, with_global_norms: bool, step_fn: Callable[..., Any]
 ) -> tuple[TrainState, Metrics]:
-    """`step_fn` (a `train_step`) over the leading axis of `batches`, in one `lax.scan`: several
-    steps in one call. Each metric comes back per step (that axis first), the norms (and
-    learning rate) of the last step alone, which runs apart when asked for them."""
+    """`step_fn` (a `train_step`) over the leading axis of `batches` in one `lax.scan`: metrics
+    per step, the `LOGGED_ONLY` of the last step alone, which runs apart when asked for them."""
 
     def scanned_step(carry: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         new_train_state, metrics = step_fn(carry, batch, with_global_norms=False)
@@ -295,8 +287,7 @@ def eval_step(
     loss_fn: LossFn,
     axis_name: str | None,
 ) -> Metrics:
-    """The loss and metrics with `is_training=False` of the `evaluated` params and state,
-    averaged as `train_step`'s are."""
+    """The loss and metrics of the `evaluated` params and state, averaged as `train_step`'s."""
     params, state = evaluated(train_state)
     outputs, _ = forward.apply(params, state, train_state.rng, batch, is_training=False)
     loss, metrics = loss_fn(outputs, batch)
@@ -315,8 +306,8 @@ def init_train_state(
     *,
     keep_ema: bool = False,
 ) -> TrainState:
-    """A run's first `TrainState`: the jit layout, or with `num_devices` the per-device one;
-    `keep_ema`: its moving averages start as copies of the params and state."""
+    """A run's first `TrainState`, global or, with `num_devices`, per device; `keep_ema`: the
+    moving averages start as copies of the params and state."""
     opt_state = optimizer.init(params)
     if loss_scale is not None:
         opt_state = pack_loss_scale(opt_state, loss_scale)
@@ -358,8 +349,7 @@ def _seed_keys(layout: Any) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
 
 
 def _check_finite_losses(train_state: TrainState, metrics: Metrics) -> None:
-    """FloatingPointError naming the first step of an update (one or several) whose loss is not
-    finite: a host sync."""
+    """FloatingPointError naming the first step of an update whose loss is not finite."""
     losses = np.atleast_1d(jax.device_get(metrics["loss"]))
     first = step_of(train_state) - len(losses) + 1
     replicas.check_finite_losses([(first + i, {"loss": x}) for i, x in enumerate(losses)])
@@ -489,21 +479,17 @@ class Updater:
     def lower(
         self, method: str, train_state: Any, batch: Any, *, with_global_norms: bool = True
     ) -> jax.stages.Lowered:
-        """The program of `method` (one of `METHODS`) lowered for these arguments (arrays, or
-        `jax.ShapeDtypeStruct`s with shardings), for XLA's cost and memory analysis, or to
-        `compile_ahead`; nothing runs or is donated."""
+        """The program of `method` lowered for these arrays or sharded `jax.ShapeDtypeStruct`s
+        (XLA's cost and memory analysis, `compile_ahead`); nothing runs or is donated."""
         program, batch = self._program(method, train_state, batch, with_global_norms)
-        with (
-            self.layout.random_bits(),
-            updater_arguments.unbound_axis_refused(method, self.axis_name),
-        ):
+        unbound_axis_refused = updater_arguments.unbound_axis_refused(method, self.axis_name)
+        with self.layout.random_bits(), unbound_axis_refused:
             return program.lower(train_state, batch)
 
     def compile_ahead(
         self, method: str, train_state: Any, batch: Any, *, with_global_norms: bool = True
     ) -> None:
-        """Compiles the program of `method` for these shapes now, e.g. beside another: the
-        calls of these shapes then run it without compiling."""
+        """Compiles the program of `method` for these shapes now, e.g. beside another."""
         self.lower(method, train_state, batch, with_global_norms=with_global_norms).compile()
 
     def _params_and_state(self, init: Callable, key: jax.Array, batch: Batch, where: str):
@@ -528,8 +514,7 @@ class Updater:
         return outputs
 
     def _program(self, method: str, train_state: Any, batch: Any, with_global_norms: bool):
-        """Checks the arguments; the program of `method` that takes them (built when first
-        asked for), and the batch as it takes it."""
+        """Checks the arguments; the program of `method` for them (built once), and its batch."""
         updater_arguments.check_method(method, METHODS)
         updater_arguments.check_arguments(train_state, batch, method, TrainState, self.layout)
         updater_arguments.check_ema(train_state, self.ema_decay, method)
