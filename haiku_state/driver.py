@@ -417,10 +417,8 @@ def _compiles(
     evaluation = functools.partial(
         compile_ahead, "evaluate", state, eval_batch, with_global_norms=False
     )
-    compiles.append(("The evaluation", evaluation))
-    compiles.append(
-        ("The replicas' check", functools.partial(replicas.compile_checks_ahead, state))
-    )
+    check = functools.partial(replicas.compile_checks_ahead, state)
+    compiles += [("The evaluation", evaluation), ("The replicas' check", check)]
     train = dataset.train
     if training and isinstance(train, data.Split) and device_batches.fits_on_device(train):
         process = data.ProcessSlice.current()
