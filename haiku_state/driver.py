@@ -277,8 +277,8 @@ def _start(
     with _compiling_ahead(experiment, like, training):
         how, train_state = "Resuming", checkpointer.restore(like)
         if train_state is None:
-            init_from = experiment.config.init_from
-            how = f"Starting from {init_from}" if init_from else "Starting"
+            init_from = experiment.config.init_from  # Ignored where all steps were damaged.
+            how = f"Starting from {init_from}" if first is not None and init_from else "Starting"
             train_state = first if first is not None else _train_state_at_0(experiment)
         workdir_lib.write_record_on_process_0(record)
         startup.ended("restore")
