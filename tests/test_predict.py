@@ -276,6 +276,8 @@ def test_ctrl_c_ends_the_command_in_one_line_with_status_130(tmp_path):
     interrupted = (
         "import os, signal, time\n"
         "from haiku_state import predict\n"
+        # As a terminal's Ctrl-C finds it (a shell's background job starts with it ignored).
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "def load_run(*args):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    time.sleep(60)\n"
