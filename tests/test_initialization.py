@@ -30,6 +30,7 @@ import pytest
 from updater_helpers import NUM_CLASSES, assert_trees_bit_equal, host_batch
 
 from haiku_state import initialization, models
+from haiku_state.guards import host_memory
 
 PER_DEVICE_BATCH = 8  # One device's shard, as Updater.init passes it.
 AXIS = "i"
@@ -588,7 +589,7 @@ def _address_space_limit(monkeypatch, headroom: int) -> None:
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = mapped + headroom
-    monkeypatch.setattr(initialization.resource, "getrlimit", lambda _: (limit, limit))
+    monkeypatch.setattr(host_memory.resource, "getrlimit", lambda _: (limit, limit))
 
 
 def test_a_run_beyond_the_address_space_limit_is_refused_before_any_compile(mlp, monkeypatch):
@@ -599,7 +600,7 @@ def test_a_run_beyond_the_address_space_limit_is_refused_before_any_compile(mlp,
     def compiled(*args, **kwargs):
         raise AssertionError("the init program was compiled before the refusal")
 
-    monkeypatch.setattr(initialization, "_check_fits_in_host_memory", compiled)
+    monkeypatch.setattr(host_memory, "check_fits_in_host_memory", compiled)
     with pytest.raises(initialization.HostMemoryError) as refusal:
         _initialise(mlp["forward"], mlp["batch"])
     message = str(refusal.value)
