@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from haiku_state import models
+from haiku_state import batch_norm, models
 
 DECAY = 0.9
 
@@ -21,7 +21,7 @@ def _inputs(seed: int = 0, shape=(16, 4, 4, 8)) -> np.ndarray:
 
 def _batch_norm(kind: str) -> hk.TransformedWithState:
     def forward(x, is_training):
-        return models._batch_norm(None, DECAY, kind)(name="bn")(x, is_training)
+        return batch_norm.make_batch_norm(None, DECAY, kind)(name="bn")(x, is_training)
 
     return hk.transform_with_state(forward)
 
