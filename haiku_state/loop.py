@@ -216,12 +216,14 @@ def run(
     After dispatching call `k` the loop waits for call `k - 1`: at most two are in flight
     (deeper queues can abort collectives on simulated CPU devices, and cost nothing on
     accelerators). When `stop` asks for it, the loop ends before the next call, leaving the
-    saving to the caller. `first_call_done` is called once the first call's outputs are ready.
+    saving to the caller. `first_call_done` is called once the first call's outputs are ready,
+    whether the loop goes on, ends or stops after it.
     """
-    in_flight, step = None, first_step
+    in_flight, step, stopped = None, first_step, False
     while step < last_step:
         if stop.should_stop(step):
-            return LoopEnd(train_state, step, stopped=True)
+            stopped = True
+            break
         end = min(step - step % steps_per_call + steps_per_call, last_step)
         call_batches = [next(batches) for _ in range(end - step)]
         with jax.profiler.StepTraceAnnotation("train", step_num=end):
@@ -237,7 +239,7 @@ def run(
         for action in actions:
             if action.is_due(step, last_step):
                 action.run(step, train_state)
-    if in_flight is not None and first_call_done is not None:  # A run of one call.
+    if in_flight is not None and first_call_done is not None:  # Ended or stopped after one call.
         jax.block_until_ready(in_flight)
         first_call_done()
-    return LoopEnd(train_state, max(first_step, last_step), stopped=False)
+    return LoopEnd(train_state, step, stopped)

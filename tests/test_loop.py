@@ -192,3 +192,32 @@ def test_nothing_runs_when_the_run_is_already_at_its_last_step():
         stop=_NoStop(),
     )
     assert end == loop.LoopEnd("state", 30, False)
+
+
+@pytest.mark.parametrize(
+    "stop_at, last_step, expected",
+    [
+        (None, 3, 1),  # Several calls: once the second is dispatched.
+        (None, 1, 1),  # A run of one call.
+        (1, 3, 1),  # A signal after the first call.
+        (0, 3, 0),  # A signal before it: no step was done.
+    ],
+)
+def test_the_first_call_is_reported_done_once_if_it_ran(stop_at, last_step, expected):
+    class StopAt(_NoStop):
+        def should_stop(self, step):
+            return step == stop_at
+
+    done = []
+    loop.run(
+        lambda state, batches, step: (state + 1, {"loss": np.float32(0)}),
+        0,
+        itertools.repeat(None),
+        first_step=0,
+        last_step=last_step,
+        window=loop.MetricWindow(0),
+        actions=[],
+        stop=StopAt(),
+        first_call_done=lambda: done.append(True),
+    )
+    assert len(done) == expected
