@@ -3,10 +3,7 @@ the pieces of the training step, and their Updater."""
 
 from __future__ import annotations
 
-import inspect
 import math
-import os
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import haiku as hk
@@ -17,9 +14,10 @@ import numpy as np
 import optax
 from absl import logging
 
-from haiku_state import data, errors, losses, models, optim, replication
-from haiku_state.config import fit_to_data, load_module, training_steps
+from haiku_state import data, losses, models, optim, own_network, replication
+from haiku_state.config import fit_to_data, training_steps
 from haiku_state.guards import config_checks
+from haiku_state.own_network import network_function
 from haiku_state.updater import AugmentFn, LossFn, Updater
 
 
@@ -123,19 +121,9 @@ def network_of(
     the data's `image_mean` and `image_std` (None: stored standardised)."""
     if config.model.name is None:
         network = network_function(config.model.network)
-        # A third parameter takes the replicas' axis, for BatchNorm of the global batch; without
-        # it a BatchNorm's statistics are each device's, its moving averages still averaged.
-        takes_axis = len(inspect.signature(network).parameters) >= 3
-        axis = (cross_replica_axis,) if takes_axis else ()
-        forward = network(config, num_classes, *axis)
-
-        def standardized(batch: Any, is_training: bool) -> jax.Array:
-            if image_mean is not None:
-                image = models.standardize_images(batch["image"], image_mean, image_std)
-                batch = {**batch, "image": image}
-            return forward(batch, is_training)
-
-        return hk.transform_with_state(standardized)
+        return own_network.transformed(
+            network, config, num_classes, image_mean, image_std, cross_replica_axis
+        )
     model_options = {k: v for k, v in config.model.items() if k not in ("name", "network")}
     return models.make_network(
         config.model.name,
@@ -146,29 +134,6 @@ def network_of(
         image_std=image_std,
         **model_options,
     )
-
-
-def network_function(path: str) -> Callable[..., Callable[..., jax.Array]]:
-    """`network(config, num_classes[, cross_replica_axis])` of the Python file at `path`
-    (`config.model.network`): it returns `f(batch, is_training) -> logits`, plain Haiku code."""
-    if not path:
-        raise errors.InvalidValue(
-            f"The config names no network: set config.model.name to one of {models.MODELS}, or "
-            "define network(config, num_classes) beside get_config() (README.md: Your own "
-            "network)."
-        )
-    if not os.path.isfile(path):
-        raise errors.MissingFile(
-            f"The network file {path} (config.model.network) does not exist: moved or deleted? "
-            "Put it back where the run recorded it (a resume may give its new place: "
-            "--config=<the file>)."
-        )
-    module = load_module(path, "haiku_state_own_network")
-    if not callable(getattr(module, "network", None)):
-        raise errors.InvalidValue(
-            f"config.model.network: {path} defines no function network(config, num_classes)."
-        )
-    return module.network
 
 
 def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
