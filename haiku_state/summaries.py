@@ -1,4 +1,5 @@
-"""Where metrics go: `metrics.jsonl`, TensorBoard event files, a progress line, curves.png.
+"""Where metrics go: `metrics.jsonl`, TensorBoard event files, a progress line, curves.png
+(drawn by `curves`).
 
 A training run and an evaluator beside it both write `metrics.jsonl`, under a lock on
 `metrics.jsonl.lock`, so every writer's records land in the current file, whole.
@@ -20,7 +21,8 @@ from typing import Any
 
 from absl import logging
 
-from haiku_state import errors
+from haiku_state import curves, errors
+from haiku_state.curves import curves_figure  # noqa: F401 - importable from here as before.
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -296,43 +298,12 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     return sorted(latest.values(), key=lambda r: (r["split"], r["step"]))
 
 
-_CURVES = (("loss", "loss"), ("accuracy", "accuracy (%)"), ("learning_rate", "learning rate"))
-
-
 def plot_curves(workdir: str, title: str | None = None) -> str:
     """Draws loss, accuracy (in percent) and the learning rate against step, train and eval,
     into `curves.png`, under `title` (default: the workdir)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure = curves_figure(read_metrics(workdir), workdir if title is None else title)
     path = os.path.join(workdir, CURVES_FILE)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    curves.save_figure(read_metrics(workdir), workdir if title is None else title, path)
     return path
-
-
-def curves_figure(records: list[dict[str, Any]], title: str) -> Any:
-    """The matplotlib figure of `plot_curves`: one panel per metric, train and eval on each."""
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(_CURVES), figsize=(15, 4))
-    for axis, (metric, label) in zip(axes, _CURVES, strict=True):
-        scale = 100.0 if metric in PERCENT_METRICS else 1.0
-        for split, style in (("train", "-"), ("eval", "o-")):
-            rows = [r for r in records if r["split"] == split and metric in r]
-            if rows:
-                steps, values = [r["step"] for r in rows], [scale * r[metric] for r in rows]
-                axis.plot(steps, values, style, label=split)
-        axis.set(xlabel="step", ylabel=label)
-        axis.grid(alpha=0.3)
-        if axis.lines:
-            axis.legend()
-    figure.suptitle(title)
-    figure.tight_layout()
-    return figure
 
 
 def trees_table(params: Any, state: Any, *, device_axis: bool) -> str:
