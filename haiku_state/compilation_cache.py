@@ -16,7 +16,7 @@ from absl import logging
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from haiku_state.guards import cache_entries
-from haiku_state.guards.cache_entries import ENTRY_SUFFIX, MANIFEST  # noqa: F401 - as before.
+from haiku_state.guards.cache_entries import MANIFEST  # noqa: F401 - importable from here
 
 CACHE_ENV = "HAIKU_STATE_CACHE"  # The same root as the ImageFolder index cache.
 _active: dict = {"directory": None, "writer": False}  # The directory in use; process 0's?

@@ -26,16 +26,10 @@ from jax.extend import core as jax_core
 
 from haiku_state.guards import host_memory
 
-# Importable from here as before: the refusal of a draw that does not fit, and its estimates.
-from haiku_state.guards.host_memory import (  # noqa: F401
-    RUN_FIXED_BYTES,
-    RUN_MARGIN,
-    RUN_STATE_COPIES,
-    HostMemoryError,
-    address_space_headroom,
-    host_memory_headroom,
-    run_address_space_needs,
-)
+# The guard's error and estimate, importable from here as before.
+HostMemoryError = host_memory.HostMemoryError
+RUN_MARGIN = host_memory.RUN_MARGIN
+run_address_space_needs = host_memory.run_address_space_needs
 
 
 class _Draw(NamedTuple):

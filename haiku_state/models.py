@@ -20,14 +20,7 @@ import jmp
 
 from haiku_state import errors
 from haiku_state.batch_norm import BATCH_NORMS, BatchNorm, make_batch_norm
-
-# ResNet-50 and its parts, importable from here as before.
-from haiku_state.resnet50 import (  # noqa: F401
-    BlockGroup,
-    BottleneckBlock,
-    ResNet50,
-    SpaceToDepthStem,
-)
+from haiku_state.resnet50 import ResNet50, SpaceToDepthStem  # noqa: F401 - importable from here
 
 MODELS = ("mlp", "resnet", "resnet50")
 PRECISIONS = ("float32", "bfloat16", "float16")

@@ -22,7 +22,7 @@ from typing import Any
 from absl import logging
 
 from haiku_state import curves, errors
-from haiku_state.curves import curves_figure  # noqa: F401 - importable from here as before.
+from haiku_state.curves import curves_figure  # noqa: F401 - importable from here
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
