@@ -1,7 +1,7 @@
 """Entries of the compilation cache that do not hold what JAX wrote under their names.
 
-JAX never replaces an entry: one truncated, overwritten or swapped would be loaded again at
-every start. At `enable` (`compilation_cache`), such an entry is removed, said in one line, and
+JAX never replaces an entry, so one truncated, overwritten or swapped would stay to fail every
+later start. At `enable` (`compilation_cache`), such an entry is removed, said in one line, and
 its program compiled anew: one whose stat changed since `MANIFEST` recorded it must hash as
 recorded, one without a record must decompress into a program of its file's name. Damage after
 `enable` is JAX's own warning or error.
