@@ -44,42 +44,21 @@ def train_and_evaluate(
     run whose config changed its trajectory. `StartUp` logs where the start went.
     """
     with StartUp() as startup:
-        return _train_and_evaluate(config, workdir, stop, allow_config_change, startup)
-
-
-def _train_and_evaluate(
-    config: Any,
-    workdir: str,
-    stop: signals.StopRequest | None,
-    allow_config_change: bool,
-    startup: StartUp,
-) -> dict[str, float]:
-    config_checks.validate_config(config, jax.device_count(), jax.process_count())
-    workdir_lib.check_same_config_on_every_process(config)
-    workdir_lib.check_usable(workdir)
-    if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):  # A resume.
-        config = workdir_lib.recorded_config_of(workdir, config)  # Of a run older than some keys.
-    compilation_cache.enable(config.compilation_cache_dir)
-    experiment = build_experiment(config)
-    config = experiment.config  # Its defaults that follow the data fitted to it.
-    startup.ended("experiment")
-    first_state = _first_train_state(experiment, config, workdir)  # Refused before any write.
-    startup.ended("init")
-    data_record = data_identity.identity(experiment.dataset, config.data.verify == "content")
-
-    with (
-        contextlib.nullcontext(stop) if stop else signals.StopRequest() as stop,
-        workdir_lib.owning(workdir),
-        _checkpointer(config, workdir) as checkpointer,
-    ):
-        train_state = _start(
-            first_state, experiment, checkpointer, data_record, allow_config_change, startup
-        )
-        end, evaluator, monitor = _train(
-            experiment, workdir, train_state, checkpointer, data_record, stop, startup
-        )
-        final = _final_evaluation(experiment, end, evaluator, checkpointer, stop)
-        saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
+        experiment, first_state, data_record = _set_up(config, workdir, startup)
+        config = experiment.config
+        with (
+            contextlib.nullcontext(stop) if stop is not None else signals.StopRequest() as stop,
+            workdir_lib.owning(workdir),
+            _checkpointer(config, workdir) as checkpointer,
+        ):
+            train_state = _start(
+                first_state, experiment, checkpointer, data_record, allow_config_change, startup
+            )
+            end, evaluator, monitor = _train(
+                experiment, workdir, train_state, checkpointer, data_record, stop, startup
+            )
+            final = _final_evaluation(end, evaluator, checkpointer)
+            saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
     if jax.process_index() == 0:  # The curves and the run's last line.
         network = config.model.name or os.path.basename(config.model.network)
         summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
@@ -96,6 +75,26 @@ def _train_and_evaluate(
     monitor.check_recovered(end.step, final)  # A loss that exploded and stayed so fails the run.
     monitor.check_outcome(end.step, final, kept)  # So does one that ended far worse than it was.
     return final
+
+
+def _set_up(
+    config: Any, workdir: str, startup: StartUp
+) -> tuple[Experiment, TrainState | None, dict[str, Any]]:
+    """The run's experiment, its first train state (None: a resume) and the identity of its
+    data, with every refusal before the workdir is touched."""
+    config_checks.validate_config(config, jax.device_count(), jax.process_count())
+    workdir_lib.check_same_config_on_every_process(config)
+    workdir_lib.check_usable(workdir)
+    resuming = bool(checkpoint.complete_steps(os.path.join(workdir, "checkpoints")))
+    if resuming:
+        config = workdir_lib.recorded_config_of(workdir, config)  # Of a run older than some keys.
+    compilation_cache.enable(config.compilation_cache_dir)
+    experiment = build_experiment(config)  # Its config: the defaults that follow the data, set.
+    startup.ended("experiment")
+    first_state = _first_train_state(experiment, workdir, resuming)
+    startup.ended("init")
+    verify_content = experiment.config.data.verify == "content"
+    return experiment, first_state, data_identity.identity(experiment.dataset, verify_content)
 
 
 def _train(
@@ -127,7 +126,7 @@ def _train(
         ) as profiler,
     ):
         window = loop.MetricWindow(start_step, monitor)
-        evaluator = Evaluator(experiment, config.eval_batch_size, writer, stop, monitor)
+        evaluator = Evaluator(experiment, writer, stop, monitor)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
         actions = _actions(config, experiment.steps_per_call, window, writer, saver, profiler, stop)
         with divergence.setting_aside_diverged(monitor, checkpointer):
@@ -180,15 +179,11 @@ def _actions(
 
 
 def _final_evaluation(
-    experiment: Experiment,
-    end: loop.LoopEnd,
-    evaluator: Evaluator,
-    checkpointer: checkpoint.Checkpointer,
-    stop: signals.StopRequest,
+    end: loop.LoopEnd, evaluator: Evaluator, checkpointer: checkpoint.Checkpointer
 ) -> dict[str, float]:
     """The last step's evaluation (the loop's, or one now); `Stopped`, saying what is saved, if
     a signal came first."""
-    latest = checkpointer.latest_step()
+    experiment, stop, latest = evaluator.experiment, evaluator.stop, checkpointer.latest_step()
     if end.stopped:
         if latest == end.step:
             saved = f"saved step {end.step}"
@@ -212,13 +207,11 @@ def _final_evaluation(
     return final
 
 
-# The set-up and the resume.
-
-
-def _first_train_state(experiment: Experiment, config: Any, workdir: str) -> TrainState | None:
-    """A fresh or warm-started (`config.init_from`) train state, or None for a workdir with
-    checkpoints (a resume). A warm start that does not fit is refused before any write."""
-    if checkpoint.complete_steps(os.path.join(workdir, "checkpoints")):
+def _first_train_state(experiment: Experiment, workdir: str, resuming: bool) -> TrainState | None:
+    """A fresh or warm-started (`config.init_from`) train state, or None when `resuming` (the
+    `workdir` holds checkpoints). A warm start that does not fit is refused before any write."""
+    config = experiment.config
+    if resuming:
         if config.init_from:
             logging.warning(
                 "config.init_from=%r is ignored: %s holds checkpoints, and the run resumes "
@@ -263,17 +256,19 @@ def _start(
     the latest complete checkpoint read into the state's shapes (nothing is initialised for it)
     while the run's programs compile, else `first` (or a fresh one, every step being damaged).
     The workdir's record is written once the restore succeeded; how the run starts is logged."""
-    latest = checkpointer.newest_readable(checkpointer.metadata)  # Damaged ones: the restore's.
+    # The steps, listed once: the newest whose metadata reads, past damaged ones (the restore's).
+    damaged: list[tuple[int, Exception]] = []
+    latest = checkpointer.newest_readable(checkpointer.metadata, failures=damaged)
     record = workdir_lib.check_config_on_process_0(
         os.path.dirname(checkpointer.directory),
         experiment.config,
         allow_change=allow_config_change,
         data=data_record,
-        has_checkpoint=bool(checkpointer.all_steps()),
-        checkpoint_metadata=latest and latest[1],
+        has_checkpoint=latest is not None or bool(damaged),
+        checkpoint_metadata=None if latest is None else latest[1],
     )
-    like = first or _train_state_at_0(experiment, abstract=True)
-    training = (checkpointer.latest_step() or 0) < experiment.total_steps
+    like = first if first is not None else _train_state_at_0(experiment, abstract=True)
+    training = latest is None or latest[0] < experiment.total_steps
     with _compiling_ahead(experiment, like, training):
         how, train_state = "Resuming", checkpointer.restore(like)
         if train_state is None:
@@ -508,21 +503,21 @@ class Evaluator:
     """The eval action: the test split's metrics, written and shown to the monitor."""
 
     experiment: Experiment
-    batch_size: int
     writer: summaries.MetricWriter
     stop: signals.StopRequest
     monitor: divergence.Monitor
     latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
 
     def __call__(self, step: int, train_state: TrainState) -> None:
-        metrics = evaluate_test_split(self.experiment, train_state, self.batch_size, self.stop)
+        batch_size = self.experiment.config.eval_batch_size
+        metrics = evaluate_test_split(self.experiment, train_state, batch_size, self.stop)
         if metrics is not None:  # None: a signal interrupted it.
             self.latest = (step, metrics)
             self.writer.write(step, "eval", metrics)
             self.monitor.log_eval(step, metrics)
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
-        return self.latest[1] if self.latest and self.latest[0] == step else None
+        return self.latest[1] if self.latest is not None and self.latest[0] == step else None
 
 
 def _saving_on_data_error(evaluator: Evaluator, saver: Saver) -> Callable[[int, TrainState], None]:

@@ -72,10 +72,10 @@ def test_eval_mode_matches_final_eval(finished_run):
 
 
 def test_init_from_in_a_workdir_with_checkpoints_is_ignored_with_a_warning(finished_run, caplog):
-    workdir, _ = finished_run
+    workdir, final = finished_run
     config = mlp_config(init_from="/elsewhere/run")
     with caplog.at_level("WARNING"):
-        driver._first_train_state(build_experiment(config), config, workdir)
+        assert driver.train_and_evaluate(config, workdir) == pytest.approx(final)
     assert f"config.init_from='/elsewhere/run' is ignored: {workdir} holds checkpoints" in (
         caplog.text
     )
