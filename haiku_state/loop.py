@@ -83,7 +83,7 @@ class MetricWindow:
     def __init__(self, start_step: int, monitor: divergence.Monitor | None = None):
         self._pending: list[tuple[int, int, Metrics]] = []  # (last step, steps, metrics)
         self.start_step, self._start_time = start_step, time.monotonic()
-        self._monitor = monitor or divergence.Monitor(start_step)
+        self._monitor = monitor if monitor is not None else divergence.Monitor(start_step)
 
     def append(self, step: int, metrics: Metrics, num_steps: int = 1) -> None:
         """The metrics of the `num_steps` steps up to `step`: each per step (`[num_steps]`) or,
@@ -136,17 +136,17 @@ class MetricLogger:
         batch_size: int,
     ):
         self._window, self._writer, self._batch_size = window, writer, batch_size
-        self._learning_rate = learning_rate and jax.jit(learning_rate)
-        if self._learning_rate:
+        self._learning_rate = None if learning_rate is None else jax.jit(learning_rate)
+        if self._learning_rate is not None:
             self._learning_rate(window.start_step)  # Compiled now, not at the first log.
 
     def __call__(self, step: int, train_state: TrainState) -> None:
-        del train_state  # Unused.
+        del train_state
         summary = self._window.fetch(step)
         scalars = dict(summary.metrics)
         rate = scalars.pop("learning_rate", None)
         scalars["examples_per_s"] = summary.steps * self._batch_size / summary.seconds
-        if self._learning_rate:
+        if self._learning_rate is not None:
             rate = self._learning_rate(step - 1)
         scalars["learning_rate"] = float(rate)
         self._writer.write(step, "train", scalars)
@@ -159,7 +159,8 @@ class Profiler:
     ends with the block at the latest."""
 
     def __init__(self, steps: Sequence[int] | None, logdir: str, start_step: int):
-        self._steps, self._logdir, self._start_step = tuple(steps or ()), logdir, start_step
+        self._steps = () if steps is None else tuple(steps)
+        self._logdir, self._start_step = logdir, start_step
         self.tracing = False
 
     def __enter__(self) -> Profiler:
