@@ -11,7 +11,7 @@ import pytest
 from configs import mlp_config
 
 from haiku_state import checkpoint, driver
-from haiku_state.guards import damaged_steps, signals
+from haiku_state.guards import damaged_steps, signals, workdir
 
 
 class _SignalledAtStep(signals.StopRequest):
@@ -73,3 +73,14 @@ def test_a_resume_lists_the_checkpoints_once_before_the_lock_and_once_after(
     monkeypatch.setattr(checkpoint.Checkpointer, "restore", restore_after_counting)
     driver.train_and_evaluate(mlp_config(), workdir)
     assert before_restore == [2]
+
+
+def test_a_resume_whose_steps_metadata_is_all_damaged_still_checks_its_config(tmp_path):
+    """The one listing serves the config check too: steps whose metadata cannot be read are
+    still checkpoints, and bind the workdir's config."""
+    driver.train_and_evaluate(mlp_config(), str(tmp_path))
+    for metadata in (tmp_path / "checkpoints").glob("*/metadata/metadata"):
+        metadata.write_text("{not json")
+    changed = mlp_config(**{"optimizer.learning_rate": 0.5})
+    with pytest.raises(workdir.WorkdirError, match="differs from what"):
+        driver.train_and_evaluate(changed, str(tmp_path))
