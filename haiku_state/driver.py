@@ -80,8 +80,9 @@ def train_and_evaluate(
 def _set_up(
     config: Any, workdir: str, startup: StartUp
 ) -> tuple[Experiment, TrainState | None, dict[str, Any]]:
-    """The run's experiment, its first train state (None: a resume) and the identity of its
-    data, with every refusal before the workdir is touched."""
+    """The run's experiment, its first train state (fresh, warm-started from `init_from`, or
+    None for a resume) and the identity of its data: every refusal before the workdir is touched,
+    a warm start that does not fit included."""
     config_checks.validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
@@ -89,12 +90,79 @@ def _set_up(
     if resuming:
         config = workdir_lib.recorded_config_of(workdir, config)  # Of a run older than some keys.
     compilation_cache.enable(config.compilation_cache_dir)
-    experiment = build_experiment(config)  # Its config: the defaults that follow the data, set.
+    experiment = build_experiment(config)
+    config = experiment.config  # Its defaults that follow the data fitted to it.
     startup.ended("experiment")
-    first_state = _first_train_state(experiment, workdir, resuming)
+    first_state = None if resuming else _train_state_at_0(experiment)
+    if config.init_from and resuming:
+        logging.warning(
+            "config.init_from=%r is ignored: %s holds checkpoints, and the run resumes "
+            "from its latest (init_from starts a new workdir only).",
+            config.init_from,
+            workdir,
+        )
+    elif config.init_from:
+        axis = experiment.updater.axis_name
+        first_state = checkpoint.warm_start(first_state, config.init_from, config.init_skip, axis)
     startup.ended("init")
-    verify_content = experiment.config.data.verify == "content"
+    verify_content = config.data.verify == "content"
     return experiment, first_state, data_identity.identity(experiment.dataset, verify_content)
+
+
+def _train_state_at_0(experiment: Experiment, abstract: bool = False) -> TrainState:
+    """A fresh train state, or (`abstract`) its shapes and shardings: what a restore reads into."""
+    config, updater = experiment.config, experiment.updater
+    batch = placeholder_batch(experiment.dataset, config.batch_size)
+    return updater.abstract_init(batch) if abstract else updater.init(config.seed, batch)
+
+
+def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
+    return checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.max_to_keep,
+        keep_every_steps=config.keep_every_steps,
+        keep_best_by=config.keep_best_by,
+        keep_best_mode=keep_best_mode(config),
+    )
+
+
+def _start(
+    first: TrainState | None,
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+    data_record: dict[str, Any],
+    allow_config_change: bool,
+    startup: StartUp,
+) -> TrainState:
+    """The run's first train state, once its config and data are checked against the workdir's:
+    the latest complete checkpoint read into the state's shapes (nothing is initialised for it)
+    while the run's programs compile, else `first` (or a fresh one, every step being damaged).
+    The workdir's record is written once the restore succeeded; how the run starts is logged."""
+    # The steps, listed once: the newest whose metadata reads, past damaged ones (the restore's).
+    damaged: list[tuple[int, Exception]] = []
+    latest = checkpointer.newest_readable(checkpointer.metadata, failures=damaged)
+    record = workdir_lib.check_config_on_process_0(
+        os.path.dirname(checkpointer.directory),
+        experiment.config,
+        allow_change=allow_config_change,
+        data=data_record,
+        has_checkpoint=latest is not None or bool(damaged),
+        checkpoint_metadata=None if latest is None else latest[1],
+    )
+    like = first if first is not None else _train_state_at_0(experiment, abstract=True)
+    training = latest is None or latest[0] < experiment.total_steps
+    with _compiling_ahead(experiment, like, training):
+        how, train_state = "Resuming", checkpointer.restore(like)
+        if train_state is None:
+            init_from = experiment.config.init_from  # Ignored where all steps were damaged.
+            how = f"Starting from {init_from}" if first is not None and init_from else "Starting"
+            train_state = first if first is not None else _train_state_at_0(experiment)
+        workdir_lib.write_record_on_process_0(record)
+        startup.ended("restore")
+    startup.ended("compile")  # What was left of it.
+    _log_start(how, train_state, experiment, os.path.dirname(checkpointer.directory))
+    replicas.check_savable(train_state, step_of(train_state))  # What a save checks, too.
+    return train_state
 
 
 def _train(
@@ -205,82 +273,6 @@ def _final_evaluation(
             f"saved step {latest}. Run again to evaluate."
         )
     return final
-
-
-def _first_train_state(experiment: Experiment, workdir: str, resuming: bool) -> TrainState | None:
-    """A fresh or warm-started (`config.init_from`) train state, or None when `resuming` (the
-    `workdir` holds checkpoints). A warm start that does not fit is refused before any write."""
-    config = experiment.config
-    if resuming:
-        if config.init_from:
-            logging.warning(
-                "config.init_from=%r is ignored: %s holds checkpoints, and the run resumes "
-                "from its latest (init_from starts a new workdir only).",
-                config.init_from,
-                workdir,
-            )
-        return None
-    fresh = _train_state_at_0(experiment)
-    if config.init_from:
-        axis = experiment.updater.axis_name
-        return checkpoint.warm_start(fresh, config.init_from, config.init_skip, axis)
-    return fresh
-
-
-def _train_state_at_0(experiment: Experiment, abstract: bool = False) -> TrainState:
-    """A fresh train state, or (`abstract`) its shapes and shardings: what a restore reads into."""
-    config, updater = experiment.config, experiment.updater
-    batch = placeholder_batch(experiment.dataset, config.batch_size)
-    return updater.abstract_init(batch) if abstract else updater.init(config.seed, batch)
-
-
-def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
-    return checkpoint.Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        max_to_keep=config.max_to_keep,
-        keep_every_steps=config.keep_every_steps,
-        keep_best_by=config.keep_best_by,
-        keep_best_mode=keep_best_mode(config),
-    )
-
-
-def _start(
-    first: TrainState | None,
-    experiment: Experiment,
-    checkpointer: checkpoint.Checkpointer,
-    data_record: dict[str, Any],
-    allow_config_change: bool,
-    startup: StartUp,
-) -> TrainState:
-    """The run's first train state, once its config and data are checked against the workdir's:
-    the latest complete checkpoint read into the state's shapes (nothing is initialised for it)
-    while the run's programs compile, else `first` (or a fresh one, every step being damaged).
-    The workdir's record is written once the restore succeeded; how the run starts is logged."""
-    # The steps, listed once: the newest whose metadata reads, past damaged ones (the restore's).
-    damaged: list[tuple[int, Exception]] = []
-    latest = checkpointer.newest_readable(checkpointer.metadata, failures=damaged)
-    record = workdir_lib.check_config_on_process_0(
-        os.path.dirname(checkpointer.directory),
-        experiment.config,
-        allow_change=allow_config_change,
-        data=data_record,
-        has_checkpoint=latest is not None or bool(damaged),
-        checkpoint_metadata=None if latest is None else latest[1],
-    )
-    like = first if first is not None else _train_state_at_0(experiment, abstract=True)
-    training = latest is None or latest[0] < experiment.total_steps
-    with _compiling_ahead(experiment, like, training):
-        how, train_state = "Resuming", checkpointer.restore(like)
-        if train_state is None:
-            init_from = experiment.config.init_from  # Ignored where all steps were damaged.
-            how = f"Starting from {init_from}" if first is not None and init_from else "Starting"
-            train_state = first if first is not None else _train_state_at_0(experiment)
-        workdir_lib.write_record_on_process_0(record)
-        startup.ended("restore")
-    startup.ended("compile")  # What was left of it.
-    _log_start(how, train_state, experiment, os.path.dirname(checkpointer.directory))
-    replicas.check_savable(train_state, step_of(train_state))  # What a save checks, too.
-    return train_state
 
 
 def _log_start(how: str, train_state: TrainState, experiment: Experiment, workdir: str) -> None:
