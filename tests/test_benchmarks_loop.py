@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 import jax
 import pytest
@@ -148,3 +149,36 @@ def test_a_loop_stopped_before_a_steady_window_is_reported_as_such():
         "input pipeline loop (resnet50:imagenet, 224^2, 15 worker(s)): no steady window "
         "before the time limit (step 10 of 60)"
     )
+
+
+def test_the_bare_update_compiles_its_two_step_programs_side_by_side(monkeypatch):
+    """Each compile waits for the other at a barrier: compiled one after the other (or not
+    ahead at all), the calls would compile. The timed calls run those programs, compiling none."""
+    from configs import mlp_config
+
+    from benchmarks.compiles import CompileEvents
+    from haiku_state import updater
+
+    both_compiling = threading.Barrier(2, timeout=60)
+    compile_ahead, update = updater.Updater.compile_ahead, updater.Updater.update
+    calls = CompileEvents()
+
+    def meeting_the_other(self, *args, **kwargs):
+        both_compiling.wait()
+        return compile_ahead(self, *args, **kwargs)
+
+    counting = []  # Entered at the first call: what the calls themselves compile.
+
+    def counted(self, *args, **kwargs):
+        if not counting:
+            counting.append(calls.__enter__())
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(updater.Updater, "compile_ahead", meeting_the_other)
+    monkeypatch.setattr(updater.Updater, "update", counted)
+    try:
+        assert input_pipeline.bare_update_rate(mlp_config(), steps=3) > 0
+    finally:
+        if counting:
+            calls.__exit__(None, None, None)
+    assert calls.figures()["programs"] == 0, calls.programs
