@@ -1,4 +1,5 @@
-"""The small `mlp` config the end-to-end tests train, and the checkpoint steps a run left."""
+"""The small `mlp` config the end-to-end tests train, the checkpoint steps a run left, and the
+stop requests that stand in for a signal."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ class StopAfterChecks(signals.StopRequest):
     def should_stop_now(self) -> bool:
         self.checks -= 1
         return self.checks < 0
+
+
+class SignalledAtStep(signals.StopRequest):
+    """A stop request whose SIGTERM arrives once `step` is done (and its actions run)."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    def should_stop(self, step: int) -> bool:
+        if step == self.step:
+            self.signal_name, self.signum = "SIGTERM", 15
+        return super().should_stop(step)

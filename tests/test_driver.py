@@ -15,7 +15,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from configs import StopAfterChecks, mlp_config, steps_on_disk
+from configs import SignalledAtStep, StopAfterChecks, mlp_config, steps_on_disk
 from image_trees import CORRUPTIONS, image_bytes, swap_keeping_times, write_imagefolder
 
 from haiku_state import checkpoint, data, driver, evaluation, prepare, summaries, train
@@ -324,19 +324,6 @@ def test_a_signal_during_the_final_save_is_reported_after_it_with_exit_143(tmp_p
     )
     assert stopped.value.exit_code == 143
     assert (tmp_path / "checkpoints" / "30" / "commit_success.txt").exists()
-
-
-class SignalledAtStep(signals.StopRequest):
-    """A stop request whose SIGTERM arrives once `step` is done (and its actions run)."""
-
-    def __init__(self, step: int):
-        super().__init__()
-        self.step = step
-
-    def should_stop(self, step: int) -> bool:
-        if step == self.step:
-            self.signal_name, self.signum = "SIGTERM", 15
-        return super().should_stop(step)
 
 
 def test_a_signal_right_after_a_periodic_save_stops_on_that_saved_step(tmp_path):

@@ -8,23 +8,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from configs import mlp_config
+from configs import SignalledAtStep, mlp_config
 
 from haiku_state import checkpoint, driver
 from haiku_state.guards import damaged_steps, signals, workdir
-
-
-class _SignalledAtStep(signals.StopRequest):
-    """A stop request whose SIGTERM arrives once `step` is done (and its actions run)."""
-
-    def __init__(self, step: int):
-        super().__init__()
-        self.step = step
-
-    def should_stop(self, step: int) -> bool:
-        if step == self.step:
-            self.signal_name, self.signum = "SIGTERM", 15
-        return super().should_stop(step)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +25,7 @@ def stopped_run(tmp_path_factory):
     absl_logger.setLevel(logging.INFO)
     try:
         with pytest.raises(signals.Stopped, match="stopped at step 1 of 30; saved step 1"):
-            driver.train_and_evaluate(mlp_config(), workdir, stop=_SignalledAtStep(1))
+            driver.train_and_evaluate(mlp_config(), workdir, stop=SignalledAtStep(1))
     finally:
         absl_logger.removeHandler(handler)
         absl_logger.setLevel(level)
