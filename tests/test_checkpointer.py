@@ -8,14 +8,14 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
-import threading
 import time
 
 import jax
-import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
+import writer_faults
 from checkpoint_helpers import (
     Setup,
     assert_bit_identical,
@@ -36,7 +36,7 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 import haiku_state as hs
 from benchmarks.compiles import CompileEvents
 from haiku_state import checkpoint
-from haiku_state.checkpoint import Checkpointer
+from haiku_state.checkpoint import Checkpointer, writer_process
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
 # they surface as unraisable exceptions whenever garbage collection runs, in any later test.
@@ -310,70 +310,54 @@ def test_a_full_disk_is_one_error_that_says_what_to_do(setup, tmp_path, monkeypa
             checkpointer.save(setup.init())
 
 
-@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
-def test_a_failed_background_write_is_raised_once_and_deletes_nothing(setup, tmp_path, monkeypatch):
+@pytest.fixture
+def writer():
+    """The writer process, to run `writer_faults` in; it writes as made again afterwards."""
+    writer = writer_process.shared()
+    yield writer
+    writer.call(writer_faults.no_faults)
+
+
+def test_a_failed_background_write_is_raised_once_and_deletes_nothing(setup, tmp_path, writer):
     train_state = setup.init()
     with Checkpointer(tmp_path, max_to_keep=1) as checkpointer:
         checkpointer.save(at_step(train_state, 1))
         checkpointer.wait_until_finished()
-
-        def disk_full(*args, **kwargs):  # As TensorStore fails in the writer's thread.
-            raise ValueError('RESOURCE_EXHAUSTED: Error writing "params" in OCDBT database')
-
-        monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", disk_full)
+        writer.call(writer_faults.full_disk)  # As TensorStore fails in the writer.
         checkpointer.save(at_step(train_state, 2))  # Returns: the write fails later.
         with pytest.raises(OSError, match="No space left to write checkpoint step 2 .* step 1"):
             checkpointer.wait_until_finished()
         checkpointer.wait_until_finished()  # Raised once.
-        monkeypatch.undo()
+        writer.call(writer_faults.no_faults)
         # Step 2 was never committed, and retention deleted nothing for it.
         assert checkpointer.all_steps() == [1] and not (tmp_path / "2").exists()
         checkpointer.save(at_step(train_state, 3))
     assert step_dirs(tmp_path) == {"3"}
 
 
-class _SlowWrites:
-    """Wraps a Checkpointer's Orbax save: each write waits for `release`, notes when it ran
-    and in which thread, and can fail."""
-
-    def __init__(self, checkpointer: Checkpointer, monkeypatch, fail_step: int | None = None):
-        self.release, self.save = threading.Event(), checkpointer._manager.save
-        self.fail_step, self.writes, self.running = fail_step, [], 0
-        monkeypatch.setattr(checkpointer._manager, "save", self)
-
-    def __call__(self, step, **kwargs):
-        self.running += 1
-        self.writes.append(
-            (step, threading.current_thread() is threading.main_thread(), self.running)
-        )
-        try:
-            self.release.wait(timeout=5)
-            if step == self.fail_step:
-                raise OSError(errno.EIO, "Input/output error", f"step {step}")
-            return self.save(step, **kwargs)
-        finally:
-            self.running -= 1
+def _writes(log) -> list[str]:
+    return log.read_text().split("\n")[:-1] if log.exists() else []
 
 
-def test_a_save_returns_before_its_write_and_close_waits_for_it(setup, tmp_path, monkeypatch):
+def test_a_save_returns_before_its_write_and_close_waits_for_it(setup, tmp_path, writer):
     train_state = setup.init()
-    checkpointer = Checkpointer(tmp_path)
-    writes = _SlowWrites(checkpointer, monkeypatch)
+    log = tmp_path / "writes.log"
+    writer.call(writer_faults.slow_writes, 2.0, str(log))
+    checkpointer = Checkpointer(tmp_path / "checkpoints")
     start = time.perf_counter()
     checkpointer.save(at_step(train_state, 1))
-    assert time.perf_counter() - start < 4  # Not the write's 5 s.
-    assert checkpointer.all_steps() == []  # Still being written, in another thread.
-    threading.Timer(0.3, writes.release.set).start()
+    assert time.perf_counter() - start < 1.5  # Not the write's 2 s.
+    assert checkpointer.all_steps() == []  # Still being written, in the writer process.
     checkpointer.close()  # Waits for the write.
-    assert checkpoint.complete_steps(tmp_path) == [1]
-    assert writes.writes == [(1, False, 1)]
+    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [1]
+    assert _writes(log) == ["start 1", "end 1"]
 
 
-def test_one_write_at_a_time_and_its_error_is_raised_by_the_next_save(setup, tmp_path, monkeypatch):
+def test_one_write_at_a_time_and_its_error_is_raised_by_the_next_save(setup, tmp_path, writer):
     train_state = setup.init()
-    with Checkpointer(tmp_path) as checkpointer:
-        writes = _SlowWrites(checkpointer, monkeypatch, fail_step=2)
-        writes.release.set()
+    log = tmp_path / "writes.log"
+    writer.call(writer_faults.slow_writes, 0.2, str(log), 2)
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
         checkpointer.save(at_step(train_state, 1))
         checkpointer.save(at_step(train_state, 2))  # Waits for step 1's write; 2's fails.
         with pytest.raises(OSError, match="Input/output error"):
@@ -381,5 +365,26 @@ def test_one_write_at_a_time_and_its_error_is_raised_by_the_next_save(setup, tmp
         checkpointer.save(at_step(train_state, 3))  # Raised once.
         checkpointer.wait_until_finished()
         assert checkpointer.all_steps() == [1, 3]
-    # Each write ran alone, none in the calling thread.
-    assert writes.writes == [(1, False, 1), (2, False, 1), (3, False, 1)]
+    # Each write ran alone, in the order saved.
+    assert _writes(log) == ["start 1", "end 1", "start 2", "end 2", "start 3", "end 3"]
+
+
+def test_a_writer_killed_mid_save_loses_only_that_step(setup, tmp_path, writer):
+    train_state = setup.init()
+    writer.call(writer_faults.slow_writes, 1.0, str(tmp_path / "writes.log"))
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        checkpointer.save(at_step(train_state, 1))
+        checkpointer.wait_until_finished()
+        checkpointer.save(at_step(train_state, 2))
+        time.sleep(0.5)  # Inside step 2's write.
+        os.kill(writer.pid, signal.SIGKILL)
+        with pytest.raises(writer_process.WriterProcessLost, match="killed by signal 9"):
+            checkpointer.wait_until_finished()
+        checkpointer.wait_until_finished()  # Raised once.
+        assert checkpointer.all_steps() == [1]
+        checkpointer.save(at_step(train_state, 3))  # A new writer, without the slow writes.
+    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [1, 3]
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        restored = checkpointer.restore(setup.init(seed=7))
+        assert_bit_identical(restored, at_step(train_state, 3))
+    assert set_aside_dirs(tmp_path / "checkpoints", 2, "incomplete") == []

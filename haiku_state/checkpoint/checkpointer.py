@@ -1,8 +1,9 @@
 """The `Checkpointer`: asynchronous saves of a `TrainState`, exact resumes, safe fallbacks.
 
 One Orbax step directory per step (format: `step_format`; which to keep: `retention`). `save`
-copies the state to host memory and returns; a thread of its own writes and commits it; the
-next call waits for it and raises a failed write's error, once. Every process calls alike.
+copies the state to host memory and returns; a thread of its own hands the copy to the
+`writer_process`, which writes and commits it; the next call waits for it and raises a failed
+write's error, once. Every process calls alike.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 
 from haiku_state import errors, replication, sharding
-from haiku_state.checkpoint import retention, step_format
+from haiku_state.checkpoint import retention, step_format, writer_process
 from haiku_state.guards import damaged_steps, quiet_logs
 from haiku_state.updater import TrainState
 
@@ -62,7 +63,7 @@ class Checkpointer:
         self._manager = step_format.orbax_manager(self.directory, self.retention, read_only)
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
         # With several processes Orbax's save syncs them by device collectives, which must not
-        # run beside the training thread's: no writer thread.
+        # run beside the training thread's: each writes in its own thread, in the foreground.
         in_background = async_save and jax.process_count() == 1
         self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if in_background else None
         self._in_flight: tuple[int, futures.Future] | None = None  # The step being written.
@@ -120,11 +121,12 @@ class Checkpointer:
         logging.info(
             "Saving checkpoint step %d to %s.", encoded.step, self._steps.step_dir(encoded.step)
         )
-        write = functools.partial(self._write, encoded, metadata_item)
         if self._writer is None:
             with self._reporting_a_full_disk(encoded.step):
-                write()
+                self._write(encoded, metadata_item)
         else:
+            protected = sorted(self.retention.protected)
+            write = functools.partial(self._write_elsewhere, encoded, metadata_item, protected)
             self._in_flight = encoded.step, self._writer.submit(write)
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
@@ -197,6 +199,20 @@ class Checkpointer:
         args = step_format.save_args(encoded, metadata_item)  # Fetches the fingerprints.
         self._manager.save(encoded.step, args=args, force=True)  # Committed when it returns.
 
+    def _write_elsewhere(
+        self, encoded: step_format.Encoded, metadata_item: dict[str, Any], protected: list[int]
+    ) -> None:
+        """The writer thread's job: the writer process writes the step, then this process's
+        Orbax manager learns of it (and of the steps retention deleted)."""
+        r = self.retention
+        keep = dict(max_to_keep=r.max_to_keep, keep_every_steps=r.keep_every_steps)
+        keep.update(keep_best_by=r.keep_best_by, keep_best_mode=r.keep_best_mode)
+        directory = os.fspath(self.directory)
+        writer_process.shared().call(
+            _write_here, directory, keep, protected, encoded, metadata_item
+        )
+        self._manager.reload()
+
     @contextlib.contextmanager
     def _reporting_a_full_disk(self, step: int) -> Iterator[None]:
         """A write that failed for want of space raises one `OSError` saying what to do; any
@@ -220,6 +236,32 @@ class Checkpointer:
             raise errors.InvalidValue(
                 f"Checkpoint {self._steps.step_dir(step)} is damaged: {e}"
             ) from None
+
+
+_writing_here: dict[tuple, Checkpointer] = {}  # In the writer process: the last directory's.
+
+
+def _write_here(
+    directory: str,
+    keep: dict[str, Any],
+    protected: list[int],
+    encoded: step_format.Encoded,
+    metadata_item: dict[str, Any],
+) -> None:
+    """The writer process's half of `save`: writes and commits `encoded` in `directory`,
+    keeping the steps the parent's retention (`keep`, `protected`) keeps."""
+    key = directory, tuple(sorted(keep.items()))
+    if key not in _writing_here:
+        for other in _writing_here.values():
+            other.close()
+        _writing_here.clear()
+        _writing_here[key] = Checkpointer(directory, async_save=False, **keep)
+    checkpointer = _writing_here[key]
+    quiet_logs.drop_late_loop_callbacks()  # The parent reports a failed write, once.
+    checkpointer._manager.reload()  # The parent may have set steps aside since.
+    checkpointer.retention.protected = set(protected)
+    checkpointer.retention.record(encoded.step, metadata_item["metrics"])
+    checkpointer._write(encoded, metadata_item)
 
 
 def _check_layout(train_state: TrainState, where: str) -> None:

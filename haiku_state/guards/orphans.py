@@ -18,11 +18,12 @@ CHECK_S = 0.25  # How often a watching thread checks that the parent is still th
 _SPAWNED_FLAG = "--multiprocessing-fork"  # The last argument of every spawned process.
 
 
-def exit_with_parent() -> None:
+def exit_with_parent(parent_pid: int | None = None) -> None:
     """Exits this process (status 1) within `CHECK_S` of its parent's end: the parent is
-    `multiprocessing.parent_process()` once set up, before that `os.getppid()` at this call."""
+    `multiprocessing.parent_process()` once set up, before that `parent_pid` (default:
+    `os.getppid()` at this call, which is already init's if the parent died first)."""
     parent = multiprocessing.parent_process()
-    parent_pid = os.getppid()
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
 
     def alive() -> bool:
         return parent.is_alive() if parent is not None else os.getppid() == parent_pid
