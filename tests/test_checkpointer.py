@@ -388,3 +388,12 @@ def test_a_writer_killed_mid_save_loses_only_that_step(setup, tmp_path, writer):
         restored = checkpointer.restore(setup.init(seed=7))
         assert_bit_identical(restored, at_step(train_state, 3))
     assert set_aside_dirs(tmp_path / "checkpoints", 2, "incomplete") == []
+
+
+def test_a_writing_checkpointer_starts_the_writer_and_a_reader_does_not(tmp_path):
+    writer = writer_process.shared()
+    writer.close()
+    with Checkpointer(tmp_path, read_only=True), Checkpointer(tmp_path, async_save=False):
+        assert writer.pid is None
+    with Checkpointer(tmp_path):  # Its imports overlap the run's start, before any save.
+        assert writer.pid is not None

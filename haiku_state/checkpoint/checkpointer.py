@@ -64,8 +64,10 @@ class Checkpointer:
         self._steps.on_set_aside = self._manager.reload  # Orbax caches the steps it knows.
         # With several processes Orbax's save syncs them by device collectives, which must not
         # run beside the training thread's: each writes in its own thread, in the foreground.
-        in_background = async_save and jax.process_count() == 1
+        in_background = async_save and not read_only and jax.process_count() == 1
         self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if in_background else None
+        if self._writer is not None:
+            writer_process.shared().start()  # Its imports overlap the run's start.
         self._in_flight: tuple[int, futures.Future] | None = None  # The step being written.
 
     def all_steps(self) -> list[int]:

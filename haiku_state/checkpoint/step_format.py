@@ -90,7 +90,7 @@ def orbax_manager(
     directory: epath.Path, preservation_policy: Any, read_only: bool
 ) -> ocp.CheckpointManager:
     """An Orbax `CheckpointManager` of these items; its `save` returns once the step is
-    committed (the `Checkpointer` calls it in a thread of its own)."""
+    committed (the `Checkpointer` calls it in its writer process, or in the foreground)."""
     handlers = {TRAIN_STATE: ocp.StandardCheckpointHandler()}
     handlers.update({name: ocp.JsonCheckpointHandler(_JSON_FILE) for name in (STEP, METADATA)})
     options = ocp.CheckpointManagerOptions(

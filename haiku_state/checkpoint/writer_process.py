@@ -55,12 +55,16 @@ class WriterProcess:
         """The child's process id, once started."""
         return None if self._process is None else self._process.pid
 
+    def start(self) -> None:
+        """Starts the child if it is not running; returns at once (it imports for seconds)."""
+        with self._lock:
+            self._start_if_needed()
+
     def call(self, function: Callable[..., None], *args: Any) -> None:
         """Runs `function(*args)` in the child and returns when it has; raises its error, or
         `WriterProcessLost` if the child ended on the way."""
         with self._lock:
-            if self._process is None or self._process.poll() is not None:
-                self._start()
+            self._start_if_needed()
             try:
                 _send(self._connection, (function, args))
                 error = self._connection.recv()
@@ -82,7 +86,9 @@ class WriterProcess:
                 self._process.wait()
             self._process = self._connection = None
 
-    def _start(self) -> None:
+    def _start_if_needed(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            return
         ours, theirs = multiprocessing.Pipe()
         environment = {
             **os.environ,
