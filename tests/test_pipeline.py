@@ -7,12 +7,14 @@ tests start real worker processes.
 """
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -302,6 +304,99 @@ def test_no_run_leaves_shared_memory_behind_on_success_or_error(tmp_path):
     assert result.returncode == 1, result.stderr[-3000:]
     assert "arrays of the closed pipeline still to release: 0" in result.stdout
     assert "stopped: CorruptImageError; of the batches held, in /dev/shm: []" in result.stderr
+    assert "leaked" not in result.stderr and "resource_tracker" not in result.stderr, result.stderr[
+        -3000:
+    ]
+    assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
+
+
+class _SlowToFinalize:
+    """Garbage whose finalizer holds the collection that frees it open for `seconds`."""
+
+    def __init__(self, seconds):
+        self.seconds, self.cycle = seconds, self
+
+    def __del__(self):
+        time.sleep(self.seconds)
+
+
+class _Freed:
+    """Garbage in a reference cycle that says when a collection frees it."""
+
+    def __init__(self, event):
+        self.event, self.cycle = event, self
+
+    def __del__(self):
+        self.event.set()
+
+
+def _collecting_in_another_thread(seconds):
+    _SlowToFinalize(seconds)
+    collecting = threading.Thread(target=gc.collect)
+    collecting.start()
+    time.sleep(0.2)  # In the finalizer: until it returns, `gc.collect()` here does nothing.
+    return collecting
+
+
+def test_the_collection_after_closing_runs_while_another_thread_collects():
+    # `gc.collect()` returns at once while another thread collects (a prefetching thread
+    # closes the pipeline while the training loop collects): the closed pipeline's arrays,
+    # in grain's reference cycles, waited for a later collection.
+    freed = threading.Event()
+    collecting = _collecting_in_another_thread(seconds=1.0)
+    _Freed(freed)
+    pipeline._collect_garbage()
+    assert freed.is_set()
+    collecting.join()
+
+
+_CLOSED_WHILE_COLLECTING = """
+import gc, sys, threading, time
+from grain.multiprocessing import SharedMemoryArray
+from haiku_state import data
+from haiku_state.data import pipeline
+
+class SlowToFinalize:
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        time.sleep(2.5)
+
+def run(root):
+    split = data.load_dataset("imagefolder", data_dir=root, image_size=16).train
+    batches = pipeline.encoded_train_batches(split, 6, seed=3, num_steps=3, workers=2)
+    kept = [next(batches)]
+    time.sleep(2.0)  # The workers' last batches and their ends reach this process.
+    SlowToFinalize()
+    collecting = threading.Thread(target=gc.collect)
+    collecting.start()
+    time.sleep(0.2)  # In the finalizer.
+    batches.close()
+    held = {id(leaf) for batch in kept for leaf in batch.values()}
+    alive = [o for o in gc.get_objects() if isinstance(o, SharedMemoryArray) and id(o) not in held]
+    print(f"arrays of the closed pipeline still to release: {len(alive)}", flush=True)
+    del alive
+    collecting.join()
+
+if __name__ == "__main__":
+    run(sys.argv[1])
+"""
+
+
+def test_a_pipeline_closed_while_another_thread_collects_leaves_no_shared_memory(tmp_path):
+    # The arrays left in grain's reference cycles outlived the close: the exit's collection
+    # freed them after `multiprocessing` had stopped grain's releasing thread, and the
+    # resource tracker said "There appear to be 4 leaked shared_memory objects".
+    root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
+    script = tmp_path / "closed_while_collecting.py"
+    script.write_text(_CLOSED_WHILE_COLLECTING)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    result = subprocess.run(
+        [sys.executable, str(script), root], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "arrays of the closed pipeline still to release: 0" in result.stdout
     assert "leaked" not in result.stderr and "resource_tracker" not in result.stderr, result.stderr[
         -3000:
     ]

@@ -12,6 +12,8 @@ import functools
 import gc
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -35,6 +37,11 @@ _ENDLESS_STEPS = 2**40  # The steps of an iterator with no last step.
 # An evaluation pass of at most this many examples (this process's share) is decoded
 # in-process: one core decodes them before the workers would have started.
 IN_PROCESS_EVAL_EXAMPLES = 512
+# How long closing a pipeline waits for another thread's garbage collection to end, so that its
+# own collection frees the arrays the closed pipeline left in reference cycles.
+COLLECTION_WAIT_S = 5.0
+_COLLECTION_RETRY_S = 0.01
+_OLDEST_GENERATION = 2  # `gc.collect()` collects it and every younger one.
 
 
 class Decoder(NamedTuple):
@@ -194,12 +201,38 @@ def _unlinked(batch: Batch) -> Batch:
 
 
 def _wait_for_shared_memory_release() -> None:
-    """Frees the arrays the closed pipeline held (in reference cycles), and waits for grain's
-    one thread that releases their shared memory to release all that is queued."""
-    gc.collect()
+    """Frees the arrays the closed pipeline held (in reference cycles: grain's threads keep the
+    last batch they handed over in the traceback of their last exception), and waits for
+    grain's one thread that releases their shared memory to release all that is queued."""
+    _collect_garbage()
     releasing = getattr(SharedMemoryArray, "_del_thread_pool", None)
     if releasing is not None:
         releasing.apply(int)
+
+
+def _collect_garbage(wait_s: float = COLLECTION_WAIT_S) -> None:
+    """A full garbage collection run by this thread. While another thread collects,
+    `gc.collect()` returns at once having done nothing: the arrays would wait for a later
+    collection, perhaps after `multiprocessing` has stopped grain's releasing thread at the exit
+    ("leaked shared_memory objects"). Waits at most `wait_s` for that thread's collection to
+    end: a pipeline closed by a finalizer is closed inside this thread's own collection."""
+    ran = threading.Event()
+    this_thread = threading.get_ident()
+
+    def note_ours(phase: str, info: dict[str, int]) -> None:
+        ours = threading.get_ident() == this_thread
+        if phase == "stop" and ours and info["generation"] == _OLDEST_GENERATION:
+            ran.set()
+
+    gc.callbacks.append(note_ours)
+    try:
+        deadline = time.monotonic() + wait_s
+        gc.collect()
+        while not ran.is_set() and time.monotonic() < deadline:
+            time.sleep(_COLLECTION_RETRY_S)
+            gc.collect()
+    finally:
+        gc.callbacks.remove(note_ours)
 
 
 def exit_with_parent(worker_index: int, worker_count: int) -> None:
