@@ -16,9 +16,11 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
+from grain.multiprocessing import SharedMemoryArray
 from image_trees import CORRUPTIONS, add_corrupt_file, write_imagefolder
 from process_helpers import running
 
@@ -348,6 +350,31 @@ def test_the_collection_after_closing_runs_while_another_thread_collects():
     pipeline._collect_garbage()
     assert freed.is_set()
     collecting.join()
+
+
+def test_only_grains_thread_closes_the_shared_memory_of_the_arrays_a_close_frees(monkeypatch):
+    # Freed by the collection, an array's shared memory object was closed by its finalizer in
+    # this thread while grain's thread closed it: the close that lost ("Bad file descriptor")
+    # skipped the unlink, and the tracker said "There appear to be 1 leaked shared_memory objects".
+    SharedMemoryArray.enable_async_del()
+    SharedMemoryArray._del_thread_pool.apply_async(time.sleep, (0.3,))  # Busy as it closes.
+    found_open = []
+    finalize = shared_memory.SharedMemory.__del__
+
+    def noting_finalize(shm):
+        if shm._fd >= 0:
+            found_open.append(shm.name)
+        finalize(shm)
+
+    monkeypatch.setattr(shared_memory.SharedMemory, "__del__", noting_finalize)
+    array = SharedMemoryArray((4,), np.uint8)
+    array.unlink_on_del()  # As grain marks the arrays it receives.
+    name, cycle = array.shm.name, [array]
+    cycle.append(cycle)
+    del array, cycle
+    pipeline._wait_for_shared_memory_release()
+    assert name not in found_open
+    assert not os.path.exists(os.path.join("/dev/shm", name))
 
 
 _CLOSED_WHILE_COLLECTING = """

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
 from typing import Any, NamedTuple
 
 import cv2
@@ -39,7 +40,7 @@ _ENDLESS_STEPS = 2**40  # The steps of an iterator with no last step.
 IN_PROCESS_EVAL_EXAMPLES = 512
 # How long closing a pipeline waits for another thread's garbage collection to end, so that its
 # own collection frees the arrays the closed pipeline left in reference cycles.
-COLLECTION_WAIT_S = 5.0
+_COLLECTION_WAIT_S = 5.0
 _COLLECTION_RETRY_S = 0.01
 _OLDEST_GENERATION = 2  # `gc.collect()` collects it and every younger one.
 
@@ -203,19 +204,32 @@ def _unlinked(batch: Batch) -> Batch:
 def _wait_for_shared_memory_release() -> None:
     """Frees the arrays the closed pipeline held (in reference cycles: grain's threads keep the
     last batch they handed over in the traceback of their last exception), and waits for
-    grain's one thread that releases their shared memory to release all that is queued."""
+    grain's one thread that releases their shared memory to release all that is queued.
+
+    Their shared memory objects are kept alive through the collection: freed by it, one would
+    also be closed by its own finalizer in this thread while grain's thread closes it, and the
+    close that loses ("Bad file descriptor") skips the unlink ("leaked shared_memory objects")."""
+    held_open = _shared_memory_of_arrays()
     _collect_garbage()
     releasing = getattr(SharedMemoryArray, "_del_thread_pool", None)
     if releasing is not None:
         releasing.apply(int)
+    del held_open  # Those of freed arrays are closed by now: their finalizers have nothing to do.
 
 
-def _collect_garbage(wait_s: float = COLLECTION_WAIT_S) -> None:
-    """A full garbage collection run by this thread. While another thread collects,
-    `gc.collect()` returns at once having done nothing: the arrays would wait for a later
-    collection, perhaps after `multiprocessing` has stopped grain's releasing thread at the exit
-    ("leaked shared_memory objects"). Waits at most `wait_s` for that thread's collection to
-    end: a pipeline closed by a finalizer is closed inside this thread's own collection."""
+def _shared_memory_of_arrays() -> list[shared_memory.SharedMemory]:
+    """The shared memory objects of grain's arrays alive in this process."""
+    arrays = (o for o in gc.get_objects() if isinstance(o, SharedMemoryArray))
+    return [array.shm for array in arrays if getattr(array, "shm", None) is not None]
+
+
+def _collect_garbage(wait_s: float = _COLLECTION_WAIT_S) -> None:
+    """Runs a full garbage collection in this thread. While another thread collects,
+    `gc.collect()` returns at once having collected nothing, and a closed pipeline's arrays in
+    reference cycles would wait for a later collection, perhaps the exit's, after
+    `multiprocessing` has stopped grain's releasing thread ("leaked shared_memory objects").
+    Waits at most `wait_s` for the other collection to end: a pipeline that a finalizer closes
+    is closed inside this thread's own collection, which cannot end while it waits."""
     ran = threading.Event()
     this_thread = threading.get_ident()
 
