@@ -4,6 +4,7 @@ arrays passed intact, its errors raised in the parent, its signals and its end."
 import errno
 import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -42,7 +43,8 @@ def test_arrays_cross_as_raw_buffers_and_arrive_intact():
     ours, theirs = multiprocessing.Pipe()
     sent = _arrays()
     writer_process._send(ours, sent)
-    received = writer_process._receive(theirs)
+    header, buffers = writer_process._receive(theirs)
+    received = pickle.loads(header, buffers=buffers)
     assert repr(received) == repr(sent)
     for name in ("bfloat16", "fortran", "strided", "scalar", "empty"):
         assert received[name].dtype == sent[name].dtype
@@ -121,3 +123,38 @@ def test_close_ends_the_child(writer):
     assert not _alive(child) and writer.pid is None
     writer.call(time.sleep, 0)  # Started again when called.
     assert writer.pid != child
+
+
+def test_the_child_imports_from_this_process_path_whatever_its_characters(writer, tmp_path):
+    odd = tmp_path / "odd: path, 'quoted' and ü"
+    odd.mkdir()
+    (odd / "odd_module_for_the_writer.py").write_text(
+        "import sys\n\ndef check(expected):\n    assert sys.path[0] == expected, sys.path[:2]\n"
+    )
+    sys.path.insert(0, str(odd))
+    try:
+        import odd_module_for_the_writer
+
+        writer.call(odd_module_for_the_writer.check, str(odd))
+    finally:
+        sys.path.remove(str(odd))
+        sys.modules.pop("odd_module_for_the_writer", None)
+
+
+def test_a_function_the_child_cannot_import_is_an_error_here_and_the_child_goes_on(
+    writer, tmp_path
+):
+    writer.call(time.sleep, 0)  # Started with this path, before the module's folder joins it.
+    child = writer.pid
+    (tmp_path / "module_only_here.py").write_text("def nothing():\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import module_only_here
+
+        with pytest.raises(ModuleNotFoundError, match="module_only_here"):
+            writer.call(module_only_here.nothing)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("module_only_here", None)
+    writer.call(time.sleep, 0)
+    assert writer.pid == child

@@ -16,6 +16,7 @@ which the next run sets aside).
 from __future__ import annotations
 
 import atexit
+import json
 import logging as logging_std
 import multiprocessing
 import os
@@ -32,7 +33,12 @@ from typing import Any
 from haiku_state import errors
 from haiku_state.guards import orphans
 
-_CHILD_MAIN = "from haiku_state.checkpoint import writer_process; writer_process.serve()"
+# The child's command: this process's module search path (any characters, so not a
+# PYTHONPATH), then the serving loop.
+_CHILD_MAIN = (
+    "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+    "from haiku_state.checkpoint import writer_process; writer_process.serve()"
+)
 _STOP_WAIT_S = 30  # How long `close` waits for the child to exit once told to.
 
 
@@ -89,15 +95,14 @@ class WriterProcess:
     def _start_if_needed(self) -> None:
         if self._process is not None and self._process.poll() is None:
             return
+        if self._connection is not None:  # Of a child that ended between calls.
+            self._connection.close()
         ours, theirs = multiprocessing.Pipe()
-        environment = {
-            **os.environ,
-            "JAX_PLATFORMS": "cpu",
-            "PYTHONPATH": os.pathsep.join(sys.path),
-        }
+        environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
         environment.pop("XLA_FLAGS", None)  # Flags for the run's accelerators, not for a writer.
+        arguments = json.dumps(sys.path), str(theirs.fileno()), str(os.getpid())
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno()), str(os.getpid())],
+            [sys.executable, "-c", _CHILD_MAIN, *arguments],
             env=environment,
             stdin=subprocess.DEVNULL,
             pass_fds=[theirs.fileno()],
@@ -137,24 +142,25 @@ def shared() -> WriterProcess:
 
 def serve() -> None:
     """The child's main: runs each call received until its parent closes the connection.
-    Arguments: the connection's file descriptor and the parent's process id."""
+    Arguments: the module search path, the connection's file descriptor, the parent's pid."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    descriptor, parent_pid = (int(argument) for argument in sys.argv[1:3])
+    descriptor, parent_pid = (int(argument) for argument in sys.argv[2:4])
     orphans.exit_with_parent(parent_pid)
     logging_std.disable(logging_std.CRITICAL)  # The parent logs each save and raises its error.
     connection = connections.Connection(descriptor)
     while True:
         try:
-            function, args = _receive(connection)
+            header, buffers = _receive(connection)
         except EOFError:
             return
         try:
+            function, args = pickle.loads(header, buffers=buffers)  # Imports its module.
             function(*args)
             error = None
         except Exception as e:
             error = _sendable(e)
-        del args  # The step's arrays, before waiting for the next.
+        function = args = buffers = None  # The step's arrays, before waiting for the next.
         connection.send(error)
 
 
@@ -167,10 +173,10 @@ def _send(connection: connections.Connection, value: Any) -> None:
         connection.send_bytes(buffer.raw())
 
 
-def _receive(connection: connections.Connection) -> Any:
+def _receive(connection: connections.Connection) -> tuple[bytes, list[bytes]]:
+    """What `_send` sent, to unpickle: the pickle and its arrays' buffers."""
     header, count = connection.recv()
-    buffers = [connection.recv_bytes() for _ in range(count)]
-    return pickle.loads(header, buffers=buffers)
+    return header, [connection.recv_bytes() for _ in range(count)]
 
 
 def _sendable(error: Exception) -> Exception:
