@@ -332,6 +332,16 @@ class _Freed:
         self.event.set()
 
 
+@contextlib.contextmanager
+def _only_explicit_collections():
+    """No automatic collection frees the garbage a test makes before the one it means to."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _collecting_in_another_thread(seconds):
     _SlowToFinalize(seconds)
     collecting = threading.Thread(target=gc.collect)
@@ -345,11 +355,12 @@ def test_the_collection_after_closing_runs_while_another_thread_collects():
     # closes the pipeline while the training loop collects): the closed pipeline's arrays,
     # in grain's reference cycles, waited for a later collection.
     freed = threading.Event()
-    collecting = _collecting_in_another_thread(seconds=1.0)
-    _Freed(freed)
-    pipeline._collect_garbage()
-    assert freed.is_set()
-    collecting.join()
+    with _only_explicit_collections():
+        collecting = _collecting_in_another_thread(seconds=1.0)
+        _Freed(freed)
+        pipeline._collect_garbage()
+        assert freed.is_set()
+        collecting.join()
 
 
 def test_only_grains_thread_closes_the_shared_memory_of_the_arrays_a_close_frees(monkeypatch):
@@ -367,12 +378,13 @@ def test_only_grains_thread_closes_the_shared_memory_of_the_arrays_a_close_frees
         finalize(shm)
 
     monkeypatch.setattr(shared_memory.SharedMemory, "__del__", noting_finalize)
-    array = SharedMemoryArray((4,), np.uint8)
-    array.unlink_on_del()  # As grain marks the arrays it receives.
-    name, cycle = array.shm.name, [array]
-    cycle.append(cycle)
-    del array, cycle
-    pipeline._wait_for_shared_memory_release()
+    with _only_explicit_collections():
+        array = SharedMemoryArray((4,), np.uint8)
+        array.unlink_on_del()  # As grain marks the arrays it receives.
+        name, cycle = array.shm.name, [array]
+        cycle.append(cycle)
+        del array, cycle
+        pipeline._wait_for_shared_memory_release()
     assert name not in found_open
     assert not os.path.exists(os.path.join("/dev/shm", name))
 
