@@ -158,3 +158,29 @@ def test_a_function_the_child_cannot_import_is_an_error_here_and_the_child_goes_
         sys.modules.pop("module_only_here", None)
     writer.call(time.sleep, 0)
     assert writer.pid == child
+
+
+def test_a_forked_copy_of_a_process_writes_through_a_child_of_its_own():
+    script = textwrap.dedent(
+        """
+        import os, time
+        from haiku_state.checkpoint import writer_process
+        parent = writer_process.shared()
+        parent.call(time.sleep, 0)
+        read, write = os.pipe()
+        if os.fork() == 0:
+            ours = writer_process.shared()
+            ours.call(time.sleep, 0)  # Not over the parent's socket.
+            os.write(write, f"{ours is parent} {ours.pid}".encode())
+            os._exit(0)
+        os.close(write)
+        print(os.read(read, 100).decode(), parent.pid, flush=True)
+        parent.call(time.sleep, 0)  # The parent's child still answers the parent.
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    same, fork_child, parent_child = result.stdout.split()
+    assert same == "False" and fork_child != parent_child

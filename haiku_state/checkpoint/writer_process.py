@@ -126,18 +126,18 @@ class WriterProcess:
         )
 
 
-_shared: WriterProcess | None = None
+_shared: dict[int, WriterProcess] = {}  # By process id: a forked copy of this process has its own.
 _shared_lock = threading.Lock()
 
 
 def shared() -> WriterProcess:
     """This process's one `WriterProcess`, stopped at exit (after the writes in flight)."""
-    global _shared
     with _shared_lock:
-        if _shared is None:
-            _shared = WriterProcess()
-            atexit.register(_shared.close)
-        return _shared
+        if os.getpid() not in _shared:
+            _shared.clear()  # A forked copy's, inherited: its socket leads to the parent's child.
+            _shared[os.getpid()] = writer = WriterProcess()
+            atexit.register(writer.close)
+        return _shared[os.getpid()]
 
 
 def serve() -> None:
