@@ -37,6 +37,7 @@ import haiku_state as hs
 from benchmarks.compiles import CompileEvents
 from haiku_state import checkpoint
 from haiku_state.checkpoint import Checkpointer, writer_process
+from haiku_state.guards import quiet_logs
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
 # they surface as unraisable exceptions whenever garbage collection runs, in any later test.
@@ -397,3 +398,19 @@ def test_a_writing_checkpointer_starts_the_writer_and_a_reader_does_not(tmp_path
         assert writer.pid is None
     with Checkpointer(tmp_path):  # Its imports overlap the run's start, before any save.
         assert writer.pid is not None
+
+
+def test_the_leftovers_of_a_failed_read_stay_quiet_after_the_step_is_read_again(tmp_path, caplog):
+    step_dir = str(tmp_path / "2")
+    with pytest.raises(ValueError):
+        with quiet_logs.failed_read_kept_quiet(step_dir):
+            raise ValueError("damaged")
+    with quiet_logs.failed_read_kept_quiet(step_dir):  # Saved again, read whole.
+        pass
+    # The first read's task, never retrieved, freed only now (at a later collection).
+    error = ValueError(f'Error reading "params" in OCDBT database at "{step_dir}/train_state/"')
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        logging.getLogger("asyncio").error(
+            "Task exception was never retrieved", exc_info=(ValueError, error, None)
+        )
+    assert caplog.records == []

@@ -19,6 +19,7 @@ from typing import Any
 from absl import logging
 
 _reading_or_failed: set[str] = set()  # Step directories, "<directory>/<step>/".
+_failed: set[str] = set()  # Those a read failed in: its leftovers come whenever they are freed.
 _next_unraisablehook: Any = None
 
 
@@ -56,8 +57,14 @@ def failed_read_kept_quiet(step_dir: str) -> Iterator[None]:
         asyncio_logger.addFilter(_is_not_a_failed_read_task)
     step_dir = f"{step_dir}/"
     _reading_or_failed.add(step_dir)
-    yield
-    _reading_or_failed.discard(step_dir)  # Reached only when the read succeeded.
+    try:
+        yield
+    except BaseException:
+        _failed.add(step_dir)
+        raise
+    finally:
+        if step_dir not in _failed:  # A later read of a step saved again leaves it quiet.
+            _reading_or_failed.discard(step_dir)
 
 
 def _is_not_a_read_only_note(record: std_logging.LogRecord) -> bool:
