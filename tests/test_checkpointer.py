@@ -4,6 +4,7 @@ donation, the step directories, partial and damaged checkpoints set aside, never
 import asyncio
 import errno
 import gc
+import importlib.metadata
 import logging
 import os
 import re
@@ -36,7 +37,7 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 import haiku_state as hs
 from benchmarks.compiles import CompileEvents
 from haiku_state import checkpoint
-from haiku_state.checkpoint import Checkpointer, writer_process
+from haiku_state.checkpoint import Checkpointer, step_format, writer_process
 from haiku_state.guards import quiet_logs
 
 # A failed read of a damaged file leaves Orbax callbacks scheduled on a closed asyncio loop;
@@ -414,3 +415,15 @@ def test_the_leftovers_of_a_failed_read_stay_quiet_after_the_step_is_read_again(
             "Task exception was never retrieved", exc_info=(ValueError, error, None)
         )
     assert caplog.records == []
+
+
+def test_a_save_reads_no_package_metadata(setup, tmp_path, monkeypatch):
+    step_format.package_versions.cache_clear()
+    with Checkpointer(tmp_path, async_save=False) as checkpointer:  # Reads them, once.
+
+        def no_reading(name):
+            raise AssertionError(f"read {name}'s metadata in a save")
+
+        monkeypatch.setattr(importlib.metadata, "version", no_reading)
+        checkpointer.save(setup.init())
+    assert checkpoint.complete_steps(tmp_path) == [0]

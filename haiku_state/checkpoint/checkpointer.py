@@ -68,6 +68,8 @@ class Checkpointer:
         self._writer = futures.ThreadPoolExecutor(1, "checkpoint-write") if in_background else None
         if self._writer is not None:
             writer_process.shared().start()  # Its imports overlap the run's start.
+        if not read_only:  # The versions each save records, read from their files now.
+            step_format.package_versions()
         self._in_flight: tuple[int, futures.Future] | None = None  # The step being written.
 
     def all_steps(self) -> list[int]:
