@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import time
+import weakref
 
 import jax
 import pytest
@@ -427,3 +428,28 @@ def test_a_save_reads_no_package_metadata(setup, tmp_path, monkeypatch):
         monkeypatch.setattr(importlib.metadata, "version", no_reading)
         checkpointer.save(setup.init())
     assert checkpoint.complete_steps(tmp_path) == [0]
+
+
+def test_this_process_lets_its_host_copy_go_once_the_writer_has_it(
+    setup, tmp_path, writer, monkeypatch
+):
+    log = tmp_path / "writes.log"
+    writer.call(writer_faults.slow_writes, 2.0, str(log))
+    copies = []
+
+    def encode(train_state):
+        encoded = real_encode(train_state)
+        copies.extend(weakref.ref(leaf) for leaf in jax.tree.leaves(encoded.trees))
+        return encoded
+
+    real_encode = step_format.encode
+    monkeypatch.setattr(step_format, "encode", encode)
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        checkpointer.save(setup.init())
+        deadline = time.monotonic() + 60
+        while _writes(log) != ["start 0"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # Until the writer has the arrays, inside its slow write.
+        gc.collect()
+        assert copies and not any(copy() is not None for copy in copies)
+        assert _writes(log) == ["start 0"]  # Still writing.
+    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [0]

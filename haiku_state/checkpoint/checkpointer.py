@@ -129,9 +129,9 @@ class Checkpointer:
             with self._reporting_a_full_disk(encoded.step):
                 self._write(encoded, metadata_item)
         else:
-            protected = sorted(self.retention.protected)
-            write = functools.partial(self._write_elsewhere, encoded, metadata_item, protected)
-            self._in_flight = encoded.step, self._writer.submit(write)
+            # Handed over: the writer thread takes the only reference and lets it go once sent.
+            handover = [(encoded, metadata_item, sorted(self.retention.protected))]
+            self._in_flight = encoded.step, self._writer.submit(self._write_elsewhere, handover)
 
     def restore(self, like: TrainState, step: int | None = None) -> TrainState | None:
         """Restores `step` (None: the newest, falling back over damaged ones, set aside) in
@@ -203,18 +203,20 @@ class Checkpointer:
         args = step_format.save_args(encoded, metadata_item)  # Fetches the fingerprints.
         self._manager.save(encoded.step, args=args, force=True)  # Committed when it returns.
 
-    def _write_elsewhere(
-        self, encoded: step_format.Encoded, metadata_item: dict[str, Any], protected: list[int]
-    ) -> None:
-        """The writer thread's job: the writer process writes the step, then this process's
-        Orbax manager learns of it (and of the steps retention deleted)."""
+    def _write_elsewhere(self, handover: list[tuple[Any, ...]]) -> None:
+        """The writer thread's job: the writer process writes the step (this process's host
+        copy is freed once sent), then this process's Orbax manager learns of it (and of the
+        steps retention deleted)."""
         r = self.retention
         keep = dict(max_to_keep=r.max_to_keep, keep_every_steps=r.keep_every_steps)
         keep.update(keep_best_by=r.keep_best_by, keep_best_mode=r.keep_best_mode)
-        directory = os.fspath(self.directory)
-        writer_process.shared().call(
-            _write_here, directory, keep, protected, encoded, metadata_item
-        )
+        where = os.fspath(self.directory), keep
+
+        def take_args() -> tuple:
+            encoded, metadata_item, protected = handover.pop()
+            return *where, protected, encoded, metadata_item
+
+        writer_process.shared().call_taking(_write_here, take_args)
         self._manager.reload()
 
     @contextlib.contextmanager

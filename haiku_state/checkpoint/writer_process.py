@@ -69,10 +69,16 @@ class WriterProcess:
     def call(self, function: Callable[..., None], *args: Any) -> None:
         """Runs `function(*args)` in the child and returns when it has; raises its error, or
         `WriterProcessLost` if the child ended on the way."""
+        self.call_taking(function, lambda: args)
+
+    def call_taking(self, function: Callable[..., None], take_args: Callable[[], tuple]) -> None:
+        """`call(function, *take_args())`, keeping the arguments only until they are sent:
+        where `take_args` hands over the only reference (`list.pop`), a step's host copy is
+        freed here while the child writes it."""
         with self._lock:
             self._start_if_needed()
             try:
-                _send(self._connection, (function, args))
+                _send(self._connection, (function, take_args()))
                 error = self._connection.recv()
             except (EOFError, OSError):
                 raise self._lost(function) from None
