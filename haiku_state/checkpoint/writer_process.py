@@ -88,15 +88,20 @@ class WriterProcess:
     def close(self) -> None:
         """Tells the child to exit and waits for it (kills it after `_STOP_WAIT_S`)."""
         with self._lock:
-            if self._process is None:
-                return
-            self._connection.close()  # The child exits when its end reads nothing more.
-            try:
-                self._process.wait(_STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-            self._process = self._connection = None
+            if self._process is not None:
+                self._end_child()
+
+    def _end_child(self) -> tuple[int, int]:
+        """Closes the connection, which the child exits on, and waits for it (killed after
+        `_STOP_WAIT_S`); its pid and exit status. The next call starts another."""
+        self._connection.close()
+        try:
+            code = self._process.wait(_STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            code = self._process.wait()
+        pid, self._process, self._connection = self._process.pid, None, None
+        return pid, code
 
     def _start_if_needed(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -118,13 +123,7 @@ class WriterProcess:
 
     def _lost(self, function: Callable[..., None]) -> WriterProcessLost:
         """The error for a child that ended during a call; the next call starts a new one."""
-        self._connection.close()
-        try:
-            code = self._process.wait(_STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            code = self._process.wait()
-        pid, self._process, self._connection = self._process.pid, None, None
+        pid, code = self._end_child()
         ended = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return WriterProcessLost(
             f"The checkpoint writer process (pid {pid}) {ended} during {function.__name__}; "
