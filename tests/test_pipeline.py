@@ -297,15 +297,24 @@ def test_no_run_leaves_shared_memory_behind_on_success_or_error(tmp_path):
     # found them: the resource tracker said "There appear to be 4 leaked shared_memory objects".
     root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
     add_corrupt_file(root, "truncated")
-    script = tmp_path / "to_the_end.py"
-    script.write_text(_WORKERS_TO_THE_END)
+    result = _run_script(tmp_path / "to_the_end.py", _WORKERS_TO_THE_END, root)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "stopped: CorruptImageError; of the batches held, in /dev/shm: []" in result.stderr
+    _assert_no_shared_memory_left(result)
+
+
+def _run_script(script, source: str, root: str) -> subprocess.CompletedProcess:
+    """Runs `source` as the file `script`, on the image tree `root`, in a process of its own."""
+    script.write_text(source)
     env = dict(os.environ, PYTHONPATH=REPO)
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script), root], env=env, capture_output=True, text=True, timeout=120
     )
-    assert result.returncode == 1, result.stderr[-3000:]
+
+
+def _assert_no_shared_memory_left(result: subprocess.CompletedProcess) -> None:
+    """The script released every array's shared memory, and its exit reported none leaked."""
     assert "arrays of the closed pipeline still to release: 0" in result.stdout
-    assert "stopped: CorruptImageError; of the batches held, in /dev/shm: []" in result.stderr
     assert "leaked" not in result.stderr and "resource_tracker" not in result.stderr, result.stderr[
         -3000:
     ]
@@ -428,18 +437,9 @@ def test_a_pipeline_closed_while_another_thread_collects_leaves_no_shared_memory
     # freed them after `multiprocessing` had stopped grain's releasing thread, and the
     # resource tracker said "There appear to be 4 leaked shared_memory objects".
     root = write_imagefolder(tmp_path / "tree", per_class=(5, 2))
-    script = tmp_path / "closed_while_collecting.py"
-    script.write_text(_CLOSED_WHILE_COLLECTING)
-    env = dict(os.environ, PYTHONPATH=REPO)
-    result = subprocess.run(
-        [sys.executable, str(script), root], env=env, capture_output=True, text=True, timeout=120
-    )
+    result = _run_script(tmp_path / "closed_while_collecting.py", _CLOSED_WHILE_COLLECTING, root)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "arrays of the closed pipeline still to release: 0" in result.stdout
-    assert "leaked" not in result.stderr and "resource_tracker" not in result.stderr, result.stderr[
-        -3000:
-    ]
-    assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
+    _assert_no_shared_memory_left(result)
 
 
 _ORPHAN = """
