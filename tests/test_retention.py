@@ -112,3 +112,19 @@ def test_a_best_metric_the_evaluation_does_not_report_is_named_once_and_a_bad_mo
     ]
     with pytest.raises(ValueError, match=r"keep_best_mode must be 'max' or 'min', got 'best'"):
         Retention(1, lambda step: True, lambda step: None, keep_best_mode="best")
+
+
+def test_settings_rebuild_a_policy_that_keeps_the_same_steps():
+    # The writer process rebuilds the parent's policy from them.
+    metrics = {step: {"accuracy": step % 7 / 7} for step in range(10, 200, 10)}
+    kwargs = dict(keep_every_steps=50, keep_best_by="accuracy", keep_best_mode="min")
+    policy = Retention(2, lambda step: True, metrics.get, **kwargs)
+    assert policy.settings() == dict(max_to_keep=2, **kwargs)
+    rebuilt = Retention(
+        **policy.settings(), is_complete=lambda step: True, read_metrics=metrics.get
+    )
+    infos = [type("Info", (), {"step": step})() for step in metrics]
+    assert rebuilt.should_preserve(infos, context=None) == policy.should_preserve(
+        infos, context=None
+    )
+    assert sum(policy.should_preserve(infos, context=None)) < len(infos)  # Some are deleted.

@@ -207,10 +207,7 @@ class Checkpointer:
         """The writer thread's job: the writer process writes the step (this process's host
         copy is freed once sent), then this process's Orbax manager learns of it (and of the
         steps retention deleted)."""
-        r = self.retention
-        keep = dict(max_to_keep=r.max_to_keep, keep_every_steps=r.keep_every_steps)
-        keep.update(keep_best_by=r.keep_best_by, keep_best_mode=r.keep_best_mode)
-        where = os.fspath(self.directory), keep
+        where = os.fspath(self.directory), self.retention.settings()
 
         def take_args() -> tuple:
             encoded, metadata_item, protected = handover.pop()
@@ -244,7 +241,7 @@ class Checkpointer:
             ) from None
 
 
-_writing_here: dict[tuple, Checkpointer] = {}  # In the writer process: the last directory's.
+_writing_here: tuple[tuple, Checkpointer] | None = None  # In the writer process: the last one.
 
 
 def _write_here(
@@ -256,18 +253,24 @@ def _write_here(
 ) -> None:
     """The writer process's half of `save`: writes and commits `encoded` in `directory`,
     keeping the steps the parent's retention (`keep`, `protected`) keeps."""
-    key = directory, tuple(sorted(keep.items()))
-    if key not in _writing_here:
-        for other in _writing_here.values():
-            other.close()
-        _writing_here.clear()
-        _writing_here[key] = Checkpointer(directory, async_save=False, **keep)
-    checkpointer = _writing_here[key]
+    checkpointer = _checkpointer_here(directory, keep)
     quiet_logs.drop_late_loop_callbacks()  # The parent reports a failed write, once.
     checkpointer._manager.reload()  # The parent may have set steps aside since.
     checkpointer.retention.protected = set(protected)
     checkpointer.retention.record(encoded.step, metadata_item["metrics"])
     checkpointer._write(encoded, metadata_item)
+
+
+def _checkpointer_here(directory: str, keep: dict[str, Any]) -> Checkpointer:
+    """The writer process's synchronous Checkpointer of `directory` with the retention `keep`:
+    the last one's, kept from save to save, or a new one (the last closed)."""
+    global _writing_here
+    key = directory, tuple(sorted(keep.items()))
+    if _writing_here is None or _writing_here[0] != key:
+        if _writing_here is not None:
+            _writing_here[1].close()
+        _writing_here = key, Checkpointer(directory, async_save=False, **keep)
+    return _writing_here[1]
 
 
 def _check_layout(train_state: TrainState, where: str) -> None:

@@ -51,6 +51,15 @@ class Retention:
         self._unsupported: set[int] = set()  # Steps of a format version this code does not read.
         self._told_unranked = False
 
+    def settings(self) -> dict[str, Any]:
+        """The policy's keyword arguments: another process's `Retention` keeps the same steps."""
+        return dict(
+            max_to_keep=self.max_to_keep,
+            keep_every_steps=self.keep_every_steps,
+            keep_best_by=self.keep_best_by,
+            keep_best_mode=self.keep_best_mode,
+        )
+
     def record(self, step: int, metrics: Metrics | None) -> None:
         """The eval metrics of the step about to be saved, which counts from now on though
         it is not complete yet; warns once if they lack `keep_best_by`."""
