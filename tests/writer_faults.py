@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import time
 
@@ -56,6 +57,11 @@ def arrays_equal(arrays: dict, expected_repr: str) -> None:
     """Raises if `arrays` (received by the writer) do not print as `expected_repr`."""
     if repr(arrays) != expected_repr:
         raise AssertionError(f"received {arrays!r}")
+
+
+def note_at_exit(log: str) -> None:
+    """The child notes `exit` in the file `log` if its interpreter's clean-up runs."""
+    atexit.register(_note, log, "exit")
 
 
 class _TwoArgumentError(Exception):

@@ -34,10 +34,10 @@ from haiku_state import errors
 from haiku_state.guards import orphans
 
 # The child's command: this process's module search path (any characters, so not a
-# PYTHONPATH), then the serving loop.
+# PYTHONPATH), then the serving loop, then the exit (`serve` says why so).
 _CHILD_MAIN = (
-    "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
-    "from haiku_state.checkpoint import writer_process; writer_process.serve()"
+    "import json, os, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+    "from haiku_state.checkpoint import writer_process; writer_process.serve(); os._exit(0)"
 )
 _STOP_WAIT_S = 30  # How long `close` waits for the child to exit once told to.
 
@@ -147,7 +147,10 @@ def shared() -> WriterProcess:
 
 def serve() -> None:
     """The child's main: runs each call received until its parent closes the connection.
-    Arguments: the module search path, the connection's file descriptor, the parent's pid."""
+    Arguments: the module search path, the connection's file descriptor, the parent's pid.
+    The child then ends without the interpreter's clean-up (`os._exit`), which the parent's
+    exit would wait for (0.4 s on a CPU, more on a TPU host): every call has returned by
+    then, its step committed, and the child holds nothing else to flush or close."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     descriptor, parent_pid = (int(argument) for argument in sys.argv[2:4])
