@@ -214,9 +214,9 @@ def train_step(
     scaled = loss_scale is not None
     scale = unpack_loss_scale(opt_state, loss_scale) if scaled else jmp.NoOpLossScale()
     optimizer_state = opt_state.optimizer if scaled else opt_state
-    grad_fn = _scaled_loss_gradient(forward, loss_fn, scale)
-    grads, (loss, new_state, metrics) = accumulated_gradients(
-        grad_fn, params, state, apply_key, batch, steps=accumulation_steps, shards=batch_shards
+    options = dict(forward=forward, loss_fn=loss_fn, steps=accumulation_steps, shards=batch_shards)
+    grads, (loss, new_state, metrics) = _loss_gradients(
+        params, state, apply_key, batch, scale, **options
     )
     grads = scale.unscale(_mean_over_devices(grads, axis_name))
     new_state = _mean_over_devices(new_state, axis_name, floating_only=True)
@@ -262,6 +262,26 @@ def train_steps(
     per_step.append(jax.tree.map(lambda x: x[None], metrics))
     per_step = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_step)
     return train_state, {**per_step, **norms}
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "loss_fn", "steps", "shards"))
+def _loss_gradients(
+    params: hk.Params,
+    state: hk.State,
+    key: jax.Array,
+    batch: Batch,
+    scale: jmp.LossScale,
+    *,
+    forward: hk.TransformedWithState,
+    loss_fn: LossFn,
+    steps: int,
+    shards: int,
+) -> tuple[Any, tuple[jax.Array, hk.State, Metrics]]:
+    """The step's `accumulated_gradients` of the loss times `scale`. A function of its own
+    (`jax.jit`, inlined by XLA) so that it is traced once for every program that takes a step:
+    with and without the global norms, in a scan or not (seconds of each run's start)."""
+    grad_fn = _scaled_loss_gradient(forward, loss_fn, scale)
+    return accumulated_gradients(grad_fn, params, state, key, batch, steps=steps, shards=shards)
 
 
 def _varying_like(tree: Any, like: Any) -> Any:

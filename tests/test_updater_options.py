@@ -189,3 +189,26 @@ def test_the_averages_are_kept_and_donated_on_the_other_backends(backend, param_
     replicas.assert_train_state_invariants(train_state)
     host = to_host(train_state._replace(rng=()))
     assert not np.allclose(jax.tree.leaves(host.ema.params)[0], jax.tree.leaves(host.params)[0])
+
+
+# What a run's start traces.
+
+
+@pytest.mark.parametrize("backend", ["pmap", "jit"])
+def test_the_loss_is_traced_once_for_every_step_program(backend):
+    # The step's gradients are a function of their own: the programs with and without the
+    # global norms, of one step or of several a call, share their trace (seconds of a start).
+    traced = []
+    classification = losses.classification_loss(NUM_CLASSES)
+
+    def loss_fn(outputs, batch):
+        traced.append(1)
+        return classification(outputs, batch)
+
+    updater = hs.Updater(network("bn", backend), optax.sgd(0.1), loss_fn, backend=backend)
+    batch = hs.shard(host_batch(0))
+    train_state = updater.abstract_init(batch)
+    for method, batches in (("update", batch), ("update_steps", [batch] * 3)):
+        for norms in (False, True):
+            updater.lower(method, train_state, batches, with_global_norms=norms)
+    assert len(traced) == 1
