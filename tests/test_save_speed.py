@@ -70,12 +70,19 @@ def test_a_save_waits_for_its_arrays_together_not_each_on_the_event_loop(
 ):
     # Orbax's NumpyHandler awaits each array's TensorStore on its asyncio loop: about 50
     # system calls an array, most of a save's cost per array (step_format._BatchedNumpyHandler).
-    ways = []
+    # Its writes are one transaction: one OCDBT commit, not one for each batch of writes.
+    ways, transactions = [], []
     open_store = tensorstore.open
-    monkeypatch.setattr(tensorstore, "open", lambda *a, **k: _Watched(open_store(*a, **k), ways))
+
+    def watched_open(*args, **kwargs):
+        transactions.append(kwargs.get("transaction"))
+        return _Watched(open_store(*args, **kwargs), ways)
+
+    monkeypatch.setattr(tensorstore, "open", watched_open)
     _save(tmp_path, train_state)
     arrays = len(jax.tree.leaves(step_format.encode(train_state).trees))
     assert ways == ["result"] * arrays
+    assert transactions[0] is not None and transactions == [transactions[0]] * arrays
 
 
 def test_a_save_writes_the_files_orbax_own_handler_writes(train_state, tmp_path, monkeypatch):
