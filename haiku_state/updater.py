@@ -214,9 +214,9 @@ def train_step(
     scaled = loss_scale is not None
     scale = unpack_loss_scale(opt_state, loss_scale) if scaled else jmp.NoOpLossScale()
     optimizer_state = opt_state.optimizer if scaled else opt_state
-    options = dict(forward=forward, loss_fn=loss_fn, steps=accumulation_steps, shards=batch_shards)
+    network = _ByIdentity(forward, loss_fn)
     grads, (loss, new_state, metrics) = _loss_gradients(
-        params, state, apply_key, batch, scale, **options
+        params, state, apply_key, batch, scale, network, accumulation_steps, batch_shards
     )
     grads = scale.unscale(_mean_over_devices(grads, axis_name))
     new_state = _mean_over_devices(new_state, axis_name, floating_only=True)
@@ -256,22 +256,37 @@ def train_steps(
     return train_state, {**metrics, **last}
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "loss_fn", "steps", "shards"))
+class _ByIdentity:
+    """A static argument of `jax.jit` equal to another that holds the same objects: the user's
+    network and loss key the trace cache, hashable or not (a dataclass instance is not)."""
+
+    def __init__(self, *values: Any):
+        self.values = values
+        self._ids = tuple(map(id, values))  # Unique while held here.
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByIdentity) and other._ids == self._ids
+
+    def __hash__(self) -> int:
+        return hash(self._ids)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
 def _loss_gradients(
     params: hk.Params,
     state: hk.State,
     key: jax.Array,
     batch: Batch,
     scale: jmp.LossScale,
-    *,
-    forward: hk.TransformedWithState,
-    loss_fn: LossFn,
+    network: _ByIdentity,
     steps: int,
     shards: int,
 ) -> tuple[Any, tuple[jax.Array, hk.State, Metrics]]:
-    """The step's `accumulated_gradients` of the loss times `scale`. A function of its own
-    (`jax.jit`, inlined by XLA) so that it is traced once for every program that takes a step:
-    with and without the global norms, in a scan or not (seconds of each run's start)."""
+    """The step's `accumulated_gradients` of the loss times `scale`, `network` holding the
+    `(forward, loss_fn)`. A function of its own (`jax.jit`, inlined by XLA) so that it is
+    traced once for every program that takes a step: with and without the global norms, in
+    a scan or not (seconds of each run's start)."""
+    forward, loss_fn = network.values
     grad_fn = _scaled_loss_gradient(forward, loss_fn, scale)
     return accumulated_gradients(grad_fn, params, state, key, batch, steps=steps, shards=shards)
 

@@ -4,6 +4,8 @@ the moving averages of params and state (the update, replicas, evaluation, donat
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -212,3 +214,18 @@ def test_the_loss_is_traced_once_for_every_step_program(backend):
         for norms in (False, True):
             updater.lower(method, train_state, batches, with_global_norms=norms)
     assert len(traced) == 1
+
+
+def test_a_loss_that_cannot_be_hashed_trains():
+    # The gradients' program is keyed by the loss and the network as objects, not by hash.
+    @dataclasses.dataclass
+    class Loss:  # eq=True: instances are not hashable.
+        num_classes: int
+
+        def __call__(self, outputs, batch):
+            return losses.classification_loss(self.num_classes)(outputs, batch)
+
+    updater = hs.Updater(network("bn", "pmap"), optax.sgd(0.1), Loss(NUM_CLASSES))
+    batch = hs.shard(host_batch(0))
+    train_state, metrics = updater.update(updater.init(0, batch), batch)
+    assert np.all(np.isfinite(metrics["loss"]))
