@@ -26,6 +26,8 @@ Batch = Mapping[str, Any]
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[Any, Batch], tuple[jax.Array, Mapping[str, jax.Array]]]
 AugmentFn = Callable[[jax.Array, Batch], Batch]
+# (params, state, key, batch, scale) -> (grads, (loss, new_state, metrics)): `loss_gradients`.
+GradientsFn = Callable[..., tuple[Any, tuple[jax.Array, hk.State, Mapping[str, jax.Array]]]]
 
 
 class Ema(NamedTuple):
@@ -193,19 +195,17 @@ def train_step(
     batch: Batch,
     *,
     with_global_norms: bool,
-    forward: hk.TransformedWithState,
+    gradients: GradientsFn,
     optimizer: optax.GradientTransformation,
-    loss_fn: LossFn,
     augment_fn: AugmentFn | None,
     loss_scale: jmp.LossScale | None,
     axis_name: str | None,
-    accumulation_steps: int = 1,
-    batch_shards: int = 1,
     ema_decay: float | None = None,
     learning_rate: optax.Schedule | None = None,
 ) -> tuple[TrainState, Metrics]:
-    """One step on one device's shard (averaged over `axis_name`) or on the global batch (None),
-    in `accumulation_steps` micro-batches; `ema_decay` with `ema`; `_logged_only` if asked."""
+    """One step on one device's shard (averaged over `axis_name`) or on the global batch (None):
+    `gradients` those of the loss (`loss_gradients`); `ema_decay` with `ema`; `_logged_only` if
+    asked."""
     params, state, opt_state, rng, step, ema = train_state
     rng, step_key = jax.random.split(rng)
     augment_key, apply_key = jax.random.split(step_key)
@@ -214,10 +214,7 @@ def train_step(
     scaled = loss_scale is not None
     scale = unpack_loss_scale(opt_state, loss_scale) if scaled else jmp.NoOpLossScale()
     optimizer_state = opt_state.optimizer if scaled else opt_state
-    network = _ByIdentity(forward, loss_fn)
-    grads, (loss, new_state, metrics) = _loss_gradients(
-        params, state, apply_key, batch, scale, network, accumulation_steps, batch_shards
-    )
+    grads, (loss, new_state, metrics) = gradients(params, state, apply_key, batch, scale)
     grads = scale.unscale(_mean_over_devices(grads, axis_name))
     new_state = _mean_over_devices(new_state, axis_name, floating_only=True)
     updates, new_opt_state = optimizer.update(grads, optimizer_state, params)
@@ -256,37 +253,20 @@ def train_steps(
     return train_state, {**metrics, **last}
 
 
-class _ByIdentity:
-    """A static argument of `jax.jit` equal to another that holds the same objects: the user's
-    network and loss key the trace cache, hashable or not (a dataclass instance is not)."""
-
-    def __init__(self, *values: Any):
-        self.values = values
-        self._ids = tuple(map(id, values))  # Unique while held here.
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ByIdentity) and other._ids == self._ids
-
-    def __hash__(self) -> int:
-        return hash(self._ids)
-
-
-@functools.partial(jax.jit, static_argnums=(5, 6, 7))
-def _loss_gradients(
+def loss_gradients(
     params: hk.Params,
     state: hk.State,
     key: jax.Array,
     batch: Batch,
     scale: jmp.LossScale,
-    network: _ByIdentity,
-    steps: int,
-    shards: int,
+    *,
+    forward: hk.TransformedWithState,
+    loss_fn: LossFn,
+    steps: int = 1,
+    shards: int = 1,
 ) -> tuple[Any, tuple[jax.Array, hk.State, Metrics]]:
-    """The step's `accumulated_gradients` of the loss times `scale`, `network` holding the
-    `(forward, loss_fn)`. A function of its own (`jax.jit`, inlined by XLA) so that it is
-    traced once for every program that takes a step: with and without the global norms, in
-    a scan or not (seconds of each run's start)."""
-    forward, loss_fn = network.values
+    """The gradients of the loss times `scale` and `(loss, new_state, metrics)`, averaged over
+    `steps` micro-batches (`accumulated_gradients`); a step's `gradients`."""
     grad_fn = _scaled_loss_gradient(forward, loss_fn, scale)
     return accumulated_gradients(grad_fn, params, state, key, batch, steps=steps, shards=shards)
 
@@ -451,18 +431,24 @@ class Updater:
         self._init_fn = functools.partial(
             init_train_state, optimizer, loss_scale, keep_ema=self.ema_decay is not None
         )
-        common = dict(forward=forward, loss_fn=loss_fn, axis_name=self.layout.collective_axis)
+        common = dict(forward=forward, loss_fn=loss_fn)
+        shards = self.layout.batch_shards
+        gradients = functools.partial(
+            loss_gradients, **common, steps=accumulation_steps, shards=shards
+        )
         self._step = functools.partial(
             train_step,
+            # One function for every step program (XLA inlines it): they share its trace.
+            gradients=jax.jit(gradients),
             optimizer=optimizer,
             augment_fn=augment_fn,
             loss_scale=loss_scale,
-            accumulation_steps=accumulation_steps,
-            batch_shards=self.layout.batch_shards,
+            axis_name=self.layout.collective_axis,
             ema_decay=self.ema_decay,
-            **common,
         )
-        self._eval_step = functools.partial(eval_step, **common)
+        self._eval_step = functools.partial(
+            eval_step, **common, axis_name=self.layout.collective_axis
+        )
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
         """The first `TrainState`, params and state drawn on the host from `seed` (int or key; its

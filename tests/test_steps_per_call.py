@@ -157,7 +157,7 @@ def test_a_logged_call_holds_the_step_once(backend):
     train_state = updater.abstract_init(batch)
     for norms in (False, True):
         lowered = updater.lower("update_steps", train_state, [batch] * 3, with_global_norms=norms)
-        assert lowered.as_text().count("call @_loss_gradients") == 1
+        assert lowered.as_text().count("call @loss_gradients") == 1
 
 
 def test_the_evaluation_compiled_ahead_by_default_is_the_one_evaluate_runs():
