@@ -195,17 +195,21 @@ def train_step(
     batch: Batch,
     *,
     with_global_norms: bool,
-    gradients: GradientsFn,
+    forward: hk.TransformedWithState,
     optimizer: optax.GradientTransformation,
+    loss_fn: LossFn,
     augment_fn: AugmentFn | None,
     loss_scale: jmp.LossScale | None,
     axis_name: str | None,
+    accumulation_steps: int = 1,
+    batch_shards: int = 1,
     ema_decay: float | None = None,
     learning_rate: optax.Schedule | None = None,
+    gradients: GradientsFn | None = None,
 ) -> tuple[TrainState, Metrics]:
-    """One step on one device's shard (averaged over `axis_name`) or on the global batch (None):
-    `gradients` those of the loss (`loss_gradients`); `ema_decay` with `ema`; `_logged_only` if
-    asked."""
+    """One step on one device's shard (averaged over `axis_name`) or on the global batch (None),
+    in `accumulation_steps` micro-batches; `ema_decay` with `ema`; `_logged_only` if asked;
+    `gradients`: these `loss_gradients`, jitted once for every step program (None: traced here)."""
     params, state, opt_state, rng, step, ema = train_state
     rng, step_key = jax.random.split(rng)
     augment_key, apply_key = jax.random.split(step_key)
@@ -214,6 +218,8 @@ def train_step(
     scaled = loss_scale is not None
     scale = unpack_loss_scale(opt_state, loss_scale) if scaled else jmp.NoOpLossScale()
     optimizer_state = opt_state.optimizer if scaled else opt_state
+    options = dict(forward=forward, loss_fn=loss_fn, steps=accumulation_steps, shards=batch_shards)
+    gradients = gradients or functools.partial(loss_gradients, **options)
     grads, (loss, new_state, metrics) = gradients(params, state, apply_key, batch, scale)
     grads = scale.unscale(_mean_over_devices(grads, axis_name))
     new_state = _mean_over_devices(new_state, axis_name, floating_only=True)
@@ -431,24 +437,24 @@ class Updater:
         self._init_fn = functools.partial(
             init_train_state, optimizer, loss_scale, keep_ema=self.ema_decay is not None
         )
-        common = dict(forward=forward, loss_fn=loss_fn)
-        shards = self.layout.batch_shards
+        common = dict(forward=forward, loss_fn=loss_fn, axis_name=self.layout.collective_axis)
+        steps, shards = accumulation_steps, self.layout.batch_shards
         gradients = functools.partial(
-            loss_gradients, **common, steps=accumulation_steps, shards=shards
+            loss_gradients, forward=forward, loss_fn=loss_fn, steps=steps, shards=shards
         )
         self._step = functools.partial(
             train_step,
-            # One function for every step program (XLA inlines it): they share its trace.
-            gradients=jax.jit(gradients),
             optimizer=optimizer,
             augment_fn=augment_fn,
             loss_scale=loss_scale,
-            axis_name=self.layout.collective_axis,
+            accumulation_steps=steps,
+            batch_shards=shards,
             ema_decay=self.ema_decay,
+            # One function for every step program (XLA inlines the call): they share its trace.
+            gradients=jax.jit(gradients),
+            **common,
         )
-        self._eval_step = functools.partial(
-            eval_step, **common, axis_name=self.layout.collective_axis
-        )
+        self._eval_step = functools.partial(eval_step, **common)
 
     def init(self, seed: int | jax.Array, batch: Batch) -> TrainState:
         """The first `TrainState`, params and state drawn on the host from `seed` (int or key; its

@@ -5,6 +5,7 @@ the moving averages of params and state (the update, replicas, evaluation, donat
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -24,7 +25,7 @@ from updater_helpers import (
 import haiku_state as hs
 from haiku_state import losses
 from haiku_state.guards import replicas
-from haiku_state.updater import Ema, micro_batches
+from haiku_state.updater import Ema, micro_batches, train_step
 
 NUM_STEPS = 2
 
@@ -229,3 +230,26 @@ def test_a_loss_that_cannot_be_hashed_trains():
     batch = hs.shard(host_batch(0))
     train_state, metrics = updater.update(updater.init(0, batch), batch)
     assert np.all(np.isfinite(metrics["loss"]))
+
+
+def test_train_step_alone_takes_the_updaters_step():
+    # The pure step, given no `gradients`, traces the loss's itself (`loss_gradients`).
+    forward, optimizer = network("bn", "pmap"), optax.sgd(0.1, momentum=0.9)
+    loss_fn = losses.classification_loss(NUM_CLASSES)
+    updater = hs.Updater(forward, optimizer, loss_fn, axis_name=AXIS)
+    batch = hs.shard(host_batch(0))
+    first = updater.init(0, batch)
+    step = functools.partial(
+        train_step,
+        with_global_norms=True,
+        forward=forward,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        augment_fn=None,
+        loss_scale=None,
+        axis_name=AXIS,
+    )
+    alone = jax.pmap(step, axis_name=AXIS)(first, batch)
+    expected = updater.update(first, batch, with_global_norms=True)  # Donates `first`.
+    assert_trees_close(to_host(alone[1]), to_host(expected[1]))
+    assert_trees_close(to_host(alone[0].params), to_host(expected[0].params))
