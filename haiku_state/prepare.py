@@ -306,4 +306,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from haiku_state.guards import processes
+
+    processes.run_then_exit_at_once(main)

@@ -188,4 +188,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    processes.run_then_exit_at_once(main)
