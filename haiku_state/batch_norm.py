@@ -16,7 +16,9 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-BATCH_NORMS = ("lean", "haiku")
+from haiku_state import choices
+
+BATCH_NORMS = choices.BATCH_NORMS
 
 
 @dataclasses.dataclass

@@ -21,16 +21,7 @@ from typing import Any
 
 import ml_collections
 
-from haiku_state import (
-    compilation_cache,
-    data,
-    errors,
-    losses,
-    models,
-    optim,
-    replication,
-    sharding,
-)
+from haiku_state import choices, compilation_cache, errors
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments")
 
@@ -123,7 +114,7 @@ SCHEMA = (
         help="the newest complete checkpoints kept; None: all"),
     Key("keep_every_steps", 0, int, bounds=NON_NEGATIVE, free=True,
         help="milestones kept forever: steps divisible by this; 0: none"),
-    Key("keep_best_by", "", str, choices=("", *losses.EVAL_METRICS), free=True,
+    Key("keep_best_by", "", str, choices=("", *choices.EVAL_METRICS), free=True,
         help="an eval metric, accuracy or loss, to keep the best step by; empty: none"),
     Key("keep_best_mode", "", str, choices=("", "max", "min"), free=True,
         help="max or min; empty: the metric's own (max for accuracy, min for loss)"),
@@ -133,22 +124,22 @@ SCHEMA = (
         help="regex of param and state paths that keep their fresh initialisation"),
     Key("profile_steps", (), tuple, free=True,
         help="(start, stop): a jax.profiler trace into WORKDIR/profile; (): none"),
-    Key("backend", "pmap", str, choices=replication.BACKENDS, free=True,
+    Key("backend", "pmap", str, choices=choices.BACKENDS, free=True,
         help="pmap, or shard_map (the same step on jax.shard_map, the same TrainState), or jit: "
         "one program over global arrays on a mesh of every device"),
-    Key("param_sharding", "replicated", str, choices=sharding.PARAM_SHARDINGS, free=True,
+    Key("param_sharding", "replicated", str, choices=choices.PARAM_SHARDINGS, free=True,
         help="backend=jit: params and opt_state whole on every device (replicated), or split over "
         "the devices (fsdp; leaves under 64 KiB stay whole)"),
-    Key("precision", "float32", str, choices=models.PRECISIONS,
+    Key("precision", "float32", str, choices=choices.PRECISIONS,
         help="float32, or bfloat16 / float16: mixed precision"),
     Key("label_smoothing", 0.0, float, bounds=FRACTION, help="of the training loss's targets"),
     Key("compilation_cache_dir", compilation_cache.default_directory(), str, free=True,
         help="where compiled programs are kept, so a rerun or a resume does not compile again; "
         "empty: off"),
 
-    Key("optimizer.name", "sgd", str, choices=optim.OPTIMIZERS, help="the optax optimizer"),
+    Key("optimizer.name", "sgd", str, choices=choices.OPTIMIZERS, help="the optax optimizer"),
     Key("optimizer.learning_rate", 0.1, float, bounds=POSITIVE, help="the peak learning rate"),
-    Key("optimizer.schedule", "warmup_cosine", str, choices=optim.SCHEDULES,
+    Key("optimizer.schedule", "warmup_cosine", str, choices=choices.SCHEDULES,
         help="the learning rate's schedule"),
     Key("optimizer.warmup_steps", 50, int, bounds=NON_NEGATIVE,
         help="warmup_cosine's linear warmup, fewer than the run's steps; left at 50, a tenth of a "
@@ -168,7 +159,7 @@ SCHEMA = (
         help="keep an exponential moving average of the params and BatchNorm state with this decay "
         "(e.g. 0.999), which evaluation, predict and export then use; 0: off"),
 
-    Key("data.name", "digits", str, choices=data.DATASETS, help="the dataset"),
+    Key("data.name", "digits", str, choices=choices.DATASETS, help="the dataset"),
     Key("data.dir", "", str, help="the data's folder, for cifar10, imagefolder and arrayrecord"),
     Key("data.image_size", None, int, bounds=POSITIVE_INT, allow_none=True,
         help="the side of the square crops of encoded images, 224 for ImageNet; sources in memory "
@@ -183,7 +174,7 @@ SCHEMA = (
         "is: starting workers would take longer)"),
     Key("data.prefetch", 2, int, bounds=POSITIVE_INT, free=True,
         help="batches kept ready on the devices"),
-    Key("data.decoder", "cpu", str, choices=data.DECODER_NAMES, free=True,
+    Key("data.decoder", "cpu", str, choices=choices.DECODERS, free=True,
         help="who computes the pixels of encoded images: the decoding processes (cpu) or nvJPEG on "
         "the device (gpu); the host draws every crop and flip either way, and the pixels differ "
         "slightly between the two"),
@@ -202,7 +193,7 @@ SCHEMA = (
     Key("data.flip", False, bool,
         help="on-device random horizontal flips; digits must not be mirrored"),
 
-    Key("model.name", None, str, choices=models.MODELS, allow_none=True,
+    Key("model.name", None, str, choices=choices.MODELS, allow_none=True,
         help="the network; None: the network() of the file model.network"),
     Key("model.network", "", str, free=True,
         help="instead of model.name: a Python file defining network(config, num_classes, "
@@ -217,9 +208,9 @@ SCHEMA = (
         help="the channels of the ResNet's first stage"),
     Key("model.blocks_per_stage", (2, 2, 2, 2), tuple, for_models=("resnet",),
         help="the residual blocks of each stage of the ResNet"),
-    Key("model.bn_decay_rate", 0.9, float, bounds=FRACTION, for_models=models.MODELS,
+    Key("model.bn_decay_rate", 0.9, float, bounds=FRACTION, for_models=choices.MODELS,
         help="the decay of BatchNorm's moving statistics"),
-    Key("model.batch_norm", "lean", str, choices=models.BATCH_NORMS, for_models=models.MODELS,
+    Key("model.batch_norm", "lean", str, choices=choices.BATCH_NORMS, for_models=choices.MODELS,
         legacy_default="haiku",
         help="lean: the project's BatchNorm (moving mean and variance, 2 state leaves a layer); "
         "haiku: hk.BatchNorm (zero-debiased averages, 6 leaves), as runs before it trained"),
@@ -242,7 +233,7 @@ IGNORED_WHEN = (
     (tuple(f"data.{name}" for name in ("image_shape", "num_classes", "num_train", "num_test")),
      lambda get: get("data.name") != "synthetic", "only synthetic data reads it"),
     (("data.workers", "data.decoder", "data.skip_corrupt"),
-     lambda get: get("data.name") not in data.ENCODED_DATASETS, "the data is held in memory"),
+     lambda get: get("data.name") not in choices.ENCODED_DATASETS, "the data is held in memory"),
     (("data.max_corrupt_fraction",), lambda get: not get("data.skip_corrupt"),
      "skip_corrupt is False"),
     (("data.verify",), lambda get: get("data.name") != "imagefolder",
@@ -299,8 +290,8 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 def default_config(model: str | None = None) -> ml_collections.ConfigDict:
     """Every key at its default, with `model.name = model` and its options (None: neither).
     A None default is a placeholder of the key's type (`--config.num_epochs=90` parses)."""
-    if model is not None and model not in models.MODELS:
-        raise errors.InvalidValue(f"Unknown model {model!r}; expected one of {models.MODELS}.")
+    if model is not None and model not in choices.MODELS:
+        raise errors.InvalidValue(f"Unknown model {model!r}; expected one of {choices.MODELS}.")
     nested: dict[str, Any] = {}
     for key in keys_of(model):
         *parents, leaf = key.name.split(".")
@@ -334,7 +325,7 @@ def free_keys(recorded: Mapping[str, Any], config: Mapping[str, Any]) -> set[str
 
 def keep_best_mode(config: Any) -> str:
     """ "max" or "min": `config.keep_best_mode`, else the direction of `config.keep_best_by`."""
-    return config.keep_best_mode or losses.EVAL_METRICS.get(config.keep_best_by, "max")
+    return config.keep_best_mode or choices.EVAL_METRICS.get(config.keep_best_by, "max")
 
 
 def available_experiments() -> list[str]:
@@ -395,7 +386,7 @@ def describe_keys(config: Any = None) -> str:
         facts = [key.requirement()]
         if config is not None and value != key.default:
             facts.append(f"default {key.default!r}")
-        if config is None and key.for_models and set(key.for_models) != set(models.MODELS):
+        if config is None and key.for_models and set(key.for_models) != set(choices.MODELS):
             facts.append(f"for the {' and '.join(key.for_models)} model")
         if key.free:
             facts.append("may change on resume")

@@ -16,23 +16,26 @@ _CURVES = (
 )
 
 
-def save_figure(records: list[dict[str, Any]], title: str, path: str) -> None:
-    """Draws `records` under `title` into the PNG file `path`."""
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (the Agg backend), imported when first asked for."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # Nothing to do once it is the backend.
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(records: list[dict[str, Any]], title: str, path: str) -> None:
+    """Draws `records` under `title` into the PNG file `path`."""
     figure = curves_figure(records, title)
     figure.savefig(path, dpi=100)
-    plt.close(figure)
+    pyplot().close(figure)
 
 
 def curves_figure(records: list[dict[str, Any]], title: str) -> Any:
     """The matplotlib figure of `save_figure`: one panel per metric, train and eval on each."""
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(_CURVES), figsize=(15, 4))
+    figure, axes = pyplot().subplots(1, len(_CURVES), figsize=(15, 4))
     for axis, (metric, label, scale) in zip(axes, _CURVES, strict=True):
         for split, style in (("train", "-"), ("eval", "o-")):
             rows = [r for r in records if r["split"] == split and metric in r]

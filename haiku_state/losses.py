@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from haiku_state import errors
+from haiku_state import choices, errors
 from haiku_state.updater import LossFn
 
 # The metrics an evaluation reports, and which end of each is best (`config.keep_best_by`).
-EVAL_METRICS = {"accuracy": "max", "loss": "min"}
+EVAL_METRICS = choices.EVAL_METRICS
 
 
 def classification_loss(num_classes: int, label_smoothing: float = 0.0) -> LossFn:

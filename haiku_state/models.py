@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 import jmp
 
-from haiku_state import errors
+from haiku_state import choices, errors
 from haiku_state.batch_norm import BATCH_NORMS, BatchNorm, make_batch_norm
 from haiku_state.resnet50 import ResNet50, SpaceToDepthStem  # noqa: F401 - importable from here
 
-MODELS = ("mlp", "resnet", "resnet50")
-PRECISIONS = ("float32", "bfloat16", "float16")
+MODELS, PRECISIONS = choices.MODELS, choices.PRECISIONS
 
 
 @dataclasses.dataclass

@@ -9,10 +9,9 @@ import jax
 import optax
 from absl import logging
 
-from haiku_state import errors
+from haiku_state import choices, errors
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "warmup_cosine")
+OPTIMIZERS, SCHEDULES = choices.OPTIMIZERS, choices.SCHEDULES
 
 
 def haiku_weights(params: Any) -> Any:

@@ -17,11 +17,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from haiku_state import errors
+from haiku_state import choices, errors
 
 PyTree = Any
 DEFAULT_AXIS_NAME = "i"
-BACKENDS = ("pmap", "shard_map", "jit")
+BACKENDS = choices.BACKENDS
 PER_DEVICE_BACKENDS = ("pmap", "shard_map")
 
 

@@ -20,10 +20,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from haiku_state import errors, replication
+from haiku_state import choices, errors, replication
 
 PyTree = Any
-PARAM_SHARDINGS = ("replicated", "fsdp")
+PARAM_SHARDINGS = choices.PARAM_SHARDINGS
 # 64 KiB (a 128x128 float32 matrix): below it the all-gather and reduce-scatter of "fsdp" are
 # latency, not bandwidth, and the memory saved is negligible.
 FSDP_MIN_BYTES = 2**16

@@ -14,6 +14,7 @@ the cluster (SLURM, TPU pods).
 
 from __future__ import annotations
 
+import concurrent.futures
 import faulthandler
 import functools
 import os
@@ -22,15 +23,18 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from haiku_state import errors, evaluation
-from haiku_state.driver import train_and_evaluate
+from haiku_state import errors
 from haiku_state.guards import command_line as command_line_checks
 from haiku_state.guards import processes, quiet_logs, signals
+
+if TYPE_CHECKING:  # At run time `__getattr__` imports it, and `main` beside the runtime's start.
+    from haiku_state.driver import train_and_evaluate
 
 __all__ = ["main", "train_and_evaluate"]
 
@@ -107,7 +111,31 @@ def _define_process_flags() -> dict[str, flags.FlagHolder]:
     }
 
 
+def __getattr__(name: str):
+    """`train_and_evaluate` (`haiku_state.driver`), imported when first asked for: `main`
+    imports the driver only once the accelerator's runtime is starting."""
+    if name == "train_and_evaluate":
+        from haiku_state.driver import train_and_evaluate
+
+        return train_and_evaluate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _start_runtime(mode: str) -> None:
+    """Starts JAX's backend, importing what `mode` runs meanwhile: the TPU runtime's start
+    (10 s on a v5e) does not hold the GIL, and the imports take 3-4 s of Python there."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runtime") as pool:
+        runtime = pool.submit(jax.devices)
+        from haiku_state import curves, driver  # noqa: F401 - `_run_mode`'s, and evaluation
+
+        if mode == "train" and not runtime.done():  # Free only while the runtime starts.
+            curves.pyplot()  # For `curves.png` at the end.
+        runtime.result()  # The runtime's error, if it failed, is raised here.
+
+
 def _run_mode(command_line: dict[str, flags.FlagHolder], stop: signals.StopRequest) -> None:
+    from haiku_state import driver, evaluation  # Imported by `_start_runtime`, beside the runtime.
+
     config, workdir = command_line["config"].value, command_line["workdir"].value
     if command_line["mode"].value == "eval":
         step = command_line["step"].value
@@ -117,7 +145,9 @@ def _run_mode(command_line: dict[str, flags.FlagHolder], stop: signals.StopReque
         evaluation.follow_checkpoints(config, workdir, stop=stop)
     else:
         allow_config_change = command_line["allow_config_change"].value
-        train_and_evaluate(config, workdir, stop=stop, allow_config_change=allow_config_change)
+        driver.train_and_evaluate(
+            config, workdir, stop=stop, allow_config_change=allow_config_change
+        )
 
 
 def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
@@ -133,6 +163,7 @@ def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     stop.install()  # Again: jax.distributed may have taken SIGTERM for itself.
+    _start_runtime(command_line["mode"].value)
     if jax.default_backend() == "cpu":
         # XLA:CPU compiles the partitionable threefry several times slower, and the parameter
         # initialisers dominate start-up. It changes which random bits are drawn, not their quality.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -448,3 +449,30 @@ def test_a_config_file_without_a_config_is_refused_naming_it(tmp_path, body, say
     with pytest.raises(errors.InvalidValue) as refused:
         config_lib.load_config_file(str(path))
     assert str(refused.value).startswith(str(path)) and says in str(refused.value)
+
+
+def test_the_names_config_keys_take_are_those_the_registries_hold():
+    from haiku_state import choices, data
+
+    assert tuple(data.sources.SOURCES) == choices.DATASETS == data.DATASETS
+    encoded = tuple(name for name, source in data.sources.SOURCES.items() if source.encoded)
+    assert encoded == choices.ENCODED_DATASETS == data.ENCODED_DATASETS
+    assert tuple(data.pipeline.DECODERS) == choices.DECODERS == data.DECODER_NAMES
+
+
+def test_loading_every_experiment_file_imports_nothing_a_run_needs_beside_jax():
+    # What lets `python -m haiku_state.train` import those while the TPU runtime starts.
+    heavy = ("haiku", "optax", "orbax.checkpoint", "tensorstore", "grain", "cv2", "matplotlib")
+    code = (
+        "import sys\n"
+        "from haiku_state import config\n"
+        "for name in config.available_experiments():\n"
+        "    if name != 'own_network':  # A user's network: it imports Haiku itself.\n"
+        "        config.load_config_file(f'experiments/{name}.py')\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"

@@ -199,12 +199,12 @@ def test_a_refusal_a_library_raises_for_the_package_is_one_line_and_writes_nothi
     # library that carried it raises it: its type, not where it was raised, makes it one.
     code = (
         "import concurrent.futures, sys\n"
-        "from haiku_state import errors, train\n"
+        "from haiku_state import driver, errors, train\n"
         "def refused(*args, **kwargs):\n"
         "    future = concurrent.futures.Future()\n"
         "    future.set_exception(errors.InvalidValue('the worker refused the data'))\n"
         "    future.result()\n"
-        "train.train_and_evaluate = refused\n"
+        "driver.train_and_evaluate = refused\n"
         "train.main(['haiku_state.train', *sys.argv[1:]])\n"
     )
     result = subprocess.run(
@@ -221,8 +221,8 @@ def test_a_librarys_error_is_one_line_naming_errors_log_which_holds_its_tracebac
     code = (
         "import sys\n"
         "import jax.numpy as jnp\n"
-        "from haiku_state import train\n"
-        "train.train_and_evaluate = lambda *args, **kwargs: jnp.argmax(jnp.zeros(0))\n"
+        "from haiku_state import driver, train\n"
+        "driver.train_and_evaluate = lambda *args, **kwargs: jnp.argmax(jnp.zeros(0))\n"
         "train.main(['haiku_state.train', *sys.argv[1:]])\n"
     )
     flags = ["--config=experiments/mlp.py", f"--workdir={tmp_path}"]
@@ -469,9 +469,9 @@ def test_eval_follow_stopped_while_it_waits_for_checkpoints_exits_143(tmp_path):
 
 
 def _run_patched(setup: str, *flags, timeout: float = 120):
-    """The command line after `setup` (Python run first: limits, patches of haiku_state.train,
-    which the command then runs), started; its stdout and stderr in one pipe."""
-    code = f"import sys\nfrom haiku_state import train\n{setup}\n"
+    """The command line after `setup` (Python run first: limits, patches of haiku_state.train
+    and .driver, which the command then runs), started; its stdout and stderr in one pipe."""
+    code = f"import sys\nfrom haiku_state import driver, train\n{setup}\n"
     code += "train.main(['haiku_state.train', *sys.argv[1:]])\n"
     return subprocess.Popen(
         [sys.executable, "-c", code, *flags],
@@ -520,7 +520,7 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_in_seconds(tmp_pa
         "    libc.pthread_mutex_lock(mutex)\n"
         "    print('stuck', flush=True)\n"
         "    libc.pthread_mutex_lock(mutex)\n"
-        "train.train_and_evaluate = stuck"
+        "driver.train_and_evaluate = stuck"
     )
     process = _run_patched(stuck, "--config=experiments/mlp.py", f"--workdir={tmp_path}")
     try:
@@ -552,7 +552,7 @@ def test_an_error_ends_the_process_even_if_something_holds_up_its_exit(tmp_path)
         "def failing(*args, **kwargs):\n"
         "    threading.Thread(target=threading.Event().wait).start()\n"
         "    raise ValueError('a refusal')\n"
-        "train.train_and_evaluate = failing"
+        "driver.train_and_evaluate = failing"
     )
     process = _run_patched(held, "--config=experiments/mlp.py", f"--workdir={tmp_path}")
     try:

@@ -16,8 +16,8 @@ from typing import Any
 
 from absl import logging
 
+from haiku_state import choices, errors
 from haiku_state import config as config_lib
-from haiku_state import data, errors, losses
 from haiku_state.config import Key
 
 
@@ -235,6 +235,8 @@ def _check_compilation_cache_dir(config: Any, *_: int) -> None:
 
 
 def _check_decoder(config: Any, *_: int) -> None:
+    from haiku_state import data  # Here, not at the top: parsing the flags needs no pipeline.
+
     if config.data.decoder == "gpu" and (reason := data.gpu_decoder_unavailable()):
         raise errors.InvalidValue(
             "config.data.decoder='gpu' decodes on an NVIDIA GPU with nvImageCodec; "
@@ -257,12 +259,12 @@ def _check_retention(config: Any, *_: int) -> None:
     if mode and not best_by:
         raise errors.InvalidValue(
             f"config.keep_best_mode={mode!r} is set but config.keep_best_by is empty: "
-            f"set keep_best_by to one of {tuple(losses.EVAL_METRICS)}, or leave the mode."
+            f"set keep_best_by to one of {tuple(choices.EVAL_METRICS)}, or leave the mode."
         )
-    if best_by and mode and mode != losses.EVAL_METRICS[best_by]:
+    if best_by and mode and mode != choices.EVAL_METRICS[best_by]:
         raise errors.InvalidValue(
             f"config.keep_best_by={best_by!r} with keep_best_mode={mode!r} would keep the "
-            f"worst step; set keep_best_mode={losses.EVAL_METRICS[best_by]!r} or leave it empty."
+            f"worst step; set keep_best_mode={choices.EVAL_METRICS[best_by]!r} or leave it empty."
         )
     if best_by and config.checkpoint_every % config.eval_every:
         raise errors.InvalidValue(
@@ -283,8 +285,10 @@ def _check_retention(config: Any, *_: int) -> None:
 def _check_host_memory(config: Any, _: int, num_processes: int) -> None:
     """The crops of an encoded dataset's batches in flight (`READ_AHEAD + 1` per decoding
     worker, `prefetch`, the loop's one; training's and evaluation's) fit in host memory."""
+    from haiku_state import data  # As in `_check_decoder`.
+
     size = config.data.image_size
-    if size is None or config.data.name not in data.ENCODED_DATASETS:
+    if size is None or config.data.name not in choices.ENCODED_DATASETS:
         return
     workers = data.default_workers() if config.data.workers is None else config.data.workers
     in_flight = max(workers, 1) * (data.pipeline.READ_AHEAD + 1) + config.data.prefetch + 1
