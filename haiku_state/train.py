@@ -20,6 +20,7 @@ import functools
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -122,15 +123,22 @@ def __getattr__(name: str):
 
 
 def _start_runtime(mode: str) -> None:
-    """Starts JAX's backend, importing what `mode` runs meanwhile: the TPU runtime's start
-    (10 s on a v5e) does not hold the GIL, and the imports take 3-4 s of Python there."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runtime") as pool:
-        runtime = pool.submit(jax.devices)
-        from haiku_state import curves, driver  # noqa: F401 - `_run_mode`'s, and evaluation
+    """Starts JAX's backend while a thread imports what `mode` runs: the TPU runtime's start
+    (7-10 s on a v5e) does not hold the GIL, and the imports take 3-4 s of Python there. The
+    runtime starts in the main thread, so a signal while it hangs meets the watchdog, as before."""
+    runtime_up = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="imports") as pool:
+        imports = pool.submit(_import_the_run, mode, runtime_up)
+        jax.devices()
+        runtime_up.set()
+        imports.result()  # An import's error, if one failed, is raised here.
 
-        if mode == "train" and not runtime.done():  # Free only while the runtime starts.
-            curves.pyplot()  # For `curves.png` at the end.
-        runtime.result()  # The runtime's error, if it failed, is raised here.
+
+def _import_the_run(mode: str, runtime_up: threading.Event) -> None:
+    from haiku_state import curves, driver  # noqa: F401 - `_run_mode`'s, and evaluation
+
+    if mode == "train" and not runtime_up.is_set():  # Free only while the runtime starts.
+        curves.pyplot()  # For `curves.png` at the end.
 
 
 def _run_mode(command_line: dict[str, flags.FlagHolder], stop: signals.StopRequest) -> None:

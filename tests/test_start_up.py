@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from configs import SignalledAtStep, mlp_config
@@ -79,19 +81,28 @@ def test_a_resume_whose_steps_metadata_is_all_damaged_still_checks_its_config(tm
         driver.train_and_evaluate(changed, str(tmp_path))
 
 
-def _command_with_its_runtime_start(start: str, *flags: str) -> subprocess.CompletedProcess:
-    """`python -m haiku_state.train FLAGS`, its runtime's start (the first `jax.devices()`)
-    replaced by `start`, the body of a function of `*args` that may call `start_runtime`."""
-    code = "import sys, time, jax\nfrom haiku_state import train\nstart_runtime = jax.devices\n"
-    code += "def devices(*args):\n    jax.devices = start_runtime\n"
+def _command_with_its_runtime_start(start: str, *flags: str, setup: str = "") -> subprocess.Popen:
+    """`python -m haiku_state.train --config=experiments/mlp.py FLAGS` after `setup`, its
+    runtime's start (the first `jax.devices()`) replaced by `start`, the body of a function of
+    `*args` that may call `start_runtime`; started, its stderr in a pipe of its own."""
+    code = f"import sys, time, jax\nfrom haiku_state import train\n{setup}\n"
+    code += "start_runtime = jax.devices\ndef devices(*args):\n    jax.devices = start_runtime\n"
     code += "".join(f"    {line}\n" for line in start.splitlines())
     code += "jax.devices = devices\ntrain.main(['haiku_state.train', *sys.argv[1:]])\n"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", code, "--config=experiments/mlp.py", *flags],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def _ended(process: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    """The process's stdout and stderr once it has ended (killed past `timeout`)."""
+    try:
+        return process.communicate(timeout=timeout)
+    finally:
+        process.kill()
 
 
 def test_the_command_imports_the_run_while_the_runtime_starts(tmp_path):
@@ -106,18 +117,44 @@ def test_the_command_imports_the_run_while_the_runtime_starts(tmp_path):
         "print('the driver imported meanwhile', flush=True)\n"
         "return start_runtime(*args)"
     )
-    result = _command_with_its_runtime_start(start, f"--workdir={tmp_path}", "--mode=eval")
-    lines = result.stdout.splitlines()
-    assert lines[:2] == ["imported as the runtime starts: []", "the driver imported meanwhile"], (
-        result.stdout + result.stderr[-3000:]
-    )
+    process = _command_with_its_runtime_start(start, f"--workdir={tmp_path}", "--mode=eval")
+    stdout, stderr = _ended(process)
+    assert stdout.splitlines()[:2] == [
+        "imported as the runtime starts: []",
+        "the driver imported meanwhile",
+    ], stdout + stderr[-3000:]
     # Then the evaluation runs: there is no checkpoint to evaluate.
-    assert result.returncode == 1 and "error: " in result.stderr.splitlines()[-1], result.stderr
+    assert process.returncode == 1 and stderr.splitlines()[-1].startswith("error: "), stderr
+
+
+def test_a_signal_while_the_runtime_start_hangs_ends_the_command_within_the_bound(tmp_path):
+    # The start stuck in native code (a device that never answers): the watchdog's exit.
+    start = (
+        "import ctypes\n"
+        "mutex, libc = ctypes.create_string_buffer(64), ctypes.CDLL(None)\n"
+        "libc.pthread_mutex_lock(mutex)\n"
+        "print('starting', flush=True)\n"
+        "libc.pthread_mutex_lock(mutex)"
+    )
+    setup = "from haiku_state.guards import signals\nsignals.TAKE_WITHIN_SECS = 1.0"
+    process = _command_with_its_runtime_start(start, f"--workdir={tmp_path}", setup=setup)
+    try:
+        assert process.stdout.readline() == "starting\n", process.stderr.read()[-3000:]
+        time.sleep(0.5)  # Into the second lock.
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 143 and time.monotonic() - sent < 10, stderr[-3000:]
+    assert "SIGTERM received, and not taken in 1 s" in stderr, stderr[-3000:]
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_runtime_that_fails_to_start_fails_the_command_with_its_error(tmp_path):
     start = "raise RuntimeError('Unable to initialize backend: the device is busy')"
-    result = _command_with_its_runtime_start(start, f"--workdir={tmp_path}")
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "RuntimeError: Unable to initialize backend: the device is busy" in result.stderr
+    process = _command_with_its_runtime_start(start, f"--workdir={tmp_path}")
+    _, stderr = _ended(process)
+    assert process.returncode == 1, stderr[-3000:]
+    assert "RuntimeError: Unable to initialize backend: the device is busy" in stderr
     assert os.listdir(tmp_path) == []
