@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 
@@ -54,3 +56,15 @@ def test_load_run_is_among_the_packages_names():
     import haiku_state as hs
 
     assert "load_run" in dir(hs) and set(hs.__all__) <= set(dir(hs))
+
+
+def test_every_public_name_is_imported_from_its_module_when_first_asked_for():
+    import importlib
+
+    import haiku_state as hs
+
+    assert sorted(hs.__all__) == sorted(hs._PUBLIC)
+    for name, module in hs._PUBLIC.items():
+        assert getattr(hs, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="has no attribute 'Updatr'"):
+        hs.Updatr  # noqa: B018
