@@ -125,7 +125,8 @@ def __getattr__(name: str):
 def _start_runtime(mode: str) -> None:
     """Starts JAX's backend while a thread imports what `mode` runs: the TPU runtime's start
     (7-10 s on a v5e) does not hold the GIL, and the imports take 3-4 s of Python there. The
-    runtime starts in the main thread, so a signal while it hangs meets the watchdog, as before."""
+    runtime starts in the main thread: a signal while its start hangs in native code is left
+    untaken, and the watchdog's bounded exit ends the command (`signals.StopRequest`)."""
     runtime_up = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="imports") as pool:
         imports = pool.submit(_import_the_run, mode, runtime_up)
@@ -135,6 +136,8 @@ def _start_runtime(mode: str) -> None:
 
 
 def _import_the_run(mode: str, runtime_up: threading.Event) -> None:
+    """The driver (which imports evaluation); for a training run, matplotlib if the runtime
+    is still starting (on a CPU it is up at once, and a run that stops early never plots)."""
     from haiku_state import curves, driver  # noqa: F401 - `_run_mode`'s, and evaluation
 
     if mode == "train" and not runtime_up.is_set():  # Free only while the runtime starts.
