@@ -132,8 +132,8 @@ def time_to_first_step(command: list[str], workdir: str, timeout_s: float) -> di
 
     Returns the seconds from the process's start to that step's metrics (None if
     it never came, with `error` saying why), the CPU seconds the process had
-    taken by then (what a machine shared with other work measures best), and the
-    step.
+    taken by then (what a machine shared with other work measures best), the
+    step, and the run's `Start-up` line (where its start went; None if it logged none).
     """
     done = max(_train_steps(workdir), default=0)
     with tempfile.TemporaryFile() as log:
@@ -157,10 +157,19 @@ def time_to_first_step(command: list[str], workdir: str, timeout_s: float) -> di
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        if error:
-            log.seek(0)
-            error += ": " + log.read().decode(errors="replace")[-2000:]
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "step": step, "error": error}
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    if error:
+        error += ": " + output[-2000:]
+    lines = [line for line in output.splitlines() if "Start-up " in line]
+    startup_line = lines[-1][lines[-1].index("Start-up ") :] if lines else None
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "step": step,
+        "error": error,
+        "startup_line": startup_line,
+    }
 
 
 def measure_runs(

@@ -30,6 +30,7 @@ _FAKE_RUN = textwrap.dedent("""
         sys.exit(3)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     time.sleep(delay)
+    print("I 08:00:00 driver] Start-up 0.3 s: backend 0.1 s, compile 0.2 s.", flush=True)
     with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": done + 1, "split": "train"}) + "\\n")
     time.sleep(60)
@@ -45,6 +46,7 @@ def test_time_to_first_step_waits_for_a_new_step_then_stops_the_run(tmp_path):
     assert timed["error"] is None and timed["step"] == 1
     assert 0.3 <= timed["seconds"] < 30
     assert 0 <= timed["cpu_seconds"] < timed["seconds"]  # It slept most of the time.
+    assert timed["startup_line"] == "Start-up 0.3 s: backend 0.1 s, compile 0.2 s."
     # Resumed: the steps logged before do not count, the next one does.
     timed = startup.time_to_first_step(_fake_run(tmp_path, 1, 0.0), str(tmp_path), 30.0)
     assert timed["step"] == 2
@@ -53,6 +55,7 @@ def test_time_to_first_step_waits_for_a_new_step_then_stops_the_run(tmp_path):
 def test_time_to_first_step_of_a_run_that_fails_or_hangs_says_why(tmp_path):
     failed = startup.time_to_first_step(_fake_run(tmp_path, 0, -1.0), str(tmp_path), 30.0)
     assert failed["seconds"] is None and failed["error"].startswith("exited with 3 before a step")
+    assert failed["startup_line"] is None
     hung = startup.time_to_first_step(_fake_run(tmp_path, 0, 30.0), str(tmp_path), 0.5)
     assert hung["seconds"] is None and hung["error"].startswith("no step within 0 s")
 
