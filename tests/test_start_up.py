@@ -15,6 +15,7 @@ import time
 
 import pytest
 from configs import SignalledAtStep, mlp_config
+from process_helpers import stuck_in_native_code
 
 from haiku_state import checkpoint, driver
 from haiku_state.guards import damaged_steps, signals, workdir
@@ -129,13 +130,7 @@ def test_the_command_imports_the_run_while_the_runtime_starts(tmp_path):
 
 def test_a_signal_while_the_runtime_start_hangs_ends_the_command_within_the_bound(tmp_path):
     # The start stuck in native code (a device that never answers): the watchdog's exit.
-    start = (
-        "import ctypes\n"
-        "mutex, libc = ctypes.create_string_buffer(64), ctypes.CDLL(None)\n"
-        "libc.pthread_mutex_lock(mutex)\n"
-        "print('starting', flush=True)\n"
-        "libc.pthread_mutex_lock(mutex)"
-    )
+    start = stuck_in_native_code("starting")
     setup = "from haiku_state.guards import signals\nsignals.TAKE_WITHIN_SECS = 1.0"
     process = _command_with_its_runtime_start(start, f"--workdir={tmp_path}", setup=setup)
     try:

@@ -18,6 +18,7 @@ import time
 
 import pytest
 from configs import steps_on_disk
+from process_helpers import stuck_in_native_code
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = (
@@ -511,15 +512,10 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_in_seconds(tmp_pa
     # The main thread blocks in native code that no signal interrupts (a mutex locked twice),
     # as it did waiting for an XLA result that never came.
     stuck = (
-        "import ctypes\n"
         "from haiku_state.guards import signals\n"
         "signals.TAKE_WITHIN_SECS = 1.0\n"
         "def stuck(*args, **kwargs):\n"
-        "    mutex = ctypes.create_string_buffer(64)\n"
-        "    libc = ctypes.CDLL(None)\n"
-        "    libc.pthread_mutex_lock(mutex)\n"
-        "    print('stuck', flush=True)\n"
-        "    libc.pthread_mutex_lock(mutex)\n"
+        f"{stuck_in_native_code('stuck', indent='    ')}"
         "driver.train_and_evaluate = stuck"
     )
     process = _run_patched(stuck, "--config=experiments/mlp.py", f"--workdir={tmp_path}")
