@@ -30,27 +30,20 @@ _PUBLIC = {
     "shard": "haiku_state.replication",
     "unreplicate": "haiku_state.replication",
 }
-__all__ = [
-    "Checkpointer",
-    "Refused",
-    "TrainState",
-    "Updater",
-    "assert_keys_distinct",
-    "assert_replicas_identical",
-    "load_run",
-    "replicate",
-    "shard",
-    "unreplicate",
-]
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # What readers and type checkers see; at run time `__getattr__` imports.
-    from haiku_state.checkpoint import Checkpointer
-    from haiku_state.errors import Refused
-    from haiku_state.guards.replicas import assert_keys_distinct, assert_replicas_identical
-    from haiku_state.predict import load_run
-    from haiku_state.replication import replicate, shard, unreplicate
-    from haiku_state.updater import TrainState, Updater
+    from haiku_state.checkpoint import Checkpointer as Checkpointer
+    from haiku_state.errors import Refused as Refused
+    from haiku_state.guards.replicas import assert_keys_distinct as assert_keys_distinct
+    from haiku_state.guards.replicas import assert_replicas_identical as assert_replicas_identical
+    from haiku_state.predict import load_run as load_run
+    from haiku_state.replication import replicate as replicate
+    from haiku_state.replication import shard as shard
+    from haiku_state.replication import unreplicate as unreplicate
+    from haiku_state.updater import TrainState as TrainState
+    from haiku_state.updater import Updater as Updater
 
 
 def __getattr__(name: str):
