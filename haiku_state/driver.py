@@ -51,11 +51,11 @@ def train_and_evaluate(
             workdir_lib.owning(workdir),
             _checkpointer(config, workdir) as checkpointer,
         ):
-            train_state = _start(
+            train_state, batches = _start(
                 first_state, experiment, checkpointer, data_record, allow_config_change, startup
             )
             end, evaluator, monitor = _train(
-                experiment, workdir, train_state, checkpointer, data_record, stop, startup
+                experiment, workdir, train_state, batches, checkpointer, data_record, stop, startup
             )
             final = _final_evaluation(end, evaluator, checkpointer)
             saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
@@ -133,10 +133,11 @@ def _start(
     data_record: dict[str, Any],
     allow_config_change: bool,
     startup: StartUp,
-) -> TrainState:
+) -> tuple[TrainState, Iterator[Any]]:
     """The run's first train state, once its config and data are checked against the workdir's:
     the latest complete checkpoint read into the state's shapes (nothing is initialised for it)
-    while the run's programs compile, else `first` (or a fresh one, every step being damaged).
+    while the run's programs compile, else `first` (or a fresh one, every step being damaged);
+    and its training batches, whose decoding starts before both (close them).
     The workdir's record is written once the restore succeeded; how the run starts is logged."""
     # The steps, listed once: the newest whose metadata reads, past damaged ones (the restore's).
     damaged: list[tuple[int, Exception]] = []
@@ -151,48 +152,72 @@ def _start(
     )
     like = first if first is not None else _train_state_at_0(experiment, abstract=True)
     training = latest is None or latest[0] < experiment.total_steps
-    with _compiling_ahead(experiment, like, training):
-        how, train_state = "Resuming", checkpointer.restore(like)
-        if train_state is None:
-            init_from = experiment.config.init_from  # Ignored where all steps were damaged.
-            how = f"Starting from {init_from}" if first is not None and init_from else "Starting"
-            train_state = first if first is not None else _train_state_at_0(experiment)
-        workdir_lib.write_record_on_process_0(record)
-        startup.ended("restore")
-    startup.ended("compile")  # What was left of it.
-    _log_start(how, train_state, experiment, os.path.dirname(checkpointer.directory))
-    replicas.check_savable(train_state, step_of(train_state))  # What a save checks, too.
-    return train_state
+    expected_step = latest[0] if latest is not None else 0 if first is None else step_of(first)
+    batches = _train_batches(experiment, expected_step)  # Decoding while the programs compile.
+    try:
+        with _compiling_ahead(experiment, like, training):
+            how, train_state = _restored_or_first(first, experiment, checkpointer, like)
+            workdir_lib.write_record_on_process_0(record)
+            startup.ended("restore")
+        startup.ended("compile")  # What was left of it.
+        start_step = step_of(train_state)
+        _log_start(how, train_state, experiment, os.path.dirname(checkpointer.directory))
+        replicas.check_savable(train_state, start_step)  # What a save checks, too.
+        if start_step != expected_step:  # The newest step's arrays were damaged: an older one.
+            batches.close()
+            batches = _train_batches(experiment, start_step)
+    except BaseException:
+        batches.close()
+        raise
+    return train_state, batches
+
+
+def _restored_or_first(
+    first: TrainState | None,
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+    like: TrainState,
+) -> tuple[str, TrainState]:
+    """How the run starts and its state: the latest checkpoint read into `like`, else `first`,
+    else (every step damaged) a fresh state."""
+    train_state = checkpointer.restore(like)
+    if train_state is not None:
+        return "Resuming", train_state
+    if first is None:
+        return "Starting", _train_state_at_0(experiment)
+    init_from = experiment.config.init_from  # Ignored where all steps were damaged.
+    return (f"Starting from {init_from}" if init_from else "Starting"), first
 
 
 def _train(
     experiment: Experiment,
     workdir: str,
     train_state: TrainState,
+    batches: Iterator[Any],
     checkpointer: checkpoint.Checkpointer,
     data_record: dict[str, Any],
     stop: signals.StopRequest,
     startup: StartUp,
 ) -> tuple[loop.LoopEnd, Evaluator, divergence.Monitor]:
-    """The loop from the resumed step to the last, with its actions; a signal's step is saved."""
+    """The loop and its actions over `_start`'s batches (closed here); a signal's step is saved."""
     config, start_step = experiment.config, step_of(train_state)
-    monitor = divergence.Monitor(
-        start_step,
-        divergence.outcome_at(checkpointer, start_step),  # As the resumed checkpoint recorded it.
-        examples_per_step=config.batch_size,
-        eval_examples=data.num_examples(experiment.dataset.test),
-        chance_loss=math.log(experiment.dataset.num_classes),
-    )
     enabled = jax.process_index() == 0  # Process 0 writes metrics.jsonl and TensorBoard's.
     with (
+        contextlib.closing(batches),
         summaries.MetricWriter(
             workdir, experiment.total_steps, enabled=enabled, resume_step=start_step
         ) as writer,
-        contextlib.closing(_train_batches(experiment, start_step)) as batches,
         loop.Profiler(
             config.profile_steps, os.path.join(workdir, "profile"), start_step
         ) as profiler,
     ):
+        monitor = divergence.Monitor(
+            start_step,
+            divergence.outcome_at(checkpointer, start_step),  # As the resumed step recorded it.
+            examples_per_step=config.batch_size,
+            eval_examples=data.num_examples(experiment.dataset.test),
+            chance_loss=math.log(experiment.dataset.num_classes),
+        )
         window = loop.MetricWindow(start_step, monitor)
         evaluator = Evaluator(experiment, writer, stop, monitor)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))

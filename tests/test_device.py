@@ -55,6 +55,21 @@ def _prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "prefetch_to_device"]
 
 
+def test_prefetch_to_device_shards_ahead_before_the_first_next():
+    pulled = threading.Event()
+
+    def source():
+        pulled.set()
+        yield from batches_lib.host_eval_batches(toy_split(8), 8)
+
+    batches = device_lib.prefetch_to_device(source())
+    try:
+        assert pulled.wait(10), "the source was not read until a batch was asked for"
+        assert len(list(batches)) == 1
+    finally:
+        batches.close()
+
+
 def test_prefetch_to_device_thread_stops_when_the_consumer_closes_early():
     before = len(_prefetch_threads())
     batches = device_lib.prefetch_to_device(

@@ -6,18 +6,23 @@ command imports what it runs while the accelerator's runtime starts.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+from checkpoint_helpers import damage, largest_file
 from configs import SignalledAtStep, mlp_config
+from image_trees import write_imagefolder
 from process_helpers import stuck_in_native_code
 
-from haiku_state import checkpoint, driver
+from haiku_state import checkpoint, data, driver
+from haiku_state.data import pipeline
 from haiku_state.guards import damaged_steps, signals, workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +85,74 @@ def test_a_resume_whose_steps_metadata_is_all_damaged_still_checks_its_config(tm
     changed = mlp_config(**{"optimizer.learning_rate": 0.5})
     with pytest.raises(workdir.WorkdirError, match="differs from what"):
         driver.train_and_evaluate(changed, str(tmp_path))
+
+
+def _recording_train_batches(monkeypatch) -> list[int]:
+    """The start step of each call of `data.train_batches`, in order, as the run makes them."""
+    start_steps, train_batches = [], data.train_batches
+
+    def recorded(*args, **kwargs):
+        start_steps.append(kwargs["start_step"])
+        return train_batches(*args, **kwargs)
+
+    monkeypatch.setattr(data, "train_batches", recorded)
+    return start_steps
+
+
+def test_a_resume_decodes_its_first_batches_while_its_checkpoint_is_read(tmp_path, monkeypatch):
+    config = mlp_config(
+        **{"data.name": "imagefolder", "data.dir": write_imagefolder(tmp_path / "tree"),
+           "data.image_size": 12, "data.workers": 0, "steps": 8, "checkpoint_every": 4,
+           "batch_size": 16, "eval_batch_size": 16, "optimizer.warmup_steps": 2}
+    )  # fmt: skip
+    workdir = str(tmp_path / "run")
+    with pytest.raises(signals.Stopped, match="saved step 4"):
+        driver.train_and_evaluate(config, workdir, stop=SignalledAtStep(4))
+    decoded, decoded_before_restore = threading.Event(), []
+    load, restore = pipeline.LoadTrainExample.__call__, checkpoint.Checkpointer.restore
+
+    def loading(self, slot):
+        decoded.set()
+        return load(self, slot)
+
+    def restore_once_decoding(checkpointer, *args, **kwargs):
+        decoded_before_restore.append(decoded.wait(10))
+        return restore(checkpointer, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline.LoadTrainExample, "__call__", loading)
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", restore_once_decoding)
+    start_steps = _recording_train_batches(monkeypatch)
+    driver.train_and_evaluate(config, workdir)
+    assert decoded_before_restore == [True]
+    assert start_steps == [4]
+
+
+def test_a_resume_past_a_damaged_newest_step_reads_the_batches_of_the_step_restored(
+    tmp_path, monkeypatch
+):
+    reference = str(tmp_path / "uninterrupted")
+    driver.train_and_evaluate(mlp_config(), reference)
+    workdir = str(tmp_path / "run")
+    with pytest.raises(signals.Stopped, match="saved step 20"):
+        driver.train_and_evaluate(mlp_config(), workdir, stop=SignalledAtStep(20))
+    damage(largest_file(os.path.join(workdir, "checkpoints", "20", "train_state", "d")), "delete")
+    start_steps = _recording_train_batches(monkeypatch)
+    driver.train_and_evaluate(mlp_config(), workdir)
+    assert start_steps == [20, 15]  # Opened at the newest step's, then at the one restored.
+    # Step 30's metrics average steps 21-30 in both runs (step 20's, steps 16-20 of the resume).
+    assert _train_records(workdir, after=20) == _train_records(reference, after=20)
+
+
+def _train_records(workdir: str, after: int) -> list[dict]:
+    """The train metrics logged after step `after`, without their timings (nor those a
+    resume from an earlier step logged again)."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [
+        {k: v for k, v in r.items() if k not in ("examples_per_s", "elapsed_s")}
+        for r in records
+        if r.get("split") == "train" and r["step"] > after and not r.get("superseded")
+    ]
 
 
 def _command_with_its_runtime_start(start: str, *flags: str, setup: str = "") -> subprocess.Popen:

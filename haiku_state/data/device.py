@@ -25,18 +25,55 @@ CLOSE_TIMEOUT_S = 30.0
 
 
 def prefetch_to_device(batches: Iterator[Batch], *, size: int = 2) -> Iterator[Batch]:
-    """Up to `size` host batches sharded ahead (`replication.shard`) by a background thread.
+    """Up to `size` host batches sharded ahead (`replication.shard`) by a background thread
+    that starts now, not at the first `next`: a run's input is decoded while its programs
+    compile and its checkpoint is read.
 
     Re-raises the source's exceptions; closing it stops the thread, which closes `batches`.
     """
     if size < 1:
         raise errors.InvalidValue(f"prefetch_to_device: size must be positive, got {size}.")
-    return _prefetch_to_device(iter(batches), size)
+    return _Prefetched(iter(batches), size)
 
 
-def _prefetch_to_device(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
-    ready: queue.Queue = queue.Queue(maxsize=size)
-    stop = threading.Event()
+class _Prefetched(Iterator[Batch]):
+    """The batches `_produce` shards ahead in its thread, in order, then its end or error."""
+
+    def __init__(self, batches: Iterator[Batch], size: int):
+        self._ready: queue.Queue = queue.Queue(maxsize=size)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(batches, self._ready, self._stop),
+            name="prefetch_to_device",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def __next__(self) -> Batch:
+        if self._ended:
+            raise StopIteration
+        item = self._ready.get()
+        if item is _END or isinstance(item, BaseException):
+            self.close()
+            if item is _END:
+                raise StopIteration
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stops the thread and waits for it to close the source (at most `CLOSE_TIMEOUT_S`)."""
+        self._ended = True
+        self._stop.set()
+        self._thread.join(CLOSE_TIMEOUT_S)
+
+    def __del__(self) -> None:  # Dropped unclosed: the thread still stops, and closes the source.
+        self._stop.set()
+
+
+def _produce(batches: Iterator[Batch], ready: queue.Queue, stop: threading.Event) -> None:
+    """Puts each batch sharded, then `_END` or the source's error, into `ready` until `stop`."""
 
     def put(item: Any) -> bool:
         while not stop.is_set():
@@ -45,31 +82,16 @@ def _prefetch_to_device(batches: Iterator[Batch], size: int) -> Iterator[Batch]:
                 return True
         return False
 
-    def produce() -> None:
-        try:
-            for batch in batches:
-                if not put(shard(batch)):
-                    return
-            put(_END)
-        except BaseException as error:  # Handed to the consumer, which re-raises it.
-            put(error)
-        finally:
-            if hasattr(batches, "close"):
-                batches.close()
-
-    thread = threading.Thread(target=produce, name="prefetch_to_device", daemon=True)
-    thread.start()
     try:
-        while True:
-            item = ready.get()
-            if item is _END:
+        for batch in batches:
+            if not put(shard(batch)):
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        put(_END)
+    except BaseException as error:  # Handed to the consumer, which re-raises it.
+        put(error)
     finally:
-        stop.set()
-        thread.join(CLOSE_TIMEOUT_S)
+        if hasattr(batches, "close"):
+            batches.close()
 
 
 # A training split of at most this many bytes is kept on every device.
