@@ -243,20 +243,24 @@ def test_default_workers_leave_a_core_to_the_training_loop(dataset, monkeypatch)
         pipeline.encoded_train_batches(dataset.train, 4, seed=0, workers=-1)
 
 
-def test_a_decoding_worker_leaves_ctrl_c_to_the_training_process():
-    # Ctrl-C, and a closed terminal's hangup, reach the whole process group; a worker that
-    # raised KeyboardInterrupt would print its traceback beside the training process's
-    # orderly stop, and one that a hangup killed would fail the run.
+def test_a_decoding_worker_leaves_ctrl_c_hangups_and_sigterm_to_the_training_process():
+    # Ctrl-C, a closed terminal's hangup and the SIGTERM of `timeout`, Slurm or systemd reach
+    # the whole process group; a worker that raised KeyboardInterrupt would print its
+    # traceback beside the training process's orderly stop, one that a hangup killed would
+    # fail the run, and one that SIGTERM killed left its batches' shared memory behind (the
+    # resource tracker said "There appear to be 4 leaked shared_memory objects").
     # The worker starts with the default handlers whatever this process inherited (a job a
     # shell started in the background ignores SIGINT from its start).
     code = (
         "import os, signal, time\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
         "from haiku_state.data import pipeline\n"
         "pipeline.exit_with_parent(0, 1)\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "os.kill(os.getpid(), signal.SIGHUP)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(0.1)\n"
         "print('still here')\n"
     )

@@ -250,11 +250,13 @@ def _collect_garbage(wait_s: float = _COLLECTION_WAIT_S) -> None:
 
 
 def exit_with_parent(worker_index: int, worker_count: int) -> None:
-    """grain's `worker_init_fn`: exit with the training process, which alone handles Ctrl-C
-    and a closed terminal's hangup (sent to the whole group); one OpenCV thread."""
+    """grain's `worker_init_fn`: exit with the training process, which alone handles Ctrl-C,
+    a closed terminal's hangup and a SIGTERM sent to the whole group (by `timeout`, Slurm or
+    systemd), and stops its workers (grain's close; a kill past its timeout); one OpenCV
+    thread. A worker a signal killed would leave its batches' shared memory behind."""
     del worker_index, worker_count  # The same for every worker.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     cv2.setNumThreads(1)
     orphans.exit_with_parent()
 
