@@ -61,9 +61,20 @@ def check_batch(batch: PyTree, where: str) -> None:
     """Raises ValueError (naming `where`) unless every leaf is `[local_devices, per_device_batch,
     ...]` alike, as `shard` makes them."""
     num_devices = jax.local_device_count()
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
-    if not leaves:
+    # Every call of a step checks its batch: the shapes alone first, the leaves' names only to
+    # say what is wrong (4.4 -> 2.1 us a call on a CPU for two leaves).
+    shapes = [x.shape if isinstance(x, jax.Array) else np.shape(x) for x in jax.tree.leaves(batch)]
+    if not shapes:
         raise errors.InvalidValue(f"{where}: the batch has no arrays.")
+    per_device = any(len(shape) < 2 or shape[0] != num_devices for shape in shapes)
+    if per_device or len({shape[1] for shape in shapes}) > 1:
+        _refuse_batch(batch, where, num_devices)
+
+
+def _refuse_batch(batch: PyTree, where: str, num_devices: int) -> None:
+    """Raises `check_batch`'s error, naming the first leaf that is not per device, or else the
+    per-device batch sizes of every leaf."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
     for path, leaf in leaves:
         if np.ndim(leaf) < 2 or np.shape(leaf)[0] != num_devices:
             raise errors.InvalidValue(

@@ -83,15 +83,16 @@ def check_arguments(train_state: Any, batch: Any, where: str, kind: type, layout
 
 def _a_leaf(tree: Any) -> Any:
     """One leaf of `tree`, None if it has none: the first found through its dicts, lists and
-    tuples without flattening the rest (a train state's params hold hundreds of leaves)."""
-    if isinstance(tree, jax.Array) or tree is None:
-        return tree
+    tuples without flattening the rest (a train state's params hold hundreds of leaves).
+    Containers are asked about first: most of the nodes it meets are."""
     if isinstance(tree, (dict, list, tuple)):
         for child in tree.values() if isinstance(tree, dict) else tree:
             leaf = _a_leaf(child)
             if leaf is not None:
                 return leaf
         return None
+    if tree is None or isinstance(tree, jax.Array):
+        return tree
     leaves = jax.tree.leaves(tree)  # Another kind of node, or a leaf that is not an array.
     return leaves[0] if leaves else None
 
