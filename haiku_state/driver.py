@@ -183,9 +183,9 @@ def _restored_or_first(
     train_state = checkpointer.restore(like)
     if train_state is not None:
         return "Resuming", train_state
-    if first is None:
+    if first is None:  # A resume whose every step was damaged: `init_from` is not used.
         return "Starting", _train_state_at_0(experiment)
-    init_from = experiment.config.init_from  # Ignored where all steps were damaged.
+    init_from = experiment.config.init_from
     return (f"Starting from {init_from}" if init_from else "Starting"), first
 
 
