@@ -9,17 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from checkpoint_helpers import damage, largest_file
 from configs import SignalledAtStep, mlp_config
 from image_trees import write_imagefolder
-from process_helpers import stuck_in_native_code
+from process_helpers import sigterm_once_stuck, stuck_in_native_code
 
 from haiku_state import checkpoint, data, driver
 from haiku_state.data import pipeline
@@ -206,15 +204,12 @@ def test_a_signal_while_the_runtime_start_hangs_ends_the_command_within_the_boun
     start = stuck_in_native_code("starting")
     setup = "from haiku_state.guards import signals\nsignals.TAKE_WITHIN_SECS = 1.0"
     process = _command_with_its_runtime_start(start, f"--workdir={tmp_path}", setup=setup)
-    try:
+
+    def starting() -> None:
         assert process.stdout.readline() == "starting\n", process.stderr.read()[-3000:]
-        time.sleep(0.5)  # Into the second lock.
-        process.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        process.kill()
-    assert process.returncode == 143 and time.monotonic() - sent < 10, stderr[-3000:]
+
+    (_, stderr), ended_in = sigterm_once_stuck(process, starting)
+    assert process.returncode == 143 and ended_in < 10, stderr[-3000:]
     assert "SIGTERM received, and not taken in 1 s" in stderr, stderr[-3000:]
     assert os.listdir(tmp_path) == []
 

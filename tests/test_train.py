@@ -18,7 +18,7 @@ import time
 
 import pytest
 from configs import steps_on_disk
-from process_helpers import stuck_in_native_code
+from process_helpers import sigterm_once_stuck, stuck_in_native_code
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = (
@@ -519,15 +519,8 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_in_seconds(tmp_pa
         "driver.train_and_evaluate = stuck"
     )
     process = _run_patched(stuck, "--config=experiments/mlp.py", f"--workdir={tmp_path}")
-    try:
-        wait_for_output(process, "stuck")
-        time.sleep(0.5)  # Into the second lock (a signal before it is taken, and recorded).
-        process.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        output, _ = process.communicate(timeout=30)
-    finally:
-        process.kill()
-    assert process.returncode == 143 and time.monotonic() - sent < 10, output[-3000:]
+    (output, _), ended_in = sigterm_once_stuck(process, lambda: wait_for_output(process, "stuck"))
+    assert process.returncode == 143 and ended_in < 10, output[-3000:]
     assert (
         output.strip()
         .splitlines()[-1]
