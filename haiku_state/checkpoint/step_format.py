@@ -103,6 +103,10 @@ def orbax_manager(
         create=not read_only,
         read_only=read_only,
         save_interval_steps=0 if read_only else 1,
+        # Retention's deletions in the saving thread, by one `rmtree`: Orbax's parallel
+        # deleter (chosen where os.cpu_count() >= 4) polls its queue every 0.1 s, which
+        # made a save of the small ResNet 115 ms slower on a 13-core TPU host.
+        num_deletion_threads=1,
     )
     return ocp.CheckpointManager(
         directory, item_names=tuple(handlers), item_handlers=handlers, options=options
