@@ -57,6 +57,7 @@ def loop_config(name: str, settings: Settings, num_devices: int) -> Any:
         config.checkpoint_every = min(config.checkpoint_every, round_up(steps // 2, log_every))
     config.steps = steps
     config.log_every = log_every
+    config.checkpoint_every = settings.loop_checkpoint_every or config.checkpoint_every
     config.eval_every = steps
     if settings.steps_per_call:  # The bare update's, which it is compared with; every
         config.steps_per_call = per_call = settings.steps_per_call  # cadence a multiple of it.

@@ -132,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
         help="Training-loop run length (default: the experiment's steps; 0 skips).",
     )
     flag(
+        "--loop_checkpoint_every",
+        type=int,
+        default=None,
+        help="Steps between the training loop's saves (default: the experiment's).",
+    )
+    flag(
         "--loop_runs",
         type=int,
         default=None,
@@ -220,6 +226,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     args.batch_sizes = args.batch_sizes or [args.batch_size]
     if any(b is not None and b < 1 for b in args.batch_sizes):
         parser.error(f"batch sizes must be positive integers, got {args.batch_sizes}")
+    if args.loop_checkpoint_every is not None and args.loop_checkpoint_every < 1:
+        every = args.loop_checkpoint_every
+        parser.error(f"--loop_checkpoint_every must be at least 1, got {every}")
     if args.loop_runs is not None and args.loop_runs < 1:
         parser.error(f"--loop_runs must be at least 1, got {args.loop_runs} (--loop_steps=0 skips)")
     args.precisions_named = args.precisions is not None
@@ -294,6 +303,7 @@ def _quick_settings(
         num_batches=2,
         loop_steps=30 if args.loop_steps is None else args.loop_steps,
         loop_log_every=10,
+        loop_checkpoint_every=args.loop_checkpoint_every,
         loop_runs=args.loop_runs or 1,
         loop_synthetic_data=True,
         checkpoint_saves=1 if args.checkpoint_saves is None else args.checkpoint_saves,
@@ -314,6 +324,7 @@ def _full_settings(name: str, args: argparse.Namespace, batch_size: int | None) 
         target_window_s=WINDOW_S,
         windows=args.windows or 5,
         loop_steps=FULL_LOOP_STEPS.get(name) if args.loop_steps is None else args.loop_steps,
+        loop_checkpoint_every=args.loop_checkpoint_every,
         loop_runs=args.loop_runs or FULL_LOOP_RUNS.get(name, 1),
         checkpoint_saves=2 if args.checkpoint_saves is None else args.checkpoint_saves,
         flax=not args.no_flax,

@@ -79,6 +79,8 @@ class Settings:
         config's `steps`, 0 skips the loop benchmark.
       loop_log_every: its logging window; None takes the config's `log_every`. The
         first window (compilation) is dropped from the steady state.
+      loop_checkpoint_every: its saves' cadence in steps; None takes the config's
+        `checkpoint_every` (shortened with `loop_steps`, as `loop.loop_config` says).
       loop_runs: how many times the loop runs, each in a fresh workdir and each
         compared with the bare update timed right before and after it; the run
         with the median ratio is reported, every run's ratio is recorded.
@@ -123,6 +125,7 @@ class Settings:
     num_batches: int = 4
     loop_steps: int | None = None
     loop_log_every: int | None = None
+    loop_checkpoint_every: int | None = None
     loop_runs: int = 1
     loop_time_limit_s: float | None = None
     loop_synthetic_data: bool = False

@@ -4,6 +4,7 @@ loop (its cache, pinning and decoder choice)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
@@ -64,6 +65,9 @@ def test_quick_loop_config_runs_on_synthetic_data_in_this_processs_cache(tmp_pat
     # The bare update's compiles are the loop's: never the user's cache.
     assert config.compilation_cache_dir == str(tmp_path / "cache")
     assert loop.loop_config("mlp", quick, num_devices=4).compilation_cache_dir == ""
+    # --loop_checkpoint_every sets the saves' cadence (the issue's small-model figure: 100).
+    every_15 = dataclasses.replace(quick, loop_checkpoint_every=15)
+    assert loop.loop_config("mlp", every_15, num_devices=4).checkpoint_every == 15
 
 
 def test_checkpoint_windows_separate_the_cost_of_each_save():

@@ -31,6 +31,10 @@ def test_loop_runs_default_to_three_for_the_mlp_and_zero_is_refused():
     assert run.settings_for("mlp", run._parse_args(["--loop_runs=2"]), "cpu", 1)[0].loop_runs == 2
     with pytest.raises(SystemExit):
         run._parse_args(["--loop_runs=0"])
+    every = run._parse_args(["--loop_checkpoint_every=100"])
+    assert run.settings_for("resnet", every, "cpu", 1)[0].loop_checkpoint_every == 100
+    with pytest.raises(SystemExit):
+        run._parse_args(["--loop_checkpoint_every=0"])
 
 
 def test_the_training_loops_final_eval_line_naming_its_deleted_workdir_is_not_shown(capsys):
