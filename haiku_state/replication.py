@@ -66,8 +66,8 @@ def check_batch(batch: PyTree, where: str) -> None:
     shapes = [x.shape if isinstance(x, jax.Array) else np.shape(x) for x in jax.tree.leaves(batch)]
     if not shapes:
         raise errors.InvalidValue(f"{where}: the batch has no arrays.")
-    per_device = any(len(shape) < 2 or shape[0] != num_devices for shape in shapes)
-    if per_device or len({shape[1] for shape in shapes}) > 1:
+    not_per_device = any(len(shape) < 2 or shape[0] != num_devices for shape in shapes)
+    if not_per_device or len({shape[1] for shape in shapes}) > 1:
         _refuse_batch(batch, where, num_devices)
 
 
