@@ -1,7 +1,11 @@
 """Tests of haiku_state.data.augment: on-device random shifts and flips inside the step."""
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from haiku_state import data
 
@@ -40,6 +44,35 @@ def test_random_shift_moves_content_and_edge_pads():
             for dy in range(5)
             for dx in range(5)
         )
+
+
+@pytest.mark.parametrize(
+    "dtype, height, width, max_shift",
+    [(np.uint8, 8, 8, 1), (np.float32, 5, 7, 3), (jnp.bfloat16, 4, 3, 2)],
+)
+def test_random_shift_crops_the_edge_padded_image_at_the_offsets_its_key_draws(
+    dtype, height, width, max_shift
+):
+    """The offsets are `randint(key, (b, 2), 0, 2 * max_shift + 1)`, rows then columns: the
+    draw every release has made, so a run resumed across releases augments as before."""
+    images = _gradient_images(16, height, width).astype(dtype)
+    key = jax.random.key(7)
+    shifted = np.asarray(data.random_shift(key, images, max_shift))
+    offsets = np.asarray(jax.random.randint(key, (16, 2), 0, 2 * max_shift + 1))
+    pad = ((max_shift, max_shift), (max_shift, max_shift), (0, 0))
+    for image, (dy, dx), got in zip(images, offsets, shifted, strict=True):
+        expected = np.pad(image, pad, mode="edge")[dy : dy + height, dx : dx + width]
+        np.testing.assert_array_equal(got, expected)
+    assert shifted.dtype == images.dtype
+
+
+def test_random_shift_is_one_vectorised_program_without_a_per_image_loop():
+    """A slice per image at an offset computed on the device lowers to a gather, which a TPU
+    runs as a loop over the images: 0.65 of the small ResNet's whole step on a v5e."""
+    shift = jax.jit(functools.partial(data.random_shift, max_shift=2))
+    program = shift.lower(jax.random.key(0), _gradient_images(8)).as_text()
+    for op in ("gather", "dynamic_slice", "dynamic_update_slice"):
+        assert f"stablehlo.{op}" not in program, op
 
 
 def test_random_flip_mirrors_along_the_width():
