@@ -68,7 +68,7 @@ def test_random_shift_crops_the_edge_padded_image_at_the_offsets_its_key_draws(
 
 def test_random_shift_is_one_vectorised_program_without_a_per_image_loop():
     """A slice per image at an offset computed on the device lowers to a gather, which a TPU
-    runs as a loop over the images: 0.65 of the small ResNet's whole step on a v5e."""
+    runs as a loop over the images: 0.26 ms of the small ResNet's 0.38 ms step on a v5e."""
     shift = jax.jit(functools.partial(data.random_shift, max_shift=2))
     program = shift.lower(jax.random.key(0), _gradient_images(8)).as_text()
     for op in ("gather", "dynamic_slice", "dynamic_update_slice"):
