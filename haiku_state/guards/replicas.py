@@ -53,23 +53,23 @@ def _leaf_bits(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _replica_mismatch(leaves: list[jax.Array], finite: PyTree = ()) -> tuple[list, jax.Array]:
-    """Per leaf, per device: does this replica differ bitwise from replica 0? And whether every
-    leaf of `finite` is finite: the save's two checks in one program."""
+def _replica_mismatch(leaves: list[jax.Array], finite: PyTree = ()) -> tuple[jax.Array, jax.Array]:
+    """`[leaves, devices]`: does this replica of the leaf differ bitwise from replica 0? And
+    whether every leaf of `finite` is finite: the save's two checks in one program. One array,
+    not one per leaf: each array fetched costs a transfer (about 0.1 ms on a TPU host)."""
 
     def differs(x):
         bits = _leaf_bits(x)
         return jnp.any((bits != bits[:1]).reshape(bits.shape[0], -1), axis=1)
 
-    # A flat list: rebuilding custom pytree nodes from booleans could trip their checks.
-    return [differs(x) for x in leaves], jmp.all_finite(finite)
+    return jnp.stack([differs(x) for x in leaves]), jmp.all_finite(finite)
 
 
 _CHECK_AXIS = "replicas"
 
 
-def _differs_from_global_device_0(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Per leaf: `[global_devices]` booleans, does this device's copy differ from device 0's?
+def _differs_from_global_device_0(leaves: list[jax.Array]) -> jax.Array:
+    """`[leaves, global_devices]`: does this device's copy of the leaf differ from device 0's?
     Device 0's bits reach every device by a psum only it contributes to (exact for ints)."""
 
     def differs(x):
@@ -81,7 +81,7 @@ def _differs_from_global_device_0(leaves: list[jax.Array]) -> list[jax.Array]:
         first = jax.lax.psum(jnp.where(is_first, bits, jnp.zeros_like(bits)), _CHECK_AXIS)
         return jax.lax.all_gather(jnp.any(bits != first), _CHECK_AXIS)
 
-    return [differs(x) for x in leaves]
+    return jnp.stack([differs(x) for x in leaves])
 
 
 _global_replica_mismatch = jax.pmap(
@@ -271,9 +271,9 @@ def _copies(leaf: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _copies_mismatch(copies: list[jax.Array], finite: PyTree = ()) -> tuple[list, jax.Array]:
-    """Per leaf of `_copies`: `[global_devices]` booleans, does this copy differ from device 0's?
-    And whether every leaf of `finite` is finite."""
+def _copies_mismatch(copies: list[jax.Array], finite: PyTree = ()) -> tuple[jax.Array, jax.Array]:
+    """`[leaves, global_devices]` of `_copies`: does this copy differ from device 0's? And
+    whether every leaf of `finite` is finite."""
     mismatch = jax.shard_map(
         _differs_from_global_device_0,
         mesh=replication.global_mesh(_CHECK_AXIS),
