@@ -154,6 +154,7 @@ def _start(
     training = latest is None or latest[0] < experiment.total_steps
     expected_step = latest[0] if latest is not None else 0 if first is None else step_of(first)
     batches = _train_batches(experiment, expected_step)  # Decoding while the programs compile.
+    summaries.import_tensorboard_ahead()  # So is the metrics writer's TensorBoard.
     try:
         with _compiling_ahead(experiment, like, training):
             how, train_state = _restored_or_first(first, experiment, checkpointer, like)
@@ -201,12 +202,9 @@ def _train(
 ) -> tuple[loop.LoopEnd, Evaluator, divergence.Monitor]:
     """The loop and its actions over `_start`'s batches (closed here); a signal's step is saved."""
     config, start_step = experiment.config, step_of(train_state)
-    enabled = jax.process_index() == 0  # Process 0 writes metrics.jsonl and TensorBoard's.
     with (
         contextlib.closing(batches),
-        summaries.MetricWriter(
-            workdir, experiment.total_steps, enabled=enabled, resume_step=start_step
-        ) as writer,
+        _metric_writer(workdir, experiment.total_steps, start_step) as writer,
         loop.Profiler(
             config.profile_steps, os.path.join(workdir, "profile"), start_step
         ) as profiler,
@@ -239,6 +237,15 @@ def _train(
                 saver(end.step, end.train_state)
     checkpointer.wait_until_finished()
     return end, evaluator, monitor
+
+
+def _metric_writer(workdir: str, total_steps: int, start_step: int) -> summaries.MetricWriter:
+    """Process 0's writer of metrics.jsonl and TensorBoard, whose training run is opened now,
+    not at the loop's first log."""
+    enabled = jax.process_index() == 0
+    return summaries.MetricWriter(
+        workdir, total_steps, enabled=enabled, resume_step=start_step, open_now=("train",)
+    )
 
 
 def _actions(

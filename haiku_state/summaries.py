@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import math
 import os
 import shutil
 import stat
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from absl import logging
@@ -81,10 +83,24 @@ def format_progress(
     return " | ".join(fields)
 
 
+def import_tensorboard_ahead() -> None:
+    """Imports tensorboardX in a thread of its own, beside what the caller waits on (a run's
+    compiles): a `MetricWriter` then opens its TensorBoard runs without waiting for it."""
+
+    def load() -> None:
+        with contextlib.suppress(ImportError):  # Raised where it is used.
+            importlib.import_module("tensorboardX")
+
+    threading.Thread(target=load, name="import tensorboardX", daemon=True).start()
+
+
 class MetricWriter:
     """Writes each event to `metrics.jsonl` and TensorBoard, and reports progress (training's
     on one line updated in place on a terminal). Only process 0 is `enabled`; the records past
-    a resumed run's `resume_step` are superseded and purged from TensorBoard."""
+    a resumed run's `resume_step` are superseded and purged from TensorBoard. The TensorBoard
+    runs of `open_now` are opened at once: a training run's first write, the import and the
+    event file, took 0.37 s of its first logged window on a TPU v5e host.
+    """
 
     def __init__(
         self,
@@ -93,6 +109,7 @@ class MetricWriter:
         *,
         enabled: bool = True,
         resume_step: int | None = None,
+        open_now: Sequence[str] = (),
     ):
         self._total_steps = total_steps
         self._enabled = enabled
@@ -108,6 +125,8 @@ class MetricWriter:
             os.makedirs(workdir, exist_ok=True)
             if resume_step is not None:
                 supersede_after(workdir, resume_step)
+            for split in open_now:  # Not at their first write, inside a training loop.
+                self._tensorboard_run(split)
 
     def write(
         self,

@@ -265,3 +265,15 @@ def test_a_tensorboard_writer_thread_on_a_full_disk_is_one_line_not_a_traceback(
         handler.setFormatter(formatter)
     assert "TensorBoard events cannot be written: [Errno 28]" in caplog.text
     assert [args.exc_type for args in others] == [ZeroDivisionError]  # Others as before.
+
+
+def test_tensorboard_is_imported_ahead_in_a_thread_of_its_own():
+    code = (
+        "import sys, threading\n"
+        "from haiku_state import summaries\n"
+        "assert 'tensorboardX' not in sys.modules\n"
+        "summaries.import_tensorboard_ahead()\n"
+        "[t.join() for t in threading.enumerate() if t.name == 'import tensorboardX']\n"
+        "assert 'tensorboardX' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
