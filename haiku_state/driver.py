@@ -380,7 +380,8 @@ def _run_metadata(config: Any, data_record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train_batches(experiment: Experiment, start_step: int) -> Iterator[Any]:
-    """This process's device batches of the steps from `start_step` to the last."""
+    """This process's device batches of the steps from `start_step` to the last, one per call
+    of the loop (several steps', stacked)."""
     return data.train_batches(
         experiment.dataset.train,
         experiment.config.batch_size,
@@ -389,6 +390,7 @@ def _train_batches(experiment: Experiment, start_step: int) -> Iterator[Any]:
         num_steps=max(0, experiment.total_steps - start_step),
         process=data.ProcessSlice.current(),
         options=experiment.input_options,
+        steps_per_call=experiment.steps_per_call,
     )
 
 
@@ -426,8 +428,9 @@ def _compiles(
     compile_ahead = experiment.updater.compile_ahead
     if training:
         method, batch = "update", abstract_batch(dataset, config.batch_size)
-        if experiment.steps_per_call > 1:  # As the loop hands them: a list, stacked in the step.
-            method, batch = "update_steps", [batch] * experiment.steps_per_call
+        if experiment.steps_per_call > 1:  # As the data stacks a call's batches.
+            method = "update_steps"
+            batch = abstract_batch(dataset, config.batch_size, steps=experiment.steps_per_call)
         for norms in (False, True):
             step = functools.partial(compile_ahead, method, state, batch, with_global_norms=norms)
             compiles.append(("A step program", step))
@@ -442,7 +445,11 @@ def _compiles(
     if training and isinstance(train, data.Split) and device_batches.fits_on_device(train):
         process = data.ProcessSlice.current()
         gather = functools.partial(
-            device_batches.compile_gather_ahead, train, config.batch_size, process=process
+            device_batches.compile_gather_ahead,
+            train,
+            config.batch_size,
+            process=process,
+            steps_per_call=experiment.steps_per_call,
         )
         compiles.append(("The batches' gather", gather))
     return compiles
@@ -452,11 +459,11 @@ def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:
     """The Updater's steps up to `step`, in one call, with the global norms where it is logged."""
     last_step, updater = experiment.total_steps, experiment.updater
 
-    def step_fn(train_state: TrainState, batches: list[Any], step: int):
+    def step_fn(train_state: TrainState, batch: Any, step: int):
         logged = log.is_due(step, last_step)
-        if len(batches) == 1:
-            return updater.update(train_state, batches[0], with_global_norms=logged)
-        return updater.update_steps(train_state, list(batches), with_global_norms=logged)
+        if experiment.steps_per_call == 1:
+            return updater.update(train_state, batch, with_global_norms=logged)
+        return updater.update_steps(train_state, batch, with_global_norms=logged)
 
     return step_fn
 

@@ -143,11 +143,15 @@ def placeholder_batch(dataset: data.Dataset, batch_size: int) -> Any:
     return replication.shard({"image": image, "label": np.zeros((local_batch_size,), np.int32)})
 
 
-def abstract_batch(dataset: data.Dataset, batch_size: int, *, masked: bool = False) -> Any:
+def abstract_batch(
+    dataset: data.Dataset, batch_size: int, *, masked: bool = False, steps: int | None = None
+) -> Any:
     """`placeholder_batch` as sharded `jax.ShapeDtypeStruct`s, nothing allocated (`masked`: an
-    evaluation batch, with its float32 `mask`): what a program compiled ahead takes."""
+    evaluation batch, with its float32 `mask`; `steps`: that many steps' batches stacked, as
+    `update_steps` takes them): what a program compiled ahead takes."""
     local_batch_size = data.ProcessSlice.current().size(batch_size, "abstract_batch")
-    per_device = (jax.local_device_count(), local_batch_size // jax.local_device_count())
+    stacked = () if steps is None else (steps,)
+    per_device = (jax.local_device_count(), *stacked, local_batch_size // jax.local_device_count())
     leaves = {"image": (dataset.image_shape, dataset.image_dtype), "label": ((), np.int32)}
     if masked:
         leaves["mask"] = ((), np.float32)

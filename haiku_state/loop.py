@@ -19,12 +19,14 @@ import jax
 import numpy as np
 
 from haiku_state import summaries
+from haiku_state.data import order
 from haiku_state.guards import divergence, processes, signals
 from haiku_state.updater import Batch, Metrics, TrainState
 
-# (train_state, batches, step) -> (train_state, metrics): the batches of the steps up to `step`,
-# run in one call; each metric per step (`[len(batches)]`) or, a scalar, of `step` alone.
-StepFn = Callable[[TrainState, Sequence[Batch], int], tuple[TrainState, Metrics]]
+# (train_state, batch, step) -> (train_state, metrics): the steps up to `step` in one call, on
+# their batch (several steps': stacked, `[devices, steps, ...]`); each metric per step
+# (`[steps]`, several steps a call) or, a scalar, of `step` alone.
+StepFn = Callable[[TrainState, Batch, int], tuple[TrainState, Metrics]]
 
 
 @dataclasses.dataclass
@@ -211,7 +213,8 @@ def run(
     first_call_done: Callable[[], None] | None = None,
 ) -> LoopEnd:
     """Runs steps `first_step + 1 .. last_step`, `steps_per_call` in each call of `step_fn`
-    (a call ends at each multiple of it, and at the last step), the due actions after each call
+    on the next of `batches` (a call ends at each multiple of it, and at the last step:
+    `order.call_lengths`, as the data cuts its batches), the due actions after each call
     (their cadences are multiples of `steps_per_call`: `config_checks` holds them to it).
 
     After dispatching call `k` the loop waits for call `k - 1`: at most two are in flight
@@ -221,21 +224,20 @@ def run(
     whether the loop goes on, ends or stops after it.
     """
     in_flight, step, stopped = None, first_step, False
-    while step < last_step:
+    for num_steps in order.call_lengths(first_step, last_step - first_step, steps_per_call):
         if stop.should_stop(step):
             stopped = True
             break
-        end = min(step - step % steps_per_call + steps_per_call, last_step)
-        call_batches = [next(batches) for _ in range(end - step)]
+        end = step + num_steps
         with jax.profiler.StepTraceAnnotation("train", step_num=end):
-            train_state, metrics = step_fn(train_state, call_batches, end)
+            train_state, metrics = step_fn(train_state, next(batches), end)
         if in_flight is not None:
             jax.block_until_ready(in_flight)
             if first_call_done is not None:
                 first_call_done()
                 first_call_done = None
         in_flight = metrics
-        window.append(end, metrics, end - step)
+        window.append(end, metrics, num_steps)
         step = end
         for action in actions:
             if action.is_due(step, last_step):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -117,26 +117,46 @@ def stack_steps(batches: list[PyTree], axis_name: str = DEFAULT_AXIS_NAME) -> Py
 
 def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
     """Splits a host batch `[B, ...]` over the devices: `[local_devices, B // devices, ...]`."""
+    _check_batch_axis(host_batch, "shard")
+    return jax.device_put(jax.tree.map(_split, host_batch), device_axis_sharding(axis_name))
+
+
+def shard_steps(host_batches: Sequence[PyTree], axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
+    """Host batches `[B, ...]` of consecutive steps, split over the devices and stacked in one
+    copy: `[local_devices, steps, B // devices, ...]`, what `Updater.update_steps` takes."""
+    for host_batch in host_batches:
+        _check_batch_axis(host_batch, "shard_steps")
+
+    def stacked(*leaves):
+        stack = jnp.stack if isinstance(leaves[0], jax.Array) else np.stack
+        return stack([_split(leaf) for leaf in leaves], axis=1)
+
+    return jax.device_put(jax.tree.map(stacked, *host_batches), device_axis_sharding(axis_name))
+
+
+def _check_batch_axis(host_batch: PyTree, where: str) -> None:
+    """Refuses a leaf without a leading batch axis that the local devices divide."""
     num_devices = jax.local_device_count()
     for path, leaf in jax.tree_util.tree_leaves_with_path(host_batch):
         shape = np.shape(leaf)
         name = jax.tree_util.keystr(path) or "batch"
         if not shape:
             raise errors.InvalidValue(
-                f"shard: leaf {name} is a scalar; expected a leading batch axis."
+                f"{where}: leaf {name} is a scalar; expected a leading batch axis."
             )
         if shape[0] % num_devices:
             raise errors.InvalidValue(
-                f"shard: batch size B={shape[0]} of leaf {name} is not divisible by the "
+                f"{where}: batch size B={shape[0]} of leaf {name} is not divisible by the "
                 f"{num_devices} local devices; use a global batch size that is a multiple "
                 f"of {num_devices}."
             )
 
-    def split(leaf):
-        leaf = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
-        return leaf.reshape((num_devices, leaf.shape[0] // num_devices) + leaf.shape[1:])
 
-    return jax.device_put(jax.tree.map(split, host_batch), device_axis_sharding(axis_name))
+def _split(leaf: Any) -> Any:
+    """`[B, ...]` as `[local_devices, B // devices, ...]` (a view of a host array)."""
+    leaf = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+    num_devices = jax.local_device_count()
+    return leaf.reshape((num_devices, leaf.shape[0] // num_devices) + leaf.shape[1:])
 
 
 def replicate(tree: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:

@@ -140,8 +140,7 @@ class _NoStop:
 def test_run_steps_from_the_first_to_the_last_and_runs_the_due_actions():
     calls = []
 
-    def step_fn(state, batches, step):
-        (batch,) = batches
+    def step_fn(state, batch, step):
         return state + batch, {"loss": jnp.float32(batch)}
 
     actions = [
@@ -168,7 +167,7 @@ def test_run_ends_before_the_step_a_stop_is_requested_at():
             return step == 5
 
     end = loop.run(
-        lambda state, batches, step: (state + len(batches), {"loss": np.float32(0)}),
+        lambda state, batch, step: (state + 1, {"loss": np.float32(0)}),
         0,
         itertools.repeat(None),
         first_step=0,
@@ -182,7 +181,7 @@ def test_run_ends_before_the_step_a_stop_is_requested_at():
 
 def test_nothing_runs_when_the_run_is_already_at_its_last_step():
     end = loop.run(
-        lambda state, batches, step: pytest.fail("stepped"),
+        lambda state, batch, step: pytest.fail("stepped"),
         "state",
         iter(()),
         first_step=30,
@@ -210,7 +209,7 @@ def test_the_first_call_is_reported_done_once_if_it_ran(stop_at, last_step, expe
 
     done = []
     loop.run(
-        lambda state, batches, step: (state + 1, {"loss": np.float32(0)}),
+        lambda state, batch, step: (state + 1, {"loss": np.float32(0)}),
         0,
         itertools.repeat(None),
         first_step=0,

@@ -187,10 +187,10 @@ class _NoStop:
 def test_loop_ends_calls_at_multiples_of_steps_per_call_and_at_the_last_step():
     calls, acted = [], []
 
-    def step_fn(state, batches, step):
-        calls.append((step, len(batches)))
-        losses = np.arange(step - len(batches) + 1, step + 1, dtype=np.float32)
-        return state + len(batches), {"loss": losses, "l2_grads": np.float32(step)}
+    def step_fn(state, batch, step):  # `state` is the step reached; a call's batch, its number.
+        calls.append((step, step - state, batch))
+        losses = np.arange(state + 1, step + 1, dtype=np.float32)
+        return step, {"loss": losses, "l2_grads": np.float32(step)}
 
     window = loop.MetricWindow(3)
     end = loop.run(
@@ -204,7 +204,8 @@ def test_loop_ends_calls_at_multiples_of_steps_per_call_and_at_the_last_step():
         stop=_NoStop(),
         steps_per_call=4,
     )
-    assert calls == [(4, 1), (8, 4), (12, 4), (14, 2)]  # A resume at 3 catches up to 4.
+    # A resume at 3 catches up to 4; one batch per call.
+    assert calls == [(4, 1, 0), (8, 4, 1), (12, 4, 2), (14, 2, 3)]
     assert acted == [(4, 4), (8, 8), (12, 12), (14, 14)]
     assert end == loop.LoopEnd(14, 14, False)
     summary = window.fetch(14)

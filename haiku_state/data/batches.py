@@ -7,9 +7,11 @@ one is gathered on the host; an encoded split is decoded by grain's workers
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from haiku_state import replication
 from haiku_state.data import device, gpu_decode, pipeline
 from haiku_state.data import order as order_lib
 from haiku_state.data.order import SINGLE_PROCESS, ProcessSlice
@@ -40,30 +42,33 @@ def train_batches(
     num_steps: int | None = None,
     process: ProcessSlice = SINGLE_PROCESS,
     options: PipelineOptions = DEFAULT_OPTIONS,
+    steps_per_call: int = 1,
 ) -> Iterator[Batch]:
-    """The training batches of `split` from `start_step`, on the devices; close the generator
-    to stop its thread and workers. `batch_size` is global; `num_steps` bounds an encoded
-    split (None: endless, as splits in memory are). Bad arguments raise ValueError here."""
+    """The training batches of `split` from `start_step` on the devices (close it to stop its
+    thread and workers); `batch_size` is global, `num_steps` bounds them (None: endless, but
+    an encoded split's). Several `steps_per_call`: one batch per call (`order.call_lengths`),
+    stacked `[devices, steps, per_device, ...]`. Bad arguments raise ValueError here."""
+    calls = order_lib.call_lengths(start_step, num_steps, steps_per_call)
+    steps = dict(seed=seed, start_step=start_step, num_steps=num_steps, process=process)
     if isinstance(split, EncodedSplit):
-        host_batches = pipeline.encoded_train_batches(
-            split,
-            batch_size,
-            seed=seed,
-            start_step=start_step,
-            num_steps=num_steps,
-            process=process,
-            **_decoding(options, "max_corrupt_fraction"),
-        )
+        decoding = _decoding(options, "max_corrupt_fraction")
+        host_batches = pipeline.encoded_train_batches(split, batch_size, **steps, **decoding)
         if options.decoder == "gpu":
             host_load = pipeline.LoadTrainExample(split, seed, options.skip_corrupt)
             host_batches = _on_device(host_batches, split, host_load)
     elif device.fits_on_device(split):
         return device.device_train_batches(
-            split, batch_size, seed=seed, start_step=start_step, process=process
+            split, batch_size, **steps, steps_per_call=steps_per_call
         )
     else:
         host_batches = host_train_batches(
             split, batch_size, seed=seed, start_step=start_step, process=process
+        )
+        host_batches = itertools.islice(host_batches, num_steps)
+    if steps_per_call > 1:
+        host_calls = _grouped(host_batches, calls)
+        return device.prefetch_to_device(
+            host_calls, size=options.prefetch, shard_fn=replication.shard_steps
         )
     return device.prefetch_to_device(host_batches, size=options.prefetch)
 
@@ -86,6 +91,19 @@ def eval_batches(
     else:
         host_batches = host_eval_batches(split, batch_size, process=process)
     return device.prefetch_to_device(host_batches, size=options.prefetch)
+
+
+def _grouped(batches: Iterator[Batch], calls: Iterator[int]) -> Iterator[list[Batch]]:
+    """The batches of each call, listed; closing it closes `batches` (its workers)."""
+    try:
+        for steps in calls:
+            call = list(itertools.islice(batches, steps))
+            if len(call) < steps:
+                return
+            yield call
+    finally:
+        if hasattr(batches, "close"):
+            batches.close()
 
 
 def _decoding(options: PipelineOptions, *more: str) -> dict[str, Any]:

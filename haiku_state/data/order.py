@@ -29,6 +29,24 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
     return num_examples // batch_size
 
 
+def call_lengths(start_step: int, num_steps: int | None, steps_per_call: int) -> Iterator[int]:
+    """How many steps each call runs from `start_step`: calls end at the multiples of
+    `steps_per_call` and after `num_steps` steps (None: never). The loop's calls and the
+    batches made for them (one per call) are cut by this one rule."""
+    if steps_per_call < 1:
+        raise errors.InvalidValue(f"steps_per_call must be positive, got {steps_per_call}.")
+    last = None if num_steps is None else start_step + num_steps
+    return _call_lengths(start_step, last, steps_per_call)
+
+
+def _call_lengths(step: int, last: int | None, steps_per_call: int) -> Iterator[int]:
+    while last is None or step < last:
+        end = step - step % steps_per_call + steps_per_call
+        end = end if last is None else min(end, last)
+        yield end - step
+        step = end
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessSlice:
     """Which slice of every global batch process `index` of `count` loads."""
