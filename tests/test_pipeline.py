@@ -120,6 +120,21 @@ def test_train_batches_of_an_encoded_split_are_the_host_batches_on_the_devices(d
             np.testing.assert_array_equal(np.asarray(leaf), want[name].reshape(leaf.shape))
 
 
+def test_train_batches_of_an_encoded_split_stack_each_calls_host_batches(dataset):
+    # A resume at step 1 with 2 steps a call: calls of 1, 2 and (num_steps=4) 1 step.
+    expected = _train(dataset.train, batch_size=8, steps=4, start_step=1)
+    options = data.PipelineOptions(workers=1)
+    batches = data.train_batches(
+        dataset.train, 8, seed=3, start_step=1, num_steps=4, options=options, steps_per_call=2
+    )
+    calls = [expected[:1], expected[1:3], expected[3:]]
+    for want, batch in zip(calls, batches, strict=True):
+        for name, leaf in batch.items():
+            per_device = [w[name].reshape(NUM_DEVICES, 2, *w[name].shape[1:]) for w in want]
+            np.testing.assert_array_equal(np.asarray(leaf), np.stack(per_device, axis=1))
+    batches.close()
+
+
 @pytest.mark.parametrize("process_count", [1, 2, 4])
 def test_evaluation_covers_every_example_once_on_any_process_count(dataset, process_count):
     # 9 examples in global batches of 4: the third is padded with 3 masked copies.
