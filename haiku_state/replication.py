@@ -123,13 +123,15 @@ def shard(host_batch: PyTree, axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
 
 def shard_steps(host_batches: Sequence[PyTree], axis_name: str = DEFAULT_AXIS_NAME) -> PyTree:
     """Host batches `[B, ...]` of consecutive steps, split over the devices and stacked in one
-    copy: `[local_devices, steps, B // devices, ...]`, what `Updater.update_steps` takes."""
+    copy: `[local_devices, steps, B // devices, ...]`, what `Updater.update_steps` takes.
+    Batches already on the devices (decoded there) are stacked there, by `stack_steps`."""
     for host_batch in host_batches:
         _check_batch_axis(host_batch, "shard_steps")
+    if any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(host_batches)):
+        return stack_steps([shard(batch, axis_name) for batch in host_batches], axis_name)
 
     def stacked(*leaves):
-        stack = jnp.stack if isinstance(leaves[0], jax.Array) else np.stack
-        return stack([_split(leaf) for leaf in leaves], axis=1)
+        return np.stack([_split(leaf) for leaf in leaves], axis=1)
 
     return jax.device_put(jax.tree.map(stacked, *host_batches), device_axis_sharding(axis_name))
 

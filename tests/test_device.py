@@ -179,6 +179,10 @@ def test_shard_steps_stacks_what_stack_steps_stacks_of_the_sharded_batches():
     for name in host[0]:
         assert stacked[name].sharding == expected[name].sharding
         np.testing.assert_array_equal(np.asarray(stacked[name]), np.asarray(expected[name]))
+    on_devices = replication.shard_steps([jax.device_put(b) for b in host])  # Decoded there.
+    for name in host[0]:
+        assert on_devices[name].sharding == expected[name].sharding
+        np.testing.assert_array_equal(np.asarray(on_devices[name]), np.asarray(expected[name]))
     with pytest.raises(ValueError, match="shard_steps: batch size B=6"):
         replication.shard_steps([{"image": np.zeros((6, 2))}])
 

@@ -131,12 +131,11 @@ def device_train_batches(
     `[devices, steps, per_device, ...]` as `Updater.update_steps` takes them."""
     where, num_examples = "device_train_batches", len(split.labels)
     order = order_lib.batch_order(num_examples, batch_size, seed, start_step, process, where)
-    steps_per_gather = _steps_per_gather(
-        split, batch_size, order.local_size, steps_per_gather, where
+    calls = order_lib.call_lengths(start_step, num_steps, steps_per_call)
+    calls_per_launch = _calls_per_launch(
+        split, batch_size, order.local_size, steps_per_gather, steps_per_call, where
     )
     indices = order_lib.indices_from(order, start_step)
-    calls = order_lib.call_lengths(start_step, num_steps, steps_per_call)
-    calls_per_launch = max(1, steps_per_gather // steps_per_call)
     return _device_train_batches(split, indices, calls, calls_per_launch, steps_per_call)
 
 
@@ -152,8 +151,7 @@ def compile_gather_ahead(
     (a shorter call's, a resume's first or a run's last, compiles where it comes)."""
     where = "device_train_batches"
     local_size = process.size(batch_size, where)
-    steps_per_gather = _steps_per_gather(split, batch_size, local_size, None, where)
-    calls_per_launch = max(1, steps_per_gather // steps_per_call)
+    calls_per_launch = _calls_per_launch(split, batch_size, local_size, None, steps_per_call, where)
     num_devices = jax.local_device_count()
     replicated = NamedSharding(replication.local_mesh(), PartitionSpec())
     images, labels = (
@@ -166,11 +164,17 @@ def compile_gather_ahead(
     _gather_program().lower(images, labels, index).compile()
 
 
-def _steps_per_gather(
-    split: Split, batch_size: int, local_size: int, steps_per_gather: int | None, where: str
+def _calls_per_launch(
+    split: Split,
+    batch_size: int,
+    local_size: int,
+    steps_per_gather: int | None,
+    steps_per_call: int,
+    where: str,
 ) -> int:
-    """`steps_per_gather`, or for None as many steps as fit in `GATHER_BYTES` per device (at
-    most `MAX_STEPS_PER_GATHER`); refuses a batch the local devices do not divide."""
+    """The calls one gather makes: of `steps_per_gather` steps, or for None as many steps as
+    fit in `GATHER_BYTES` per device (at most `MAX_STEPS_PER_GATHER`), at least one call;
+    refuses a batch the local devices do not divide."""
     num_devices = jax.local_device_count()
     if local_size % num_devices:
         raise errors.InvalidValue(
@@ -184,7 +188,7 @@ def _steps_per_gather(
         raise errors.InvalidValue(
             f"{where}: steps_per_gather must be positive, got {steps_per_gather}."
         )
-    return steps_per_gather
+    return max(1, steps_per_gather // steps_per_call)
 
 
 def _launches(calls: Iterator[int], calls_per_launch: int) -> Iterator[tuple[int, int]]:
