@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from haiku_state import checkpoint, data, errors
+from haiku_state import checkpoint, data, errors, tpu_host
 from haiku_state import config as config_lib
 from haiku_state.checkpoint import step_format
 from haiku_state.data.imagefolder import IMAGE_EXTENSIONS
@@ -347,6 +347,7 @@ def _main(command_line: dict[str, flags.FlagHolder], argv: list[str]) -> None:
     if step is not None and not step.isdecimal():
         sys.exit(f"error: --step={step}: expected a step number (left out: the newest step).")
     quiet_logs.keep_the_log_to_this_package()
+    tpu_host.size_premapped_buffer()  # Before `load_run` starts the runtime, which reads it.
     failed = False
     try:
         model = load_run(command_line["workdir"].value, None if step is None else int(step))

@@ -289,6 +289,24 @@ def test_ctrl_c_ends_the_command_in_one_line_with_status_130(tmp_path):
     assert result.stderr.strip() == "Interrupted (Ctrl-C): stopped; nothing more predicted."
 
 
+def test_the_command_sizes_the_tpu_host_buffer_before_it_loads_the_run(tmp_path):
+    # On a host without transparent hugepages always, as `train` does (test_start_up).
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    loading = (
+        "import os\n"
+        "from haiku_state import predict, tpu_host\n"
+        f"tpu_host.HUGEPAGES_SETTING = {str(tmp_path / 'enabled')!r}\n"
+        "os.environ.pop('TPU_PREMAPPED_BUFFER_SIZE', None)\n"
+        "def load_run(*args):\n"
+        "    raise ValueError('loading with ' + os.environ['TPU_PREMAPPED_BUFFER_SIZE'])\n"
+        "predict.load_run = load_run\n"
+        f"predict.main(['predict', '--workdir={tmp_path}', 'photo.png'])\n"
+    )
+    result = _command(loading, python_code=True)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"error: loading with {512 << 20}"
+
+
 def test_the_command_refuses_a_missing_step_and_nothing_to_do_in_one_line(run):
     _, workdir, _ = run
     result = _command(f"--workdir={workdir}", "--step=7", str(workdir))

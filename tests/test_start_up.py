@@ -199,6 +199,29 @@ def test_the_command_imports_the_run_while_the_runtime_starts(tmp_path):
     assert process.returncode == 1 and stderr.splitlines()[-1].startswith("error: "), stderr
 
 
+@pytest.mark.parametrize("users_size", [None, "1073741824"])
+def test_the_runtime_starts_with_the_tpu_host_buffer_sized_or_the_users(tmp_path, users_size):
+    # A host without transparent hugepages always: the command sizes libtpu's pinned buffer
+    # before the runtime starts (it reads it then), unless the user did.
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    setup = (
+        f"import os\nfrom haiku_state import tpu_host\n"
+        f"tpu_host.HUGEPAGES_SETTING = {str(tmp_path / 'enabled')!r}\n"
+        "os.environ.pop('TPU_PREMAPPED_BUFFER_SIZE', None)\n"
+        + (f"os.environ['TPU_PREMAPPED_BUFFER_SIZE'] = {users_size!r}\n" if users_size else "")
+    )
+    start = (
+        "print('the runtime starts with', os.environ.get('TPU_PREMAPPED_BUFFER_SIZE'), flush=True)"
+        "\nreturn start_runtime(*args)"
+    )
+    process = _command_with_its_runtime_start(
+        start, f"--workdir={tmp_path}/run", "--mode=eval", setup=setup
+    )
+    stdout, stderr = _ended(process)
+    expected = users_size or str(512 << 20)
+    assert stdout.splitlines()[0] == f"the runtime starts with {expected}", stdout + stderr[-3000:]
+
+
 def test_a_signal_while_the_runtime_start_hangs_ends_the_command_within_the_bound(tmp_path):
     # The start stuck in native code (a device that never answers): the watchdog's exit.
     start = stuck_in_native_code("starting")
