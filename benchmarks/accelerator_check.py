@@ -51,6 +51,7 @@ from unittest import mock
 
 from benchmarks import record as record_lib
 from benchmarks import startup
+from haiku_state import tpu_host
 
 DECODERS = ("cpu", "gpu")
 NOT_APPLICABLE = "not applicable: the plan's host has no such decoder (a TPU host: no nvJPEG)"
@@ -400,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--plan", choices=("gpu", "tpu"), default="gpu",
                         help="the host's plan: batch sizes, decoders, estimates")  # fmt: skip
     args = parser.parse_args(argv)
+    tpu_host.size_premapped_buffer()  # As the commands do, for every process run from here.
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     path = args.out or str(record_lib.DEFAULT_OUTPUT_DIR / f"{stamp}_accelerator_check.json")
     plan = QUICK if args.quick else TPU if args.plan == "tpu" else Plan()

@@ -42,6 +42,7 @@ from typing import Any
 from benchmarks import costs, record, report
 from benchmarks.experiment import benchmark_experiment, log_to_stderr
 from benchmarks.settings import EXPERIMENTS, SUPPORTED_PRECISIONS, Settings, check_precision
+from haiku_state import tpu_host
 
 QUICK_EXPERIMENTS = ("mlp", "resnet")
 # One device count, of two devices, so that the collectives run.
@@ -716,6 +717,7 @@ def _run_input_pipeline(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_args(argv)
+    tpu_host.size_premapped_buffer()  # As the commands do, for every process run from here.
     if args.worker_devices is not None:
         _worker(args)
         return 0
