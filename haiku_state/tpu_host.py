@@ -4,8 +4,8 @@ libtpu pins a buffer of host memory for the transfers between host and chips
 (`TPU_PREMAPPED_BUFFER_SIZE`, 4 GiB by default); one array larger than it goes by a slower
 path. Where the kernel gives no transparent hugepages (JAX warns of it at the start), pinning
 4 GiB page by page is most of the runtime's start and of the process's end: on a TPU v5e host,
-`jax.devices()` took 6.5 s with it and 1.7 s with 256 MiB, the process ending 1.5 s sooner,
-with the same transfer speeds (benchmarks/README.md, "The TPU host's pinned buffer").
+`jax.devices()` took 6.5-7.1 s with it and 2.0-2.3 s with 512 MiB, the process ending 1.5 s
+sooner, with the same transfer speeds (benchmarks/README.md, "The TPU host's pinned buffer").
 The commands size it where that is so and the user has not.
 """
 
