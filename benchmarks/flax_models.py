@@ -42,7 +42,7 @@ import optax
 from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state
 
-from haiku_state import initialization
+from haiku_state import replication
 
 ModuleDef = Any
 AXIS_NAME = "batch"
@@ -230,7 +230,7 @@ def create_train_state(
     def init(key):
         return model.init({"params": key}, jnp.ones((1, *image_shape), model.dtype))
 
-    host = initialization.host_device()
+    host = replication.host_device()
     with jax.default_device(host):
         variables = init(jax.device_put(key, host))
         return TrainState.create(

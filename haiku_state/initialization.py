@@ -25,6 +25,7 @@ import numpy as np
 from jax.extend import core as jax_core
 
 from haiku_state.guards import host_memory
+from haiku_state.replication import host_device
 
 # The guard's error and estimate, importable from here as before.
 HostMemoryError = host_memory.HostMemoryError
@@ -86,14 +87,6 @@ def _depends_on(closed_jaxpr: jax_core.ClosedJaxpr, inputs: list[bool]) -> list[
         if any(not isinstance(v, jax_core.Literal) and v in dependent for v in equation.invars):
             dependent.update(equation.outvars)
     return [not isinstance(v, jax_core.Literal) and v in dependent for v in jaxpr.outvars]
-
-
-def host_device() -> jax.Device:
-    """The CPU device, where the platform has one (JAX_PLATFORMS may leave it out)."""
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return jax.local_devices()[0]
 
 
 def init(

@@ -37,6 +37,14 @@ def global_mesh(axis_name: str = DEFAULT_AXIS_NAME) -> Mesh:
     return Mesh(np.array(jax.devices()), (axis_name,))
 
 
+def host_device() -> jax.Device:
+    """The CPU device, where the platform has one (JAX_PLATFORMS may leave it out)."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
 def device_axis_sharding(axis_name: str = DEFAULT_AXIS_NAME) -> NamedSharding:
     """The sharding of an array whose leading axis is the local device axis."""
     return NamedSharding(local_mesh(axis_name), PartitionSpec(axis_name))
@@ -290,9 +298,25 @@ class PerDeviceLayout:
         return None
 
     def init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
-        """The train state `init_fn(*args)` makes, built on the devices in this layout."""
-        out_shardings = device_axis_sharding(self.axis_name)
-        return jax.jit(_on_local_devices(init_fn), out_shardings=out_shardings)(*args)
+        """The train state `init_fn(*args)` makes, in this layout: each device's replica built
+        on the host's CPU (with that device's keys) and copied there. No program runs on the
+        devices: compiling one was most of a fresh start's init on a TPU (ResNet-50: 2.7-4.0 s
+        of 4.0-6.3 s; a replica fits the host wherever it fits a device)."""
+        sharding = device_axis_sharding(self.axis_name)
+        devices = list(sharding.mesh.devices.flat)  # In the order of the device axis.
+        first_index = jax.process_index() * len(devices)
+        one_replica = jax.jit(functools.partial(init_fn, num_devices=1))
+        on_host = jax.device_put(args, host_device())
+        replicas = []
+        for i, device in enumerate(devices):  # In turn: the host holds one replica at a time.
+            replica = one_replica(*on_host, first_index=np.uint32(first_index + i))
+            replicas.append(jax.block_until_ready(jax.device_put(replica, device)))
+
+        def assembled(*shards: jax.Array) -> jax.Array:
+            shape = (len(devices), *shards[0].shape[1:])
+            return jax.make_array_from_single_device_arrays(shape, sharding, list(shards))
+
+        return jax.tree.map(assembled, *replicas)
 
     def abstract_init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
         """What `init` would make, as `jax.ShapeDtypeStruct`s with their shardings; nothing runs."""

@@ -97,9 +97,12 @@ def unpack_loss_scale(opt_state: LossScaledOptState, like: jmp.LossScale) -> jmp
     return jmp.StaticLossScale(opt_state.loss_scale)
 
 
-def per_device_keys(seed_key: jax.Array, num_devices: int, first_index: int = 0) -> jax.Array:
-    """One key per device, `fold_in(seed_key, global_device_index)`: alike on any process count."""
-    indices = jnp.arange(first_index, first_index + num_devices, dtype=jnp.uint32)
+def per_device_keys(
+    seed_key: jax.Array, num_devices: int, first_index: int | jax.Array = 0
+) -> jax.Array:
+    """One key per device, `fold_in(seed_key, global_device_index)`: alike on any process count.
+    `first_index` may be traced (one program for every device's keys)."""
+    indices = first_index + jnp.arange(num_devices, dtype=jnp.uint32)
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(seed_key, indices)
 
 

@@ -19,7 +19,8 @@ from configs import mlp_config
 from benchmarks.compiles import CompileEvents
 from haiku_state import checkpoint, driver
 
-# The init's program (on the host), the train state's placing, the replicas' and params' check,
+# The init's params and state (on the host), the train state from them (pmap's replicas, built
+# on the host too and copied), the replicas' and params' check,
 # the step without and with the global norms, the evaluation and the batches' gather (a save's
 # fingerprints are computed on the host).
 PROGRAMS_OF_A_RUN = 7

@@ -3,6 +3,8 @@
 Every test runs with 4 simulated CPU devices (tests/conftest.py).
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -122,3 +124,43 @@ class ReplicateTest(chex.TestCase):
         taken = hs.unreplicate({"device": on_devices, "host": per_device_rows})
         np.testing.assert_array_equal(np.asarray(taken["device"]), per_device_rows[0])
         np.testing.assert_array_equal(np.asarray(taken["host"]), per_device_rows[0])
+
+
+class PerDeviceInitTest(chex.TestCase):
+    """`PerDeviceLayout.init` builds each device's replica on the host, one at a time, with
+    one program: what the program over every device made, without a program on the devices."""
+
+    @staticmethod
+    def _init_fn(traced_for):
+        def init_fn(params, seed, num_devices, first_index):
+            traced_for.append(num_devices)
+            key = jax.random.key(seed)
+            one = {"w": params["w"] * 2, "momentum": jnp.zeros_like(params["w"])}
+            copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices, *x.shape)), one)
+            indices = first_index + jnp.arange(num_devices, dtype=jnp.uint32)
+            copies["rng"] = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, indices)
+            return copies
+
+        return init_fn
+
+    def test_every_replica_is_the_whole_programs_on_its_device(self):
+        traced_for = []
+        init_fn = self._init_fn(traced_for)
+        params = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+        layout = replication.PerDeviceLayout()
+        built = layout.init(init_fn, params, np.int32(3))
+        whole = jax.jit(
+            functools.partial(init_fn, num_devices=NUM_DEVICES, first_index=0),
+            out_shardings=replication.device_axis_sharding(),
+        )(params, np.int32(3))
+        self.assertEqual(traced_for, [1, NUM_DEVICES])  # One trace for every replica.
+        for name in ("w", "momentum"):
+            self.assertEqual(built[name].sharding, replication.device_axis_sharding())
+            np.testing.assert_array_equal(np.asarray(built[name]), np.asarray(whole[name]))
+        self.assertEqual(built["rng"].sharding, replication.device_axis_sharding())
+        np.testing.assert_array_equal(
+            jax.random.key_data(built["rng"]), jax.random.key_data(whole["rng"])
+        )
+        self.assertLen({tuple(k) for k in np.asarray(jax.random.key_data(built["rng"]))}, 4)
+        for shard in built["w"].addressable_shards:  # Each device's replica is its own.
+            np.testing.assert_array_equal(np.asarray(shard.data)[0], params["w"] * 2)
