@@ -299,9 +299,9 @@ class PerDeviceLayout:
 
     def init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
         """The train state `init_fn(*args)` makes, in this layout: each device's replica built
-        on the host's CPU (with that device's keys) and copied there. No program runs on the
-        devices: compiling one was most of a fresh start's init on a TPU (ResNet-50: 2.7-4.0 s
-        of 4.0-6.3 s; a replica fits the host wherever it fits a device)."""
+        on the host's CPU (`host_device`, with that device's keys) and copied there. No program
+        runs on the accelerators: compiling one was most of a fresh start's init on a TPU
+        (ResNet-50: 2.7-4.0 s of 4.0-6.3 s; a replica fits the host wherever it fits a device)."""
         sharding = device_axis_sharding(self.axis_name)
         devices = list(sharding.mesh.devices.flat)  # In the order of the device axis.
         first_index = jax.process_index() * len(devices)
