@@ -13,6 +13,7 @@ from trees import replicated_tree
 
 import haiku_state as hs
 from haiku_state import replication
+from haiku_state.updater import per_device_keys
 
 NUM_DEVICES = 4
 
@@ -137,8 +138,7 @@ class PerDeviceInitTest(chex.TestCase):
             key = jax.random.key(seed)
             one = {"w": params["w"] * 2, "momentum": jnp.zeros_like(params["w"])}
             copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices, *x.shape)), one)
-            indices = first_index + jnp.arange(num_devices, dtype=jnp.uint32)
-            copies["rng"] = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, indices)
+            copies["rng"] = per_device_keys(key, num_devices, first_index)
             return copies
 
         return init_fn
