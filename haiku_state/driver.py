@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -25,9 +26,16 @@ from haiku_state.config import keep_best_mode
 from haiku_state.data import device as device_batches
 from haiku_state.evaluation import evaluate_test_split
 from haiku_state.experiment import Experiment, abstract_batch, build_experiment, placeholder_batch
-from haiku_state.guards import config_checks, data_identity, divergence, replicas, signals
+from haiku_state.guards import (
+    config_checks,
+    data_identity,
+    divergence,
+    processes,
+    replicas,
+    signals,
+)
 from haiku_state.guards import workdir as workdir_lib
-from haiku_state.updater import TrainState, step_of
+from haiku_state.updater import LOGGED_ONLY, TrainState, step_of
 
 
 def train_and_evaluate(
@@ -43,8 +51,8 @@ def train_and_evaluate(
     reached and raises `signals.Stopped`; call again to resume. `allow_config_change` resumes a
     run whose config changed its trajectory. `StartUp` logs where the start went.
     """
-    with StartUp() as startup:
-        experiment, first_state, data_record = _set_up(config, workdir, startup)
+    with StartUp() as startup, ProgramsAhead() as programs:
+        experiment, first, data_record = _set_up(config, workdir, startup, programs)
         config = experiment.config
         with (
             contextlib.nullcontext(stop) if stop is not None else signals.StopRequest() as stop,
@@ -52,21 +60,22 @@ def train_and_evaluate(
             _checkpointer(config, workdir) as checkpointer,
         ):
             train_state, batches = _start(
-                first_state, experiment, checkpointer, data_record, allow_config_change, startup
+                first, experiment, checkpointer, data_record, allow_config_change, startup, programs
             )
             end, evaluator, monitor = _train(
-                experiment, workdir, train_state, batches, checkpointer, data_record, stop, startup
+                experiment,
+                workdir,
+                train_state,
+                batches,
+                checkpointer,
+                data_record,
+                stop,
+                startup,
+                programs,
             )
             final = _final_evaluation(end, evaluator, checkpointer)
             saved, kept = checkpointer.latest_step(), checkpointer.all_steps()
-    if jax.process_index() == 0:  # The curves and the run's last line.
-        network = config.model.name or os.path.basename(config.model.network)
-        summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
-        print(
-            f"Final eval at step {end.step}: {summaries.format_metrics(final)}. "
-            + summaries.describe_outputs(workdir, "checkpoints/"),
-            flush=True,
-        )
+    _report_end(config, workdir, end.step, final)
     if stop.should_stop_now():  # A signal during the final save, or since: said, not a success.
         raise stop.stopped(
             f"stopped at step {end.step}, the last, after its final evaluation; saved step "
@@ -77,22 +86,38 @@ def train_and_evaluate(
     return final
 
 
+def _report_end(config: Any, workdir: str, step: int, final: dict[str, float]) -> None:
+    """Process 0's curves and the run's last line."""
+    if jax.process_index() == 0:
+        network = config.model.name or os.path.basename(config.model.network)
+        summaries.plot_curves(workdir, f"{workdir}: {network} on {config.data.name}")
+        print(
+            f"Final eval at step {step}: {summaries.format_metrics(final)}. "
+            + summaries.describe_outputs(workdir, "checkpoints/"),
+            flush=True,
+        )
+
+
 def _set_up(
-    config: Any, workdir: str, startup: StartUp
+    config: Any, workdir: str, startup: StartUp, programs: ProgramsAhead
 ) -> tuple[Experiment, TrainState | None, dict[str, Any]]:
     """The run's experiment, its first train state (fresh, warm-started from `init_from`, or
-    None for a resume) and the identity of its data: every refusal before the workdir is touched,
-    a warm start that does not fit included."""
+    None for a resume) and the identity of its data: every refusal before the workdir is
+    touched, a warm start that does not fit included. The `programs` begin to compile for the
+    state's shapes and shardings once the experiment is built, beside the init."""
     config_checks.validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
-    resuming = bool(checkpoint.complete_steps(os.path.join(workdir, "checkpoints")))
-    if resuming:
+    saved = checkpoint.complete_steps(os.path.join(workdir, "checkpoints"))
+    if saved:
         config = workdir_lib.recorded_config_of(workdir, config)  # Of a run older than some keys.
     compilation_cache.enable(config.compilation_cache_dir)
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     startup.ended("experiment")
+    training = not saved or saved[-1] < experiment.total_steps
+    programs.start(experiment, _train_state_at_0(experiment, abstract=True), training)
+    resuming = bool(saved)
     first_state = None if resuming else _train_state_at_0(experiment)
     if config.init_from and resuming:
         logging.warning(
@@ -133,11 +158,13 @@ def _start(
     data_record: dict[str, Any],
     allow_config_change: bool,
     startup: StartUp,
+    programs: ProgramsAhead,
 ) -> tuple[TrainState, Iterator[Any]]:
     """The run's first train state, once its config and data are checked against the workdir's:
-    the latest complete checkpoint read into the state's shapes (nothing is initialised for it)
-    while the run's programs compile, else `first` (or a fresh one, every step being damaged);
-    and its training batches, whose decoding starts before both (close them).
+    the latest complete checkpoint read into the shapes the programs compile for (nothing is
+    initialised for it) while the first call's programs compile, else `first` (or a fresh one,
+    every step being damaged); and its training batches, whose decoding starts before both
+    (close them).
     The workdir's record is written once the restore succeeded; how the run starts is logged."""
     # The steps, listed once: the newest whose metadata reads, past damaged ones (the restore's).
     damaged: list[tuple[int, Exception]] = []
@@ -150,16 +177,14 @@ def _start(
         has_checkpoint=latest is not None or bool(damaged),
         checkpoint_metadata=None if latest is None else latest[1],
     )
-    like = first if first is not None else _train_state_at_0(experiment, abstract=True)
-    training = latest is None or latest[0] < experiment.total_steps
     expected_step = latest[0] if latest is not None else 0 if first is None else step_of(first)
     batches = _train_batches(experiment, expected_step)  # Decoding while the programs compile.
     summaries.import_tensorboard_ahead()  # So is the metrics writer's TensorBoard.
     try:
-        with _compiling_ahead(experiment, like, training):
-            how, train_state = _restored_or_first(first, experiment, checkpointer, like)
-            workdir_lib.write_record_on_process_0(record)
-            startup.ended("restore")
+        how, train_state = _restored_or_first(first, experiment, checkpointer, programs.like)
+        workdir_lib.write_record_on_process_0(record)
+        startup.ended("restore")
+        programs.wait_for_the_first()
         startup.ended("compile")  # What was left of it.
         start_step = step_of(train_state)
         _log_start(how, train_state, experiment, os.path.dirname(checkpointer.directory))
@@ -199,6 +224,7 @@ def _train(
     data_record: dict[str, Any],
     stop: signals.StopRequest,
     startup: StartUp,
+    programs: ProgramsAhead,
 ) -> tuple[loop.LoopEnd, Evaluator, divergence.Monitor]:
     """The loop and its actions over `_start`'s batches (closed here); a signal's step is saved."""
     config, start_step = experiment.config, step_of(train_state)
@@ -217,12 +243,12 @@ def _train(
             chance_loss=math.log(experiment.dataset.num_classes),
         )
         window = loop.MetricWindow(start_step, monitor)
-        evaluator = Evaluator(experiment, writer, stop, monitor)
+        evaluator = Evaluator(experiment, writer, stop, monitor, programs)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
         actions = _actions(config, experiment.steps_per_call, window, writer, saver, profiler, stop)
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
-                _step_fn(experiment, loop.Every(config.log_every)),  # Where the logger logs.
+                _step_fn(experiment, loop.Every(config.log_every), programs),  # As logged.
                 train_state,
                 batches,
                 first_step=start_step,
@@ -297,8 +323,7 @@ def _final_evaluation(
     final = evaluator.metrics_at(end.step)
     if final is None and not stop.should_stop_now():
         logging.info("Already trained to step %d; evaluating.", end.step)
-        batch_size = experiment.config.eval_batch_size
-        final = evaluate_test_split(experiment, end.train_state, batch_size, stop=stop)
+        final = evaluator.test_metrics(end.train_state)
     if final is None:  # A signal came before or during it; the last step is saved.
         raise stop.stopped(
             f"stopped at step {end.step}, the last, before its final evaluation; "
@@ -394,76 +419,145 @@ def _train_batches(experiment: Experiment, start_step: int) -> Iterator[Any]:
     )
 
 
-@contextlib.contextmanager
-def _compiling_ahead(experiment: Experiment, like: TrainState, training: bool) -> Iterator[None]:
-    """Compiles (or loads from the cache) every program the run calls, side by side from the
-    shapes and shardings of `like` alone, while the body restores or initialises the state: none
-    then compiles inside the loop. A failure only logs (the call that needs the program compiles
-    it and says what is wrong); a body that raises does not wait for the compiles."""
-    state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
-    )
-    compiles = _compiles(experiment, state, training)
-    workers = min(len(compiles), os.cpu_count() or 1)
-    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
-    compiling = [(what, pool.submit(compile_program)) for what, compile_program in compiles]
-    try:
-        yield
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
-    for what, future in compiling:
-        if future.exception() is not None:
-            logging.info("%s was not compiled ahead: %s", what, future.exception())
+PLAIN_STEPS = "The steps without the global norms"
+EVALUATION = "The evaluation"
+
+
+class ProgramsAhead:
+    """Compiles (or loads from the cache) every program the run calls, from the shapes and
+    shardings of the train state alone, in two rounds. First, side by side while the state is
+    initialised or restored, what the first call needs: the logged steps' program (with the
+    global norms), the replicas' check and the batches' gather. Then, while the first steps run,
+    the steps' program without the norms and the evaluation: on a TPU v5e host two ResNet-50
+    step programs compiled side by side took 1.6x one alone, so the first step waits for one.
+    Until the second is ready on every process, every call runs the first (`with_norms`); the
+    evaluation waits for its own (`wait_for`). A failure only logs: the call that needs the
+    program compiles it and says what is wrong. The threads are daemons: a run that fails
+    ends without waiting for a compile (which cannot be stopped)."""
+
+    def __init__(self) -> None:
+        self._first: list[tuple[str, concurrent.futures.Future]] = []
+        self._later: dict[str, concurrent.futures.Future] = {}
+        self._plain_steps, self._closed = False, False
+        self.like: Any = None  # The train state's shapes and shardings, as `start` was given.
+
+    def __enter__(self) -> ProgramsAhead:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        """The second round does not begin once the run has ended."""
+        self._closed = True
+
+    def start(self, experiment: Experiment, like: TrainState, training: bool) -> None:
+        """Begins the first round now and the second once it is done; `training`: the steps'."""
+        self.like = like
+        state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
+        )
+        first, later = _compiles(experiment, state, training)
+        self._first = [(what, _in_a_thread(compile_program)) for what, compile_program in first]
+        for what, compile_program in later:
+            future = _in_a_thread(functools.partial(self._after_the_first, compile_program))
+            future.add_done_callback(functools.partial(_log_failure, what))
+            self._later[what] = future
+
+    def wait_for_the_first(self) -> None:
+        """Waits for the first round (compiled or failed)."""
+        for what, future in self._first:
+            _log_failure(what, future)
+
+    def wait_for(self, what: str) -> None:
+        """Waits for the program `what` of the second round, if there is one."""
+        if what in self._later:
+            concurrent.futures.wait([self._later[what]])
+
+    def with_norms(self, logged: bool) -> bool:
+        """Whether a call runs the logged steps' program: a logged call does, and so does every
+        call until the program without the norms is ready on every process (voted at the logged
+        calls of a multi-process run: the processes switch at the same step)."""
+        if not self._plain_steps and (logged or jax.process_count() == 1):
+            plain = self._later.get(PLAIN_STEPS)
+            ready = plain is None or plain.done()
+            self._plain_steps = not processes.any_process(not ready)
+        return logged or not self._plain_steps
+
+    def _after_the_first(self, compile_program: Callable[[], Any]) -> None:
+        concurrent.futures.wait([future for _, future in self._first])
+        if not self._closed:
+            compile_program()
+
+
+def _in_a_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """`fn()` in a daemon thread of its own (named `compile`); its future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn())
+        except BaseException as error:  # Reported where the future is read.
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="compile", daemon=True).start()
+    return future
+
+
+def _log_failure(what: str, future: concurrent.futures.Future) -> None:
+    """Waits for `future`; logs why `what` was not compiled ahead, if it was not."""
+    if not future.cancelled() and future.exception() is not None:
+        logging.info("%s was not compiled ahead: %s", what, future.exception())
 
 
 def _compiles(
     experiment: Experiment, state: Any, training: bool
-) -> list[tuple[str, Callable[[], Any]]]:
-    """What `_compiling_ahead` compiles, the longest first: while `training`, the steps without
-    and with the global norms (the logged steps'); the evaluation and the replicas' check; and
-    the batches' gather where `data.train_batches` gathers them on the devices."""
-    config, dataset, compiles = experiment.config, experiment.dataset, []
+) -> tuple[list[tuple[str, Callable[[], Any]]], list[tuple[str, Callable[[], Any]]]]:
+    """What `ProgramsAhead` compiles first and then, the longest of each round first: while
+    `training`, the logged steps' program (with the global norms), the replicas' check and the
+    batches' gather where `data.train_batches` gathers them on the devices, then the steps
+    without the norms and the evaluation; else the evaluation and the check."""
+    config, dataset = experiment.config, experiment.dataset
     compile_ahead = experiment.updater.compile_ahead
-    if training:
-        method, batch = "update", abstract_batch(dataset, config.batch_size)
-        if experiment.steps_per_call > 1:  # As the data stacks a call's batches.
-            method = "update_steps"
-            batch = abstract_batch(dataset, config.batch_size, steps=experiment.steps_per_call)
-        for norms in (False, True):
-            step = functools.partial(compile_ahead, method, state, batch, with_global_norms=norms)
-            compiles.append(("A step program", step))
     eval_batch = abstract_batch(dataset, config.eval_batch_size, masked=True)
     # As `evaluate` asks for it: the Updater keys its programs by the norms, evaluate's too.
     evaluation = functools.partial(
         compile_ahead, "evaluate", state, eval_batch, with_global_norms=False
     )
-    check = functools.partial(replicas.compile_checks_ahead, state)
-    compiles += [("The evaluation", evaluation), ("The replicas' check", check)]
+    check = ("The replicas' check", functools.partial(replicas.compile_checks_ahead, state))
+    if not training:
+        return [(EVALUATION, evaluation), check], []
+    method, batch = "update", abstract_batch(dataset, config.batch_size)
+    if experiment.steps_per_call > 1:  # As the data stacks a call's batches.
+        method = "update_steps"
+        batch = abstract_batch(dataset, config.batch_size, steps=experiment.steps_per_call)
+    steps = functools.partial(compile_ahead, method, state, batch)
+    first = [("The logged steps", functools.partial(steps, with_global_norms=True)), check]
     train = dataset.train
-    if training and isinstance(train, data.Split) and device_batches.fits_on_device(train):
-        process = data.ProcessSlice.current()
+    if isinstance(train, data.Split) and device_batches.fits_on_device(train):
         gather = functools.partial(
             device_batches.compile_gather_ahead,
             train,
             config.batch_size,
-            process=process,
+            process=data.ProcessSlice.current(),
             steps_per_call=experiment.steps_per_call,
         )
-        compiles.append(("The batches' gather", gather))
-    return compiles
+        first.append(("The batches' gather", gather))
+    later = [(PLAIN_STEPS, functools.partial(steps, with_global_norms=False))]
+    return first, [*later, (EVALUATION, evaluation)]
 
 
-def _step_fn(experiment: Experiment, log: loop.Every) -> loop.StepFn:
-    """The Updater's steps up to `step`, in one call, with the global norms where it is logged."""
+def _step_fn(experiment: Experiment, log: loop.Every, programs: ProgramsAhead) -> loop.StepFn:
+    """The Updater's steps up to `step`, in one call, with the global norms where it is logged
+    (other calls that run the logged program leave its norms out: `ProgramsAhead.with_norms`)."""
     last_step, updater = experiment.total_steps, experiment.updater
+    update = updater.update if experiment.steps_per_call == 1 else updater.update_steps
 
     def step_fn(train_state: TrainState, batch: Any, step: int):
         logged = log.is_due(step, last_step)
-        if experiment.steps_per_call == 1:
-            return updater.update(train_state, batch, with_global_norms=logged)
-        return updater.update_steps(train_state, batch, with_global_norms=logged)
+        with_norms = programs.with_norms(logged)
+        train_state, metrics = update(train_state, batch, with_global_norms=with_norms)
+        if with_norms and not logged:
+            metrics = {name: x for name, x in metrics.items() if name not in LOGGED_ONLY}
+        return train_state, metrics
 
     return step_fn
 
@@ -537,11 +631,11 @@ class Evaluator:
     writer: summaries.MetricWriter
     stop: signals.StopRequest
     monitor: divergence.Monitor
+    programs: ProgramsAhead  # Its program, compiled while the first steps run.
     latest: tuple[int, dict[str, float]] | None = None  # (step, metrics)
 
     def __call__(self, step: int, train_state: TrainState) -> None:
-        batch_size = self.experiment.config.eval_batch_size
-        metrics = evaluate_test_split(self.experiment, train_state, batch_size, self.stop)
+        metrics = self.test_metrics(train_state)
         if metrics is not None:  # None: a signal interrupted it.
             self.latest = (step, metrics)
             self.writer.write(step, "eval", metrics)
@@ -549,6 +643,12 @@ class Evaluator:
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
         return self.latest[1] if self.latest is not None and self.latest[0] == step else None
+
+    def test_metrics(self, train_state: TrainState) -> dict[str, float] | None:
+        """The test split's metrics (None: a signal interrupted them), nothing written."""
+        self.programs.wait_for(EVALUATION)
+        batch_size = self.experiment.config.eval_batch_size
+        return evaluate_test_split(self.experiment, train_state, batch_size, self.stop)
 
 
 def _saving_on_data_error(evaluator: Evaluator, saver: Saver) -> Callable[[int, TrainState], None]:
