@@ -30,6 +30,7 @@ from haiku_state.guards import (
     config_checks,
     data_identity,
     divergence,
+    host_memory,
     processes,
     replicas,
     signals,
@@ -115,9 +116,10 @@ def _set_up(
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     startup.ended("experiment")
-    training = not saved or saved[-1] < experiment.total_steps
-    programs.start(experiment, _train_state_at_0(experiment, abstract=True), training)
-    resuming = bool(saved)
+    like, resuming = _train_state_at_0(experiment, abstract=True), bool(saved)
+    if not resuming:
+        _check_the_draw_fits(like)  # The init's own refusal, before anything compiles.
+    programs.start(experiment, like, training=not saved or saved[-1] < experiment.total_steps)
     first_state = None if resuming else _train_state_at_0(experiment)
     if config.init_from and resuming:
         logging.warning(
@@ -139,6 +141,17 @@ def _train_state_at_0(experiment: Experiment, abstract: bool = False) -> TrainSt
     config, updater = experiment.config, experiment.updater
     batch = placeholder_batch(experiment.dataset, config.batch_size)
     return updater.abstract_init(batch) if abstract else updater.init(config.seed, batch)
+
+
+def _check_the_draw_fits(like: TrainState) -> None:
+    """`HostMemoryError` where a fresh run's params and state cannot be drawn and trained under
+    the process's address-space limit (a CPU's): the programs compile beside the draw, and XLA
+    aborts a compile past the limit."""
+    device_axis = 0 if sharding.is_global(like) else 1  # Of one replica: the host draws one.
+    replica = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[device_axis:], x.dtype), (like.params, like.state)
+    )
+    host_memory.check_run_fits_in_address_space(replica)
 
 
 def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
@@ -246,6 +259,7 @@ def _train(
         evaluator = Evaluator(experiment, writer, stop, monitor, programs)
         saver = Saver(checkpointer, window, monitor, evaluator, _run_metadata(config, data_record))
         actions = _actions(config, experiment.steps_per_call, window, writer, saver, profiler, stop)
+        programs.begin_the_second_round()  # Beside the loop, not the set-up's host work.
         with divergence.setting_aside_diverged(monitor, checkpointer):
             end = loop.run(
                 _step_fn(experiment, loop.Every(config.log_every), programs),  # As logged.
@@ -427,8 +441,9 @@ class ProgramsAhead:
     """Compiles (or loads from the cache) every program the run calls, from the shapes and
     shardings of the train state alone, in two rounds. First, side by side while the state is
     initialised or restored, what the first call needs: the logged steps' program (with the
-    global norms), the replicas' check and the batches' gather. Then, while the first steps run,
-    the steps' program without the norms and the evaluation: on a TPU v5e host two ResNet-50
+    global norms), the replicas' check and the batches' gather. Then, once that is done and the
+    loop begins, while the first steps run, the steps' program without the norms and the
+    evaluation: on a TPU v5e host two ResNet-50
     step programs compiled side by side took 1.6x one alone, so the first step waits for one.
     Until the second is ready on every process, every call runs the first (`with_norms`); the
     evaluation waits for its own (`wait_for`). A failure only logs: the call that needs the
@@ -439,6 +454,7 @@ class ProgramsAhead:
         self._first: list[tuple[str, concurrent.futures.Future]] = []
         self._later: dict[str, concurrent.futures.Future] = {}
         self._plain_steps, self._closed = False, False
+        self._second_round = threading.Event()
         self.like: Any = None  # The train state's shapes and shardings, as `start` was given.
 
     def __enter__(self) -> ProgramsAhead:
@@ -447,9 +463,11 @@ class ProgramsAhead:
     def __exit__(self, *exc_info: Any) -> None:
         """The second round does not begin once the run has ended."""
         self._closed = True
+        self._second_round.set()
 
     def start(self, experiment: Experiment, like: TrainState, training: bool) -> None:
-        """Begins the first round now and the second once it is done; `training`: the steps'."""
+        """Begins the first round; the second waits for it and `begin_the_second_round`.
+        `training`: the steps' programs are compiled."""
         self.like = like
         state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
@@ -466,8 +484,12 @@ class ProgramsAhead:
         for what, future in self._first:
             _log_failure(what, future)
 
+    def begin_the_second_round(self) -> None:
+        self._second_round.set()
+
     def wait_for(self, what: str) -> None:
-        """Waits for the program `what` of the second round, if there is one."""
+        """Waits for the program `what` of the second round, if there is one (beginning it)."""
+        self._second_round.set()
         if what in self._later:
             concurrent.futures.wait([self._later[what]])
 
@@ -483,6 +505,7 @@ class ProgramsAhead:
 
     def _after_the_first(self, compile_program: Callable[[], Any]) -> None:
         concurrent.futures.wait([future for _, future in self._first])
+        self._second_round.wait()
         if not self._closed:
             compile_program()
 
