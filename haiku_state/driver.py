@@ -442,13 +442,12 @@ class ProgramsAhead:
     shardings of the train state alone, in two rounds. First, side by side while the state is
     initialised or restored, what the first call needs: the logged steps' program (with the
     global norms), the replicas' check and the batches' gather. Then, once that is done and the
-    loop begins, while the first steps run, the steps' program without the norms and the
-    evaluation: on a TPU v5e host two ResNet-50
-    step programs compiled side by side took 1.6x one alone, so the first step waits for one.
-    Until the second is ready on every process, every call runs the first (`with_norms`); the
-    evaluation waits for its own (`wait_for`). A failure only logs: the call that needs the
-    program compiles it and says what is wrong. The threads are daemons: a run that fails
-    ends without waiting for a compile (which cannot be stopped)."""
+    loop begins, the steps' program without the norms and the evaluation: on a TPU v5e host
+    two ResNet-50 step programs side by side took 1.6x one alone, so the first step waits for
+    one. Until the second is ready on every process, every call runs the first (`with_norms`);
+    the evaluation waits for its own (`wait_for`). A failure only logs: the call that needs the
+    program compiles it and says what is wrong. The threads are daemons: a run that ends or
+    fails does not wait for a compile (which cannot be stopped)."""
 
     def __init__(self) -> None:
         self._first: list[tuple[str, concurrent.futures.Future]] = []
@@ -527,7 +526,7 @@ def _in_a_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
 
 def _log_failure(what: str, future: concurrent.futures.Future) -> None:
     """Waits for `future`; logs why `what` was not compiled ahead, if it was not."""
-    if not future.cancelled() and future.exception() is not None:
+    if future.exception() is not None:
         logging.info("%s was not compiled ahead: %s", what, future.exception())
 
 
