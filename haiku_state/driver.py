@@ -30,7 +30,6 @@ from haiku_state.guards import (
     config_checks,
     data_identity,
     divergence,
-    host_memory,
     processes,
     replicas,
     signals,
@@ -105,7 +104,7 @@ def _set_up(
     """The run's experiment, its first train state (fresh, warm-started from `init_from`, or
     None for a resume) and the identity of its data: every refusal before the workdir is
     touched, a warm start that does not fit included. The `programs` begin to compile for the
-    state's shapes and shardings once the experiment is built, beside the init."""
+    state's shapes and shardings once it is drawn, or beside a resume's restore."""
     config_checks.validate_config(config, jax.device_count(), jax.process_count())
     workdir_lib.check_same_config_on_every_process(config)
     workdir_lib.check_usable(workdir)
@@ -116,10 +115,7 @@ def _set_up(
     experiment = build_experiment(config)
     config = experiment.config  # Its defaults that follow the data fitted to it.
     startup.ended("experiment")
-    like, resuming = _train_state_at_0(experiment, abstract=True), bool(saved)
-    if not resuming:
-        _check_the_draw_fits(like)  # The init's own refusal, before anything compiles.
-    programs.start(experiment, like, training=not saved or saved[-1] < experiment.total_steps)
+    resuming = bool(saved)
     first_state = None if resuming else _train_state_at_0(experiment)
     if config.init_from and resuming:
         logging.warning(
@@ -131,6 +127,8 @@ def _set_up(
     elif config.init_from:
         axis = experiment.updater.axis_name
         first_state = checkpoint.warm_start(first_state, config.init_from, config.init_skip, axis)
+    like = first_state if first_state is not None else _train_state_at_0(experiment, True)
+    programs.start(experiment, like, training=not saved or saved[-1] < experiment.total_steps)
     startup.ended("init")
     verify_content = config.data.verify == "content"
     return experiment, first_state, data_identity.identity(experiment.dataset, verify_content)
@@ -141,17 +139,6 @@ def _train_state_at_0(experiment: Experiment, abstract: bool = False) -> TrainSt
     config, updater = experiment.config, experiment.updater
     batch = placeholder_batch(experiment.dataset, config.batch_size)
     return updater.abstract_init(batch) if abstract else updater.init(config.seed, batch)
-
-
-def _check_the_draw_fits(like: TrainState) -> None:
-    """`HostMemoryError` where a fresh run's params and state cannot be drawn and trained under
-    the process's address-space limit (a CPU's): the programs compile beside the draw, and XLA
-    aborts a compile past the limit."""
-    device_axis = 0 if sharding.is_global(like) else 1  # Of one replica: the host draws one.
-    replica = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape[device_axis:], x.dtype), (like.params, like.state)
-    )
-    host_memory.check_run_fits_in_address_space(replica)
 
 
 def _checkpointer(config: Any, workdir: str) -> checkpoint.Checkpointer:
@@ -439,22 +426,22 @@ EVALUATION = "The evaluation"
 
 class ProgramsAhead:
     """Compiles (or loads from the cache) every program the run calls, from the shapes and
-    shardings of the train state alone, in two rounds. First, side by side while the state is
-    initialised or restored, what the first call needs: the logged steps' program (with the
-    global norms), the replicas' check and the batches' gather. Then, once that is done and the
-    loop begins, the steps' program without the norms and the evaluation: on a TPU v5e host
-    two ResNet-50 step programs side by side took 1.6x one alone, so the first step waits for
-    one. Until the second is ready on every process, every call runs the first (`with_norms`);
-    the evaluation waits for its own (`wait_for`). A failure only logs: the call that needs the
-    program compiles it and says what is wrong. The threads are daemons: a run that ends or
-    fails does not wait for a compile (which cannot be stopped)."""
+    shardings of the train state alone, in two rounds. First, side by side once the state is
+    drawn (a resume: while its checkpoint is read), what the first call needs: the logged
+    steps' program (with the global norms), the replicas' check and the batches' gather. Then,
+    once that is done and the loop begins, the steps' program without the norms and the
+    evaluation: on a TPU v5e host two ResNet-50 step programs side by side took 1.6x one alone,
+    so the first step waits for one. Until the second is ready on every process, every call
+    runs the first (`with_norms`); the evaluation waits for its own (`wait_for`). A failure only
+    logs: the call that needs the program compiles it and says what is wrong. The threads are
+    daemons: a run that ends or fails does not wait for a compile (which cannot be stopped)."""
 
     def __init__(self) -> None:
         self._first: list[tuple[str, concurrent.futures.Future]] = []
         self._later: dict[str, concurrent.futures.Future] = {}
         self._plain_steps, self._closed = False, False
         self._second_round = threading.Event()
-        self.like: Any = None  # The train state's shapes and shardings, as `start` was given.
+        self.like: Any = None  # The train state's shapes and shardings (`start`'s).
 
     def __enter__(self) -> ProgramsAhead:
         return self
@@ -467,11 +454,10 @@ class ProgramsAhead:
     def start(self, experiment: Experiment, like: TrainState, training: bool) -> None:
         """Begins the first round; the second waits for it and `begin_the_second_round`.
         `training`: the steps' programs are compiled."""
-        self.like = like
-        state = jax.tree.map(
+        self.like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
         )
-        first, later = _compiles(experiment, state, training)
+        first, later = _compiles(experiment, self.like, training)
         self._first = [(what, _in_a_thread(compile_program)) for what, compile_program in first]
         for what, compile_program in later:
             future = _in_a_thread(functools.partial(self._after_the_first, compile_program))
