@@ -433,8 +433,9 @@ class ProgramsAhead:
     evaluation: on a TPU v5e host two ResNet-50 step programs side by side took 1.6x one alone,
     so the first step waits for one. Until the second is ready on every process, every call
     runs the first (`with_norms`); the evaluation waits for its own (`wait_for`). A failure only
-    logs: the call that needs the program compiles it and says what is wrong. The threads are
-    daemons: a run that ends or fails does not wait for a compile (which cannot be stopped)."""
+    logs: the call that needs the program compiles it and says what is wrong. A run that ends
+    (or fails, or is stopped) waits for a compile under way, which cannot be stopped: a process
+    that exits while XLA compiles in another thread may abort."""
 
     def __init__(self) -> None:
         self._first: list[tuple[str, concurrent.futures.Future]] = []
@@ -447,9 +448,11 @@ class ProgramsAhead:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        """The second round does not begin once the run has ended."""
+        """Waits for the compiles under way; the second round does not begin after the run."""
         self._closed = True
         self._second_round.set()
+        running = [future for _, future in self._first] + list(self._later.values())
+        concurrent.futures.wait(running)
 
     def start(self, experiment: Experiment, like: TrainState, training: bool) -> None:
         """Begins the first round; the second waits for it and `begin_the_second_round`.
@@ -496,7 +499,7 @@ class ProgramsAhead:
 
 
 def _in_a_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """`fn()` in a daemon thread of its own (named `compile`); its future."""
+    """`fn()` in a thread of its own (named `compile`); its future."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -506,7 +509,7 @@ def _in_a_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
         except BaseException as error:  # Reported where the future is read.
             future.set_exception(error)
 
-    threading.Thread(target=run, name="compile", daemon=True).start()
+    threading.Thread(target=run, name="compile").start()
     return future
 
 
