@@ -438,6 +438,7 @@ class ProgramsAhead:
     that exits while XLA compiles in another thread may abort."""
 
     def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._first: list[tuple[str, concurrent.futures.Future]] = []
         self._later: dict[str, concurrent.futures.Future] = {}
         self._plain_steps, self._closed = False, False
@@ -451,8 +452,8 @@ class ProgramsAhead:
         """Waits for the compiles under way; the second round does not begin after the run."""
         self._closed = True
         self._second_round.set()
-        running = [future for _, future in self._first] + list(self._later.values())
-        concurrent.futures.wait(running)
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def start(self, experiment: Experiment, like: TrainState, training: bool) -> None:
         """Begins the first round; the second waits for it and `begin_the_second_round`.
@@ -461,9 +462,15 @@ class ProgramsAhead:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
         )
         first, later = _compiles(experiment, self.like, training)
-        self._first = [(what, _in_a_thread(compile_program)) for what, compile_program in first]
+        # A thread each: the second round's wait for the first takes none of the first's.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            len(first) + len(later), thread_name_prefix="compile"
+        )
+        self._first = [
+            (what, self._pool.submit(compile_program)) for what, compile_program in first
+        ]
         for what, compile_program in later:
-            future = _in_a_thread(functools.partial(self._after_the_first, compile_program))
+            future = self._pool.submit(self._after_the_first, compile_program)
             future.add_done_callback(functools.partial(_log_failure, what))
             self._later[what] = future
 
@@ -496,21 +503,6 @@ class ProgramsAhead:
         self._second_round.wait()
         if not self._closed:
             compile_program()
-
-
-def _in_a_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """`fn()` in a thread of its own (named `compile`); its future."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(fn())
-        except BaseException as error:  # Reported where the future is read.
-            future.set_exception(error)
-
-    threading.Thread(target=run, name="compile").start()
-    return future
 
 
 def _log_failure(what: str, future: concurrent.futures.Future) -> None:
