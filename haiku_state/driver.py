@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -258,7 +258,7 @@ def _train(
                 actions=actions,
                 stop=stop,
                 steps_per_call=experiment.steps_per_call,
-                first_call_done=startup.first_step_done,
+                first_call_done=functools.partial(startup.first_step_done, programs.seconds),
             )
             if end.stopped and end.step > start_step:
                 saver(end.step, end.train_state)
@@ -444,6 +444,7 @@ class ProgramsAhead:
         self._plain_steps, self._closed = False, False
         self._second_round = threading.Event()
         self.like: Any = None  # The train state's shapes and shardings (`start`'s).
+        self.seconds: dict[str, float] = {}  # Each program's compile or load, once done.
 
     def __enter__(self) -> ProgramsAhead:
         return self
@@ -467,10 +468,12 @@ class ProgramsAhead:
             len(first) + len(later), thread_name_prefix="compile"
         )
         self._first = [
-            (what, self._pool.submit(compile_program)) for what, compile_program in first
+            (what, self._pool.submit(self._timed, what, compile_program))
+            for what, compile_program in first
         ]
         for what, compile_program in later:
-            future = self._pool.submit(self._after_the_first, compile_program)
+            timed = functools.partial(self._timed, what, compile_program)
+            future = self._pool.submit(self._after_the_first, timed)
             future.add_done_callback(functools.partial(_log_failure, what))
             self._later[what] = future
 
@@ -497,6 +500,11 @@ class ProgramsAhead:
             ready = plain is None or plain.done()
             self._plain_steps = not processes.any_process(not ready)
         return logged or not self._plain_steps
+
+    def _timed(self, what: str, compile_program: Callable[[], Any]) -> None:
+        start = time.perf_counter()
+        compile_program()
+        self.seconds[what] = time.perf_counter() - start
 
     def _after_the_first(self, compile_program: Callable[[], Any]) -> None:
         concurrent.futures.wait([future for _, future in self._first])
@@ -600,18 +608,22 @@ class StartUp:
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self._mark
         self._mark = now
 
-    def first_step_done(self) -> None:
+    def first_step_done(self, compiled_ahead: Mapping[str, float] | None = None) -> None:
         """Logs the line: `Start-up 23.4 s: backend 10.5 s, ..., first step 1.1 s (8 programs,
-        5 from the cache)`; later programs are not counted."""
+        5 from the cache; the logged steps 7.9 s, ...)`, with the programs compiled ahead by now
+        (`ProgramsAhead.seconds`), the longest first; later programs are not counted."""
         self.ended("first step")
         self.__exit__()
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+        ahead = sorted(dict(compiled_ahead or {}).items(), key=lambda item: -item[1])
+        each = ", ".join(f"{what[0].lower()}{what[1:]} {seconds:.1f} s" for what, seconds in ahead)
         logging.info(
-            "Start-up %.1f s: %s (%d programs, %d from the cache).",
+            "Start-up %.1f s: %s (%d programs, %d from the cache%s).",
             sum(self.phases.values()),
             phases,
             self.programs,
             self.cache_hits,
+            f"; {each}" if each else "",
         )
 
 

@@ -93,10 +93,14 @@ def test_the_start_is_logged_once_by_phase_with_its_programs(run):
     [line] = [line for line in lines if line.startswith("Start-up ")]
     phases = r"backend [\d.]+ s, experiment [\d.]+ s, init [\d.]+ s, restore [\d.]+ s, "
     phases += r"compile [\d.]+ s, first step [\d.]+ s"
+    ahead = r"; [a-z' ]+ [\d.]+ s(, [a-z' ]+ [\d.]+ s)*"  # Those compiled ahead, by now.
     assert re.fullmatch(
-        rf"Start-up [\d.]+ s: {phases} \(\d+ programs, \d+ from the cache\)\.", line
-    )
+        rf"Start-up [\d.]+ s: {phases} \(\d+ programs, \d+ from the cache{ahead}\)\.", line
+    ), line
     assert int(re.search(r"\((\d+) programs", line).group(1)) <= PROGRAMS_OF_A_RUN
+    seconds = [float(x) for x in re.findall(r"([\d.]+) s", line.split("; ")[1])]
+    assert seconds == sorted(seconds, reverse=True), line
+    assert "the logged steps" in line and "the replicas' check" in line, line
 
 
 def test_the_programs_compile_beside_the_restore(run, monkeypatch):
