@@ -615,6 +615,7 @@ class StartUp:
         self.ended("first step")
         self.__exit__()
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+        # A copy first: the compile threads of the second round may still be adding to it.
         ahead = sorted(dict(compiled_ahead or {}).items(), key=lambda item: -item[1])
         each = ", ".join(f"{what[0].lower()}{what[1:]} {seconds:.1f} s" for what, seconds in ahead)
         logging.info(
